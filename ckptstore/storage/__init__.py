@@ -1,0 +1,118 @@
+"""Object stores: the :class:`ObjectStore` interface and its backends.
+
+:func:`open_store` turns a URL into a store. ``S3Store`` is imported on first
+use so that importing this package does not import s3fs.
+"""
+
+from __future__ import annotations
+
+from .base import MultipartInfo, MultipartUpload, ObjectInfo, ObjectStore, ParallelUploader
+from .local import LocalStore
+from .memory import MemoryStore
+
+__all__ = [
+    "ObjectStore",
+    "ObjectInfo",
+    "MultipartInfo",
+    "MultipartUpload",
+    "ParallelUploader",
+    "MemoryStore",
+    "LocalStore",
+    "S3Store",
+    "open_store",
+]
+
+#: Schemes we know about but have no backend for yet.
+_PLANNED = ("gs", "gcs", "az", "abfs", "abfss")
+_LOCAL_OPTIONS = frozenset({"fsync"})
+
+
+def __getattr__(name: str):
+    if name == "S3Store":
+        from .s3 import S3Store
+
+        return S3Store
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _split_url(url: str) -> tuple[str, str]:
+    """``(scheme, rest)``; scheme is ``""`` for a plain path."""
+    if not isinstance(url, str) or not url:
+        raise ValueError("store URL must be a non-empty string")
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return "", url
+    if not scheme or not all(c.isalnum() or c in "+-." for c in scheme):
+        # Never echo the URL: it may carry credentials.
+        raise ValueError("malformed store URL (expected scheme://location or a path)")
+    return scheme.lower(), rest
+
+
+def _refuse_credentials(scheme: str, rest: str) -> None:
+    authority = rest.split("/", 1)[0]
+    if "@" in authority:
+        # Do not echo the URL: the part before "@" is a secret.
+        raise ValueError(
+            f"{scheme}:// URL must not embed credentials (user:secret@...); "
+            "pass them in storage_options or through the environment"
+        )
+
+
+def _no_options(kind: str, storage_options: dict | None, allowed=frozenset()) -> dict:
+    opts = dict(storage_options or {})
+    unknown = sorted(set(opts) - set(allowed))
+    if unknown:
+        raise ValueError(f"storage options {unknown} do not apply to {kind} stores")
+    return opts
+
+
+def open_store(url: str, storage_options: dict | None = None) -> ObjectStore:
+    """Open the store a URL names.
+
+    Parameters
+    ----------
+    url:
+        ``memory://name`` (process-wide named in-memory store),
+        ``file:///abs/path`` or a plain (relative or absolute) path,
+        ``s3://bucket/prefix``. Credentials never go in the URL.
+    storage_options:
+        For S3, passed to :class:`s3fs.S3FileSystem` (``key``, ``secret``,
+        ``endpoint_url``, ``client_kwargs``...). For local stores only
+        ``fsync`` is accepted; memory stores take none.
+
+    Raises
+    ------
+    ValueError
+        An unsupported scheme, embedded credentials, or a malformed location.
+    """
+    scheme, rest = _split_url(url)
+    if scheme:
+        _refuse_credentials(scheme, rest)
+    if scheme == "":
+        opts = _no_options("local", storage_options, _LOCAL_OPTIONS)
+        path = url.rstrip("/") or "/"
+        return LocalStore(path, **opts)
+    if scheme == "file":
+        opts = _no_options("local", storage_options, _LOCAL_OPTIONS)
+        host, slash, path = rest.partition("/")
+        if host not in ("", "localhost") or not slash:
+            raise ValueError("file:// URL must be file:///absolute/path (no host)")
+        return LocalStore("/" + path.strip("/"), **opts)
+    if scheme == "memory":
+        _no_options("memory", storage_options)
+        name = rest.strip("/")
+        if not name:
+            raise ValueError("memory:// URL needs a name, e.g. memory://scratch")
+        return MemoryStore(name)
+    if scheme == "s3":
+        location = rest.strip("/")
+        if not location.split("/", 1)[0]:
+            raise ValueError("s3:// URL needs a bucket, e.g. s3://bucket/prefix")
+        if "?" in location or "#" in location:
+            raise ValueError("s3:// URL must not carry a query or fragment")
+        from .s3 import S3Store
+
+        return S3Store(location, storage_options)
+    if scheme in _PLANNED:
+        raise ValueError(f"{scheme}:// stores are not supported yet (supported: s3://, file://, memory://, paths)")
+    raise ValueError(f"unsupported store URL scheme {scheme!r} (supported: s3://, file://, memory://, paths)")

@@ -1,0 +1,233 @@
+"""A directory on a local (or mounted) file system.
+
+Durable writes go to a temporary file in ``.tmp/`` that is fsynced and then
+renamed into place (``put``) or hard-linked into place (``put_if_absent``:
+``link`` fails if the target exists, which makes it an atomic exclusive
+create even on file systems where ``O_EXCL`` on the final name would expose a
+half-written file). Multipart uploads write parts with ``pwrite`` at their
+final offsets into one temporary file.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from typing import Iterator, Sequence
+
+from ..errors import ObjectExistsError, ObjectNotFoundError
+from .base import MultipartInfo, MultipartUpload, ObjectInfo, ObjectStore, check_key, check_ranges
+
+_TMP = ".tmp"
+
+
+class LocalStore(ObjectStore):
+    """Objects as files under ``root``.
+
+    Parameters
+    ----------
+    root:
+        Directory holding the store; created if missing.
+    fsync:
+        Flush file data and directory entries to disk before a write returns
+        (default True: a committed step survives a power cut).
+    """
+
+    def __init__(self, root: str, fsync: bool = True):
+        self.root = os.path.abspath(os.path.expanduser(root))
+        self.fsync = fsync
+        self.url = f"file://{self.root}"
+        os.makedirs(os.path.join(self.root, _TMP), exist_ok=True)
+
+    def _path(self, key: str) -> str:
+        check_key(key)
+        if key.split("/", 1)[0] == _TMP:
+            raise ValueError(f"key {key!r} is reserved")
+        return os.path.join(self.root, *key.split("/"))
+
+    def _tmp_path(self, tag: str = "") -> str:
+        return os.path.join(self.root, _TMP, f"{uuid.uuid4().hex}{tag}")
+
+    def _missing(self, key: str) -> ObjectNotFoundError:
+        return ObjectNotFoundError(f"{self.url}/{key}: no such object")
+
+    def get(self, key: str) -> bytes:
+        try:
+            with open(self._path(key), "rb") as f:
+                return f.read()
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            raise self._missing(key) from None
+
+    def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        ranges = check_ranges(ranges)
+        try:
+            fd = os.open(self._path(key), os.O_RDONLY)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            raise self._missing(key) from None
+        try:
+            size = os.fstat(fd).st_size
+            out = []
+            for s, e in ranges:
+                if e > size:
+                    raise ValueError(f"{self.url}/{key}: range [{s}, {e}) past end of {size}-byte object")
+                out.append(os.pread(fd, e - s, s) if e > s else b"")
+            return out
+        finally:
+            os.close(fd)
+
+    def _write_tmp(self, data) -> str:
+        tmp = self._tmp_path()
+        with open(tmp, "wb") as f:
+            f.write(data)
+            if self.fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        return tmp
+
+    def _sync_dir(self, path: str) -> None:
+        if self.fsync:
+            fd = os.open(os.path.dirname(path), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def put(self, key: str, data) -> None:
+        path = self._path(key)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = self._write_tmp(data)
+        os.replace(tmp, path)
+        self._sync_dir(path)
+
+    def put_if_absent(self, key: str, data) -> None:
+        path = self._path(key)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        if os.path.exists(path):
+            raise ObjectExistsError(f"{self.url}/{key}: object already exists")
+        tmp = self._write_tmp(data)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            raise ObjectExistsError(f"{self.url}/{key}: object already exists") from None
+        finally:
+            os.unlink(tmp)
+        self._sync_dir(path)
+
+    def head(self, key: str) -> ObjectInfo:
+        try:
+            st = os.stat(self._path(key))
+        except (FileNotFoundError, NotADirectoryError):
+            raise self._missing(key) from None
+        if not os.path.isfile(self._path(key)):
+            raise self._missing(key)
+        return ObjectInfo(key, st.st_size, st.st_mtime)
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        # Walk only the directory that can hold the prefix.
+        base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        start = os.path.join(self.root, *base.split("/")) if base else self.root
+        found = []
+        for dirpath, dirnames, filenames in os.walk(start):
+            rel = os.path.relpath(dirpath, self.root)
+            rel = "" if rel == "." else rel.replace(os.sep, "/") + "/"
+            if rel == "":
+                dirnames[:] = [d for d in dirnames if d != _TMP]
+            for name in filenames:
+                key = rel + name
+                if key.startswith(prefix):
+                    try:
+                        st = os.stat(os.path.join(dirpath, name))
+                    except FileNotFoundError:
+                        continue
+                    found.append(ObjectInfo(key, st.st_size, st.st_mtime))
+        found.sort(key=lambda o: o.key)
+        yield from found
+
+    def delete(self, key: str) -> None:
+        try:
+            os.unlink(self._path(key))
+        except FileNotFoundError:
+            pass
+
+    def create_multipart(self, key: str, part_size: int) -> MultipartUpload:
+        return _LocalMultipart(self, check_key(key), part_size)
+
+    def list_multipart(self, prefix: str = "") -> list[MultipartInfo]:
+        out = []
+        tmpdir = os.path.join(self.root, _TMP)
+        for name in os.listdir(tmpdir):
+            if not name.endswith(".mpu"):
+                continue
+            try:
+                with open(os.path.join(tmpdir, name), encoding="utf-8") as f:
+                    key = f.read()
+                st = os.stat(os.path.join(tmpdir, name))
+            except FileNotFoundError:
+                continue
+            if key.startswith(prefix):
+                out.append(MultipartInfo(key, name[: -len(".mpu")], st.st_mtime))
+        return sorted(out)
+
+    def abort_multipart(self, key: str, upload_id: str) -> None:
+        tmpdir = os.path.join(self.root, _TMP)
+        if not all(c in "0123456789abcdef" for c in upload_id):
+            raise ValueError(f"invalid upload id {upload_id!r}")
+        for suffix in (".mpu", ".part"):
+            try:
+                os.unlink(os.path.join(tmpdir, upload_id + suffix))
+            except FileNotFoundError:
+                pass
+
+
+class _LocalMultipart(MultipartUpload):
+    def __init__(self, store: LocalStore, key: str, part_size: int):
+        super().__init__(key, part_size)
+        self.store = store
+        self.upload_id = uuid.uuid4().hex
+        tmpdir = os.path.join(store.root, _TMP)
+        self._marker = os.path.join(tmpdir, self.upload_id + ".mpu")
+        self._data = os.path.join(tmpdir, self.upload_id + ".part")
+        with open(self._marker, "w", encoding="utf-8") as f:
+            f.write(key)
+        self._fd = os.open(self._data, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        self._sizes: dict[int, int] = {}
+
+    def upload_part(self, number: int, data) -> None:
+        self._check_part(number, data)
+        if self._fd < 0:
+            raise ObjectNotFoundError(f"{self.store.url}/{self.key}: multipart upload was aborted")
+        mv = memoryview(data).cast("B")
+        off = (number - 1) * self.part_size
+        while len(mv):
+            n = os.pwrite(self._fd, mv, off)
+            mv, off = mv[n:], off + n
+        self._sizes[number] = len(data)
+
+    def complete(self, nparts: int) -> None:
+        missing = [n for n in range(1, nparts + 1) if n not in self._sizes]
+        if missing:
+            raise ValueError(f"{self.key}: parts {missing[:5]} were never uploaded")
+        for n in range(1, nparts):
+            if self._sizes[n] != self.part_size:
+                raise ValueError(f"{self.key}: part {n} is {self._sizes[n]} bytes, not {self.part_size}")
+        size = (nparts - 1) * self.part_size + self._sizes[nparts]
+        os.ftruncate(self._fd, size)
+        if self.store.fsync:
+            os.fsync(self._fd)
+        os.close(self._fd)
+        self._fd = -1
+        path = self.store._path(self.key)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        os.replace(self._data, path)
+        self.store._sync_dir(path)
+        os.unlink(self._marker)
+
+    def abort(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        for p in (self._data, self._marker):
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass

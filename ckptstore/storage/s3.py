@@ -1,0 +1,528 @@
+"""Amazon S3 (and S3-compatible services) through s3fs.
+
+Every request goes through ``S3FileSystem._call_s3`` / ``call_s3``, s3fs's
+wrapper around one aiobotocore client running on fsspec's I/O loop; the sync
+form is safe to call from many threads at once, so pool threads uploading
+parts of one object share one connection pool.
+
+s3fs translates ``ClientError`` into built-in exceptions and keeps the
+original as ``__cause__``; :func:`classify_error` looks at that S3 error code
+(not at the built-in type, which depends on the s3fs version and on whether
+the server sent a ``Condition`` field) to pick the ckptstore exception.
+
+s3fs retries connection errors and ``SlowDown`` itself (``retries`` in
+``storage_options``, default 5) before an error reaches this module; the
+errors left over are classified as transient or permanent for the retry
+wrapper above.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+from typing import Iterator, Sequence
+
+from ..errors import (
+    CkptStoreError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    StorageError,
+    TransientStorageError,
+)
+from .base import MultipartInfo, MultipartUpload, ObjectInfo, ObjectStore, check_key, check_ranges
+
+#: S3 error codes that are worth retrying: throttling, server-side failures,
+#: and conflicting concurrent conditional writes (S3 answers those with 409
+#: ConditionalRequestConflict and asks the client to retry).
+TRANSIENT_CODES = frozenset(
+    {
+        "SlowDown",
+        "InternalError",
+        "ServiceUnavailable",
+        "RequestTimeout",
+        "RequestTimeoutException",
+        "Throttling",
+        "ThrottlingException",
+        "ThrottledException",
+        "TooManyRequests",
+        "TooManyRequestsException",
+        "RequestLimitExceeded",
+        "RequestThrottled",
+        "BandwidthLimitExceeded",
+        "OperationAborted",
+        "ConditionalRequestConflict",
+        "InternalServerError",
+        "BadGateway",
+        "GatewayTimeout",
+    }
+)
+
+#: Codes meaning "this object (or upload) does not exist". ``404`` is what
+#: HEAD requests report, having no body to carry a code. ``NoSuchBucket`` is
+#: deliberately absent: a missing bucket is a configuration error, and
+#: reporting it as a missing object would make an empty repository out of it.
+NOT_FOUND_CODES = frozenset({"NoSuchKey", "NoSuchUpload", "404", "NotFound"})
+
+_MAX_MESSAGE = 300
+
+
+def _client_error(exc: BaseException):
+    """The botocore ``ClientError`` behind ``exc`` (itself or a cause), or None."""
+    from botocore.exceptions import ClientError
+
+    seen = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        if isinstance(e, ClientError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def error_code(exc: BaseException) -> tuple[str, int | None, str]:
+    """``(code, http_status, message)`` of the S3 error behind ``exc``; ``("", None, "")`` if none."""
+    ce = _client_error(exc)
+    if ce is None:
+        return "", None, ""
+    resp = getattr(ce, "response", None) or {}
+    err = resp.get("Error") or {}
+    status = (resp.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+    return str(err.get("Code") or ""), status, str(err.get("Message") or "")
+
+
+def _is_connection_error(exc: BaseException) -> bool:
+    """Network-level failures (resets, timeouts, truncated bodies): retryable."""
+    if isinstance(exc, (ConnectionError, TimeoutError, asyncio.TimeoutError)):
+        return True
+    try:
+        from botocore.exceptions import (
+            ConnectionError as BotoConnectionError,
+            HTTPClientError,
+            IncompleteReadError,
+            ReadTimeoutError,
+            ResponseStreamingError,
+        )
+
+        if isinstance(exc, (BotoConnectionError, HTTPClientError, IncompleteReadError, ReadTimeoutError, ResponseStreamingError)):
+            return True
+    except ImportError:  # pragma: no cover - botocore always has these today
+        pass
+    try:
+        import aiohttp
+
+        if isinstance(exc, aiohttp.ClientError):
+            return True
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        from fsspec.exceptions import FSTimeoutError
+
+        if isinstance(exc, FSTimeoutError):
+            return True
+    except ImportError:  # pragma: no cover
+        pass
+    return False
+
+
+def classify_error(exc: BaseException, where: str, op: str, exists_on_412: bool = False) -> Exception:
+    """Turn an exception from s3fs/botocore into a ckptstore exception.
+
+    Parameters
+    ----------
+    exc:
+        What the S3 call raised.
+    where:
+        ``s3://bucket/key`` (or the store URL), for the message.
+    op:
+        The S3 operation, for the message.
+    exists_on_412:
+        The call was a conditional create: a failed precondition means the
+        object already exists.
+
+    Returns
+    -------
+    An exception to raise (``raise classify_error(e, ...) from e``):
+    :class:`ObjectNotFoundError`, :class:`ObjectExistsError`,
+    :class:`TransientStorageError` (throttling, 5xx, connection failures) or
+    :class:`StorageError` (everything else; fail fast).
+    """
+    if isinstance(exc, CkptStoreError):
+        return exc
+    code, status, message = error_code(exc)
+    message = message[:_MAX_MESSAGE]
+    if code or status:
+        label = code or str(status)
+        text = f"{where}: S3 {op} failed ({label})" + (f": {message}" if message else "")
+        if exists_on_412 and (code == "PreconditionFailed" or status == 412):
+            return ObjectExistsError(f"{where}: object already exists (S3 {op}: {label})")
+        if code in NOT_FOUND_CODES or (not code and status == 404):
+            return ObjectNotFoundError(f"{where}: no such object (S3 {op}: {label})")
+        if code == "NoSuchBucket":
+            return StorageError(f"{where}: bucket does not exist (S3 {op}: {label})")
+        if code in TRANSIENT_CODES or (status is not None and (status >= 500 or status == 429)):
+            return TransientStorageError(text)
+        return StorageError(text)
+    # No S3 response: s3fs's own translation or a network failure.
+    detail = f"{type(exc).__name__}: {str(exc)[:_MAX_MESSAGE]}"
+    if exists_on_412 and isinstance(exc, FileExistsError):
+        return ObjectExistsError(f"{where}: object already exists (S3 {op})")
+    if isinstance(exc, FileNotFoundError):
+        return ObjectNotFoundError(f"{where}: no such object (S3 {op})")
+    if _is_connection_error(exc):
+        return TransientStorageError(f"{where}: S3 {op} failed: {detail}")
+    return StorageError(f"{where}: S3 {op} failed: {detail}")
+
+
+def _errors_to_classify() -> tuple[type[BaseException], ...]:
+    types: list[type[BaseException]] = [OSError, asyncio.TimeoutError]
+    try:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        types += [BotoCoreError, ClientError]
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        import aiohttp
+
+        types.append(aiohttp.ClientError)
+    except ImportError:  # pragma: no cover
+        pass
+    return tuple(types)
+
+
+_CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)")
+
+
+def _total_size(content_range: str | None) -> int | None:
+    m = _CONTENT_RANGE.match(content_range or "")
+    if m is None or m.group(3) == "*":
+        return None
+    return int(m.group(3))
+
+
+def _body(data):
+    # aiobotocore sends bytes and bytearray as they are; anything else
+    # (memoryview, numpy buffers) is copied once into bytes.
+    if isinstance(data, (bytes, bytearray)):
+        return data
+    return memoryview(data).cast("B").tobytes()
+
+
+class _RangeError(ValueError):
+    pass
+
+
+class S3Store(ObjectStore):
+    """Objects under ``s3://bucket/prefix``.
+
+    Parameters
+    ----------
+    path:
+        ``"bucket"`` or ``"bucket/prefix"`` (an ``s3://`` scheme is accepted).
+    storage_options:
+        Passed to :class:`s3fs.S3FileSystem` (``key``, ``secret``, ``token``,
+        ``endpoint_url``, ``client_kwargs``, ``config_kwargs``, ``retries``...).
+        Instance and listing caches are always disabled so that no stale
+        cache hides an object.
+    max_concurrency:
+        Most range requests of one :meth:`get_ranges` call in flight at once;
+        also the floor of the HTTP connection pool size.
+    """
+
+    def __init__(self, path: str, storage_options: dict | None = None, max_concurrency: int = 16):
+        import s3fs
+
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        if path.startswith("s3://"):
+            path = path[len("s3://") :]
+        bucket, _, prefix = path.strip("/").partition("/")
+        prefix = prefix.strip("/")
+        if not bucket or "@" in bucket or ":" in bucket:
+            raise ValueError(f"invalid S3 bucket name {bucket!r}")
+        if prefix:
+            check_key(prefix)
+        self.bucket = bucket
+        self.prefix = prefix
+        self._root = f"{prefix}/" if prefix else ""
+        self.url = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
+        self.max_concurrency = max_concurrency
+
+        opts = dict(storage_options or {})
+        opts["skip_instance_cache"] = True
+        opts["use_listings_cache"] = False
+        config = dict(opts.get("config_kwargs") or {})
+        config.setdefault("max_pool_connections", max(10, max_concurrency))
+        opts["config_kwargs"] = config
+        # Kept only to scrub them from error messages, never printed.
+        self._secrets = tuple(
+            str(opts[k]) for k in ("secret", "token", "session_token") if opts.get(k)
+        )
+        self._fs = s3fs.S3FileSystem(**opts)
+        self._closed = False
+        self._catch = _errors_to_classify()
+
+    def __repr__(self) -> str:
+        return f"S3Store({self.url!r})"
+
+    # ------------------------------------------------------------ plumbing
+    def _full(self, key: str) -> str:
+        return self._root + check_key(key)
+
+    def _where(self, key: str | None = None) -> str:
+        return f"{self.url}/{key}" if key else self.url
+
+    def _error(self, exc: BaseException, key: str | None, op: str, exists_on_412: bool = False) -> Exception:
+        err = classify_error(exc, self._where(key), op, exists_on_412)
+        if self._secrets and err is not exc:
+            msg = str(err)
+            scrubbed = msg
+            for s in self._secrets:
+                scrubbed = scrubbed.replace(s, "***")
+            if scrubbed != msg:
+                err = type(err)(scrubbed)
+        return err
+
+    def _raise(self, exc: BaseException, key: str | None, op: str, exists_on_412: bool = False):
+        err = self._error(exc, key, op, exists_on_412)
+        if err is exc:
+            raise exc
+        raise err from exc
+
+    def _call(self, op: str, key: str | None, exists_on_412: bool = False, **kwargs):
+        try:
+            return self._fs.call_s3(op, Bucket=self.bucket, **kwargs)
+        except self._catch as e:
+            self._raise(e, key, op, exists_on_412)
+
+    def _run(self, coro_fn, *args):
+        from fsspec.asyn import sync
+
+        return sync(self._fs.loop, coro_fn, *args)
+
+    # ------------------------------------------------------------ reads
+    async def _aget(self, full: str, key: str) -> bytes:
+        resp = await self._fs._call_s3("get_object", Bucket=self.bucket, Key=full)
+        try:
+            data = await resp["Body"].read()
+        finally:
+            resp["Body"].close()
+        expected = resp.get("ContentLength")
+        if expected is not None and len(data) != expected:
+            raise TransientStorageError(
+                f"{self._where(key)}: short read, got {len(data)} of {expected} bytes"
+            )
+        return data
+
+    def get(self, key: str) -> bytes:
+        full = self._full(key)
+        try:
+            return self._run(self._aget, full, key)
+        except self._catch as e:
+            self._raise(e, key, "GetObject")
+
+    async def _aget_ranges(self, full: str, key: str, ranges: list[tuple[int, int]]):
+        sem = asyncio.Semaphore(self.max_concurrency)
+        out: list[bytes] = [b""] * len(ranges)
+        sizes: list[int] = []
+
+        async def one(i: int, start: int, end: int) -> None:
+            async with sem:
+                try:
+                    resp = await self._fs._call_s3(
+                        "get_object", Bucket=self.bucket, Key=full, Range=f"bytes={start}-{end - 1}"
+                    )
+                except self._catch as e:
+                    code, _, _ = error_code(e)
+                    if code == "InvalidRange":
+                        # S3 refuses a range starting at or past the end.
+                        raise _RangeError(
+                            f"{self._where(key)}: range [{start}, {end}) past end of object"
+                        ) from None
+                    raise
+                try:
+                    data = await resp["Body"].read()
+                finally:
+                    resp["Body"].close()
+            total = _total_size(resp.get("ContentRange"))
+            if total is not None:
+                sizes.append(total)
+                if end > total:
+                    raise _RangeError(
+                        f"{self._where(key)}: range [{start}, {end}) past end of {total}-byte object"
+                    )
+            if len(data) != end - start:
+                if total is None:
+                    # No Content-Range to tell a short object from a cut
+                    # transfer; both mean the caller must not use the bytes.
+                    raise _RangeError(
+                        f"{self._where(key)}: range [{start}, {end}) returned {len(data)} bytes"
+                    )
+                raise TransientStorageError(
+                    f"{self._where(key)}: short read of range [{start}, {end}): {len(data)} bytes"
+                )
+            out[i] = data
+
+        tasks = [asyncio.ensure_future(one(i, s, e)) for i, (s, e) in enumerate(ranges) if e > s]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        return out, (sizes[0] if sizes else None)
+
+    def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        ranges = check_ranges(ranges)
+        full = self._full(key)
+        try:
+            out, size = self._run(self._aget_ranges, full, key, ranges)
+        except _RangeError as e:
+            raise ValueError(str(e)) from None
+        except self._catch as e:
+            self._raise(e, key, "GetObject")
+        if any(e == s for s, e in ranges) or not ranges:
+            # Empty ranges need no bytes, but they must exist and lie inside
+            # the object, like in every other store.
+            if size is None:
+                size = self.head(key).size
+            for s, e in ranges:
+                if e > size:
+                    raise ValueError(f"{self._where(key)}: range [{s}, {e}) past end of {size}-byte object")
+        return out
+
+    def head(self, key: str) -> ObjectInfo:
+        resp = self._call("head_object", key, Key=self._full(key))
+        return ObjectInfo(key, int(resp["ContentLength"]), resp["LastModified"].timestamp())
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        # S3 lists keys in UTF-8 byte order, which is code point order: the
+        # same order as sorting the str keys, so pages are yielded as they come.
+        kwargs = {"Prefix": self._root + prefix}
+        while True:
+            resp = self._call("list_objects_v2", prefix or None, **kwargs)
+            for obj in resp.get("Contents", ()):
+                rel = obj["Key"][len(self._root) :]
+                try:
+                    check_key(rel)
+                except ValueError:
+                    # "dir/" markers and the like, made by other tools: not
+                    # addressable through this API, so not listed.
+                    continue
+                yield ObjectInfo(rel, int(obj["Size"]), obj["LastModified"].timestamp())
+            token = resp.get("NextContinuationToken")
+            if not resp.get("IsTruncated") or not token:
+                return
+            kwargs["ContinuationToken"] = token
+
+    # ------------------------------------------------------------ writes
+    def put(self, key: str, data) -> None:
+        self._call("put_object", key, Key=self._full(key), Body=_body(data))
+
+    def put_if_absent(self, key: str, data) -> None:
+        self._call("put_object", key, exists_on_412=True, Key=self._full(key), Body=_body(data), IfNoneMatch="*")
+
+    def delete(self, key: str) -> None:
+        try:
+            self._call("delete_object", key, Key=self._full(key))
+        except ObjectNotFoundError:
+            pass
+
+    # ------------------------------------------------------------ multipart
+    def create_multipart(self, key: str, part_size: int) -> MultipartUpload:
+        return _S3Multipart(self, check_key(key), part_size)
+
+    def list_multipart(self, prefix: str = "") -> list[MultipartInfo]:
+        out = []
+        kwargs = {"Prefix": self._root + prefix}
+        while True:
+            resp = self._call("list_multipart_uploads", prefix or None, **kwargs)
+            for up in resp.get("Uploads", ()):
+                rel = up["Key"][len(self._root) :]
+                try:
+                    check_key(rel)
+                except ValueError:
+                    continue
+                out.append(MultipartInfo(rel, up["UploadId"], up["Initiated"].timestamp()))
+            if not resp.get("IsTruncated"):
+                break
+            kwargs["KeyMarker"] = resp.get("NextKeyMarker", "")
+            kwargs["UploadIdMarker"] = resp.get("NextUploadIdMarker", "")
+        return sorted(out, key=lambda m: (m.key, m.upload_id))
+
+    def abort_multipart(self, key: str, upload_id: str) -> None:
+        try:
+            self._call("abort_multipart_upload", key, Key=self._full(key), UploadId=upload_id)
+        except ObjectNotFoundError:
+            pass
+
+    # ------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Close the HTTP client; a later call opens a new one."""
+        from fsspec.asyn import sync
+
+        fs = self._fs
+        creator = getattr(fs, "_s3creator", None)
+        if getattr(fs, "_s3", None) is None or creator is None:
+            return
+        try:
+            sync(fs.loop, creator.__aexit__, None, None, None, timeout=10)
+        except Exception:
+            pass
+        fs._s3 = None
+
+
+class _S3Multipart(MultipartUpload):
+    def __init__(self, store: S3Store, key: str, part_size: int):
+        super().__init__(key, part_size)
+        self.store = store
+        self._full = store._full(key)
+        resp = store._call("create_multipart_upload", key, Key=self._full)
+        self.upload_id: str = resp["UploadId"]
+        self._lock = threading.Lock()
+        self._etags: dict[int, str] = {}
+        self._sizes: dict[int, int] = {}
+        self._aborted = False
+
+    def upload_part(self, number: int, data) -> None:
+        self._check_part(number, data)
+        if self._aborted:
+            raise ObjectNotFoundError(f"{self.store._where(self.key)}: multipart upload was aborted")
+        size = len(data)
+        resp = self.store._call(
+            "upload_part",
+            self.key,
+            Key=self._full,
+            UploadId=self.upload_id,
+            PartNumber=number,
+            Body=_body(data),
+        )
+        with self._lock:
+            self._etags[number] = resp["ETag"]
+            self._sizes[number] = size
+
+    def complete(self, nparts: int) -> None:
+        if nparts < 1:
+            raise ValueError(f"{self.key}: a multipart upload needs at least one part")
+        with self._lock:
+            missing = [n for n in range(1, nparts + 1) if n not in self._etags]
+            if missing:
+                raise ValueError(f"{self.key}: parts {missing[:5]} were never uploaded")
+            for n in range(1, nparts):
+                if self._sizes[n] != self.part_size:
+                    raise ValueError(f"{self.key}: part {n} is {self._sizes[n]} bytes, not {self.part_size}")
+            parts = [{"PartNumber": n, "ETag": self._etags[n]} for n in range(1, nparts + 1)]
+        self.store._call(
+            "complete_multipart_upload",
+            self.key,
+            Key=self._full,
+            UploadId=self.upload_id,
+            MultipartUpload={"Parts": parts},
+        )
+
+    def abort(self) -> None:
+        self._aborted = True
+        self.store.abort_multipart(self.key, self.upload_id)
