@@ -1,0 +1,76 @@
+"""``ckptstore`` command line: parses flags, calls the library, prints.
+
+Known errors print one line (``ckptstore: error: ...``) and exit 1; set
+``CKPTSTORE_DEBUG=1`` for the full traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+from ..errors import CkptStoreError
+from . import commands
+
+
+def _storage_option(s: str):
+    if "=" not in s:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {s!r}")
+    k, v = s.split("=", 1)
+    return k, v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ckptstore", description="Deduplicated PyTorch checkpoints in object stores.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def common(sp, url=True):
+        if url:
+            sp.add_argument("url", metavar="URL", help="repository: s3://bucket/prefix, file:///path, path, memory://name")
+        sp.add_argument(
+            "--storage-option", "-o", action="append", type=_storage_option, default=[], metavar="KEY=VALUE",
+            help="backend option (repeatable), e.g. -o endpoint_url=http://127.0.0.1:9000",
+        )
+        sp.add_argument("--json", action="store_true", help="machine-readable output")
+
+    sp = sub.add_parser("ls", help="list committed steps")
+    common(sp)
+    sp.set_defaults(func=commands.cmd_ls)
+
+    sp = sub.add_parser("show", help="tensors and metadata of one step")
+    common(sp)
+    sp.add_argument("step", type=int, metavar="STEP")
+    sp.set_defaults(func=commands.cmd_show)
+
+    sp = sub.add_parser("stats", help="stored bytes, dedup and compression ratios")
+    common(sp)
+    sp.set_defaults(func=commands.cmd_stats)
+
+    sp = sub.add_parser("demo", help="train a small model, checkpoint it into an embedded S3 server, restore it")
+    sp.add_argument("--steps", type=int, default=6, help="training steps to save (default 6)")
+    sp.add_argument("--json", action="store_true", help="machine-readable output")
+    sp.set_defaults(func=commands.cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("ckptstore: interrupted", file=sys.stderr)
+        return 130
+    except (CkptStoreError, OSError, ValueError, KeyError, TypeError) as e:
+        if os.environ.get("CKPTSTORE_DEBUG"):
+            traceback.print_exc()
+        msg = str(e) if not isinstance(e, KeyError) else str(e.args[0] if e.args else e)
+        print(f"ckptstore: error: {msg}", file=sys.stderr)
+        if not os.environ.get("CKPTSTORE_DEBUG"):
+            print("  (set CKPTSTORE_DEBUG=1 for the full traceback)", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
