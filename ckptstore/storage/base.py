@@ -39,9 +39,9 @@ class ObjectInfo:
     mtime: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, order=True)
 class MultipartInfo:
-    """An incomplete multipart upload, as listed for cleanup."""
+    """An incomplete multipart upload, as listed for cleanup (ordered by key, then id)."""
 
     key: str
     upload_id: str

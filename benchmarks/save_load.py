@@ -1,0 +1,476 @@
+"""Save/load benchmark: torch.save, DCP, ckptstore (local dir and moto S3).
+
+Run from the repository root::
+
+    python -m benchmarks.save_load [--size-gib 1.0] [--json OUT.json] [--skip-s3]
+
+One process builds one synthetic fp32 state dict (values from ``torch.randn``)
+and, on that same data, times:
+
+* ``torch.save`` to a file on local disk plus ``fsync`` / ``torch.load``
+  (``weights_only=True``);
+* ``torch.distributed.checkpoint`` with ``FileSystemWriter`` /
+  ``FileSystemReader`` (single process, no process group; files fsynced);
+* ckptstore to a local directory: save step 1, save step 2 of the same data
+  (dedup: uploads only a manifest), ``load(1)``, ``load(1, into=...)`` and
+  one 128-row slice read;
+* the same ckptstore steps on a moto S3 server on loopback (64 MiB packs).
+
+Every load is compared bit for bit (``torch.equal``) with the source; any
+difference raises and the run exits non-zero. Timings are single shots on a
+warm page cache; see ``benchmarks/README.md`` for the caveats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import resource
+import select
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from contextlib import contextmanager
+
+import torch
+
+import ckptstore
+
+MiB = 1 << 20
+GiB = 1 << 30
+BUCKET = "ckptbench"
+S3_PACK_SIZE = 64 * MiB
+SLICE_ROWS = 128
+
+
+class VerificationError(AssertionError):
+    """A load returned data that differs from what was saved."""
+
+
+# ---------------------------------------------------------------- data
+def build_state_dict(size_gib: float, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A flat ``model.state_dict()``-like dict of fp32 randn tensors.
+
+    About 3/8 of the bytes are 4096x4096 matrices (64 MiB each); the rest are
+    transformer-like layers at hidden size 1024 (four 1024x1024 attention
+    projections, three 1024x4096 / 4096x1024 MLP matrices, norms and biases).
+    """
+    g = torch.Generator().manual_seed(seed)
+    target = int(size_gib * GiB)
+    big_bytes = 4096 * 4096 * 4
+    n_big = max(1, round(0.375 * target / big_bytes))
+    h, f = 1024, 4096
+    layer_bytes = (4 * h * h + 3 * h * f) * 4
+    n_layers = max(1, round((target - n_big * big_bytes) / layer_bytes))
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float32)
+
+    sd: dict[str, torch.Tensor] = {}
+    sd["embed_tokens.weight"] = randn(4096, 4096)
+    for i in range(n_layers):
+        p = f"layers.{i}."
+        sd[p + "input_norm.weight"] = randn(h)
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            sd[p + f"attn.{name}.weight"] = randn(h, h)
+        sd[p + "attn.o_proj.bias"] = randn(h)
+        sd[p + "post_norm.weight"] = randn(h)
+        sd[p + "mlp.gate_proj.weight"] = randn(f, h)
+        sd[p + "mlp.up_proj.weight"] = randn(f, h)
+        sd[p + "mlp.down_proj.weight"] = randn(h, f)
+        sd[p + "mlp.down_proj.bias"] = randn(h)
+    for i in range(n_big - 2):
+        sd[f"adapters.{i}.weight"] = randn(4096, 4096)
+    sd["final_norm.weight"] = randn(4096)
+    if n_big >= 2:
+        sd["lm_head.weight"] = randn(4096, 4096)
+    return sd
+
+
+def nbytes(sd) -> int:
+    return sum(t.numel() * t.element_size() for t in iter_tensors(sd))
+
+
+def iter_tensors(sd):
+    for v in sd.values():
+        if isinstance(v, dict):
+            yield from iter_tensors(v)
+        elif isinstance(v, torch.Tensor):
+            yield v
+
+
+def empty_like(sd: dict) -> dict:
+    """Preallocated destination tensors (pages touched once, outside timing)."""
+    return {k: torch.zeros_like(v) for k, v in sd.items()}
+
+
+def scrub(sd: dict) -> None:
+    """Overwrite a destination so that stale data cannot pass verification."""
+    for t in sd.values():
+        t.fill_(float("nan"))
+
+
+def verify(expected: dict, got, what: str) -> None:
+    """Every tensor of ``expected`` present in ``got``, bit-exact."""
+    if not isinstance(got, dict):
+        raise VerificationError(f"{what}: returned {type(got).__name__}, not a dict")
+    missing = [k for k in expected if k not in got]
+    extra = [k for k in got if k not in expected]
+    if missing or extra:
+        raise VerificationError(f"{what}: missing keys {missing[:5]}, unexpected keys {extra[:5]}")
+    for k, t in expected.items():
+        u = got[k]
+        if not isinstance(u, torch.Tensor):
+            raise VerificationError(f"{what}: {k!r} is {type(u).__name__}, not a tensor")
+        if u.dtype != t.dtype or u.shape != t.shape:
+            raise VerificationError(f"{what}: {k!r} is {u.dtype}{list(u.shape)}, expected {t.dtype}{list(t.shape)}")
+        # Compare bit patterns: exact even for NaN payloads and -0.0.
+        if not torch.equal(u.view(torch.int32), t.view(torch.int32)):
+            bad = (u.view(torch.int32) != t.view(torch.int32)).sum().item()
+            raise VerificationError(f"{what}: {k!r} differs from the saved tensor in {bad} elements")
+
+
+# ---------------------------------------------------------------- measuring
+def rss_now() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def rss_peak() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def dir_bytes(path: str) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+            except FileNotFoundError:
+                pass
+    return total
+
+
+class Results:
+    def __init__(self, logical: int):
+        self.logical = logical
+        self.rows: list[dict] = []
+        self.ref: dict[str, float] = {}
+
+    def add(self, section: str, op: str, kind: str, seconds: float, logical: int | None = None,
+            written: int | None = None, note: str = "") -> dict:
+        logical = self.logical if logical is None else logical
+        row = {
+            "section": section,
+            "operation": op,
+            "kind": kind,  # "save" | "load" | "read"
+            "seconds": seconds,
+            "logical_bytes": logical,
+            "gb_per_s": logical / seconds / 1e9 if seconds > 0 else None,
+            "written_bytes": written,
+            "rss_peak_bytes": rss_peak(),
+            "rss_after_bytes": rss_now(),
+            "note": note,
+        }
+        self.rows.append(row)
+        tag = f"{kind}  {section:<12} {op:<34} {seconds:8.2f} s"
+        print(f"  .. {tag}", flush=True)
+        return row
+
+    def finish(self) -> None:
+        base = {"save": self._first("save"), "load": self._first("load"), "read": self._first("load")}
+        for r in self.rows:
+            b = base.get(r["kind"])
+            r["vs_torch"] = r["seconds"] / b if b else None
+
+    def _first(self, kind):
+        for r in self.rows:
+            if r["section"] == "torch" and r["kind"] == kind:
+                return r["seconds"]
+        return None
+
+    def table(self) -> str:
+        head = ["operation", "seconds", "GB/s", "written", "vs torch", "peak RSS"]
+        lines = []
+        for r in self.rows:
+            ratio = r.get("vs_torch")
+            lines.append([
+                f"{r['section']}: {r['operation']}",
+                f"{r['seconds']:.3f}",
+                f"{r['gb_per_s']:.3f}" if r["gb_per_s"] is not None else "-",
+                human(r["written_bytes"]) if r["written_bytes"] is not None else "-",
+                f"{ratio:.2f}x" if ratio is not None else "-",
+                f"{r['rss_peak_bytes'] / GiB:.2f} GiB",
+            ])
+        widths = [max(len(head[i]), *(len(l[i]) for l in lines)) for i in range(len(head))]
+        fmt = lambda cells: "  ".join(  # noqa: E731
+            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
+        )
+        sep = "  ".join("-" * w for w in widths)
+        return "\n".join([fmt(head), sep] + [fmt(l) for l in lines])
+
+
+def human(n: int) -> str:
+    if n < 10 * 1024:
+        return f"{n} B"
+    if n < 10 * MiB:
+        return f"{n / 1024:.1f} KiB"
+    return f"{n / MiB:.1f} MiB"
+
+
+def clock():
+    gc.collect()
+    return time.perf_counter()
+
+
+# ---------------------------------------------------------------- torch
+def bench_torch(sd: dict, tmp: str, res: Results) -> None:
+    path = os.path.join(tmp, "torch", "ckpt.pt")
+    os.makedirs(os.path.dirname(path))
+    t0 = clock()
+    with open(path, "wb") as f:
+        torch.save(sd, f)
+        f.flush()
+        os.fsync(f.fileno())
+    dt = time.perf_counter() - t0
+    res.add("torch", "torch.save + fsync", "save", dt, written=os.path.getsize(path))
+
+    t0 = clock()
+    loaded = torch.load(path, weights_only=True)
+    dt = time.perf_counter() - t0
+    res.add("torch", "torch.load(weights_only=True)", "load", dt)
+    verify(sd, loaded, "torch.load")
+    del loaded
+    shutil.rmtree(os.path.dirname(path))
+
+
+# ---------------------------------------------------------------- DCP
+def bench_dcp(sd: dict, like: dict, tmp: str, res: Results) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+    path = os.path.join(tmp, "dcp")
+    with warnings.catch_warnings():
+        # "torch.distributed is disabled, unavailable or uninitialized,
+        # assuming the intent is to ... in a single process": that is the intent.
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        t0 = clock()
+        dcp.save(sd, storage_writer=FileSystemWriter(path))  # sync_files=True: fsyncs
+        dt = time.perf_counter() - t0
+        res.add("dcp", "dcp.save(FileSystemWriter)", "save", dt, written=dir_bytes(path))
+
+        scrub(like)
+        t0 = clock()
+        dcp.load(like, storage_reader=FileSystemReader(path))
+        dt = time.perf_counter() - t0
+    res.add("dcp", "dcp.load(FileSystemReader) in place", "load", dt)
+    verify(sd, like, "dcp.load")
+    shutil.rmtree(path)
+
+
+# ---------------------------------------------------------------- ckptstore
+def bench_ckptstore(section: str, url: str, storage_options, options: dict, sd: dict, like: dict,
+                    res: Results, report: dict) -> None:
+    infos = []
+    repo = ckptstore.open(url, storage_options=storage_options, **options)
+    try:
+        for step, label in ((1, "save step 1"), (2, "save step 2 (same data)")):
+            t0 = clock()
+            info = repo.save(sd, step=step)
+            dt = time.perf_counter() - t0
+            infos.append(info.as_dict())
+            note = (f"new {human(info.new_bytes)} -> {human(info.stored_bytes)} "
+                    f"(x{info.compression_ratio:.3f}), reused {human(info.reused_bytes)}, "
+                    f"{info.packs} packs, StepInfo.seconds {info.seconds:.2f}")
+            res.add(section, label, "save", dt, written=info.uploaded_bytes, note=note)
+        stats = repo.stats()
+    finally:
+        repo.close()
+
+    # A fresh handle for loads, as a restarted job has: no manifest cache.
+    repo = ckptstore.open(url, storage_options=storage_options, **options)
+    try:
+        t0 = clock()
+        loaded = repo.load(1)
+        dt = time.perf_counter() - t0
+        res.add(section, "load(1)", "load", dt)
+        verify(sd, loaded, f"{section} load(1)")
+        del loaded
+
+        scrub(like)
+        t0 = clock()
+        out = repo.load(1, into=like)
+        dt = time.perf_counter() - t0
+        res.add(section, "load(1, into=preallocated)", "load", dt)
+        if out is not like:
+            raise VerificationError(f"{section} load(1, into=...) returned a new dict, not `into`")
+        verify(sd, like, f"{section} load(1, into=...)")
+
+        key = "embed_tokens.weight"
+        t0 = clock()
+        part = repo.checkpoint(1).read(key, (slice(0, SLICE_ROWS), slice(None)))
+        dt = time.perf_counter() - t0
+        want = sd[key][:SLICE_ROWS]
+        res.add(section, f"read {key}[:{SLICE_ROWS}]", "read", dt, logical=want.numel() * want.element_size())
+        verify({key: want}, {key: part}, f"{section} checkpoint(1).read(slice)")
+    finally:
+        repo.close()
+    report[section] = {"url": url, "options": options, "saves": infos, "stats": stats}
+
+
+@contextmanager
+def moto_subprocess():
+    """A MotoServer in a child process (own GIL, own memory)."""
+    from ckptstore.testing.moto import MotoServer, free_port
+
+    port = free_port()
+    code = (
+        "import sys\n"
+        "from ckptstore.testing.moto import MotoServer\n"
+        "s = MotoServer(port=int(sys.argv[1])).start()\n"
+        "print('ready', flush=True)\n"
+        "sys.stdin.read()\n"
+        "s.stop()\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code, str(port)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 120)
+        line = proc.stdout.readline() if ready else ""
+        if line.strip() != "ready":
+            raise RuntimeError(f"moto server child did not start (exit code {proc.poll()})")
+        # Not started here: used for its endpoint, storage_options() and create_bucket().
+        handle = MotoServer(port=port)
+        try:
+            yield handle
+        finally:
+            handle.stop()
+    finally:
+        try:
+            proc.stdin.close()
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextmanager
+def moto_in_process():
+    from ckptstore.testing.moto import MotoServer
+
+    with MotoServer() as server:
+        yield server
+
+
+# ---------------------------------------------------------------- main
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.save_load", description=__doc__.split("\n")[0])
+    ap.add_argument("--size-gib", type=float, default=1.0, help="state dict size (default 1.0)")
+    ap.add_argument("--json", metavar="OUT.json", help="write the results here")
+    ap.add_argument("--skip-s3", action="store_true", help="skip the moto S3 rows")
+    ap.add_argument("--moto-in-process", action="store_true",
+                    help="run moto in a thread of this process (shares the GIL and the RSS) "
+                         "instead of a child process")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    command = f"{sys.executable} -m benchmarks.save_load" + "".join(
+        " " + shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)
+    )
+    print(f"command: {command}", flush=True)
+    print(f"python {platform.python_version()}, torch {torch.__version__}, ckptstore {ckptstore.__version__}, "
+          f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}", flush=True)
+
+    t0 = time.perf_counter()
+    sd = build_state_dict(args.size_gib, args.seed)
+    logical = nbytes(sd)
+    big = sum(1 for t in sd.values() if t.numel() >= 4096 * 4096)
+    print(f"state dict: {len(sd)} fp32 tensors ({big} of 4096x4096), {logical / GiB:.3f} GiB "
+          f"(built in {time.perf_counter() - t0:.1f} s)", flush=True)
+    like = empty_like(sd)
+
+    res = Results(logical)
+    report: dict = {}
+    local_opts: dict = {}
+    s3_opts = {"pack_size": S3_PACK_SIZE}
+    tmp = tempfile.mkdtemp(prefix="ckptbench-", dir="/tmp")
+    moto_rss = None
+    started = time.perf_counter()
+    try:
+        bench_torch(sd, tmp, res)
+        bench_dcp(sd, like, tmp, res)
+        bench_ckptstore("ckpt-local", os.path.join(tmp, "repo"), None, local_opts, sd, like, res, report)
+        shutil.rmtree(os.path.join(tmp, "repo"))
+        if not args.skip_s3:
+            server_cm = moto_in_process() if args.moto_in_process else moto_subprocess()
+            with server_cm as server:
+                server.create_bucket(BUCKET)
+                bench_ckptstore("ckpt-s3moto", f"s3://{BUCKET}/bench", server.storage_options(), s3_opts,
+                                sd, like, res, report)
+            if not args.moto_in_process:
+                moto_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    total = time.perf_counter() - started
+    res.finish()
+
+    print()
+    print(f"Produced by: {command}")
+    print(f"Data: {len(sd)} fp32 randn tensors, {logical / GiB:.3f} GiB logical "
+          f"({logical / 1e9:.3f} GB); GB/s = logical bytes / seconds / 1e9.")
+    print("'vs torch' = seconds / torch.save seconds for saves, / torch.load seconds for loads and reads.")
+    print(res.table())
+    print()
+    for r in res.rows:
+        if r["note"]:
+            print(f"  {r['section']}: {r['operation']}: {r['note']}")
+    for section, rep in report.items():
+        st = rep["stats"]
+        print(f"  {section}: repository holds {st['packs']} packs, {human(st['stored_bytes'])} for "
+              f"{human(st['logical_bytes'])} logical over {st['steps']} steps "
+              f"(dedup x{st['dedup_ratio']:.2f}, compression x{st['compression_ratio']:.3f}); "
+              f"options {rep['options'] or 'defaults'}")
+    peak = rss_peak()
+    print(f"peak RSS of this process: {peak / GiB:.2f} GiB (ru_maxrss; the state dict itself is "
+          f"{logical / GiB:.2f} GiB and the preallocated load target another {logical / GiB:.2f} GiB)")
+    if moto_rss is not None:
+        print(f"peak RSS of the moto server child: {moto_rss / GiB:.2f} GiB")
+    print(f"benchmark wall time (excluding data generation): {total:.1f} s")
+
+    if args.json:
+        doc = {
+            "command": command,
+            "argv": sys.argv,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "env": {
+                "python": platform.python_version(),
+                "torch": torch.__version__,
+                "ckptstore": ckptstore.__version__,
+                "cpus": os.cpu_count(),
+                "torch_threads": torch.get_num_threads(),
+                "platform": platform.platform(),
+            },
+            "data": {"tensors": len(sd), "logical_bytes": logical, "seed": args.seed,
+                     "size_gib": args.size_gib},
+            "rows": res.rows,
+            "ckptstore": report,
+            "peak_rss_bytes": peak,
+            "moto_peak_rss_bytes": moto_rss,
+            "moto_in_process": bool(args.moto_in_process) and not args.skip_s3,
+            "wall_seconds": total,
+        }
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1, default=str)
+        print(f"results written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

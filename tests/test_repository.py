@@ -1,0 +1,400 @@
+"""Save/load round trips, dedup, commit semantics and error reporting."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import math
+
+import pytest
+import torch
+
+import ckptstore
+from ckptstore.errors import (
+    FormatError,
+    IntegrityError,
+    MissingDataError,
+    StepExistsError,
+    StepNotFoundError,
+    StorageError,
+    UnsupportedVersionError,
+)
+from ckptstore.repository import Repository, manifest_key, pack_key
+from ckptstore.storage.memory import MemoryStore
+from ckptstore.storage.wrappers import CountingStore, FaultStore
+
+from .helpers import SMALL, all_dtypes, assert_tree_equal, bits_equal, random_tensor
+
+
+def _open(repo_url, **kw):
+    url, so = repo_url
+    return ckptstore.open(url, storage_options=so, **{**SMALL, **kw})
+
+
+def _mem_repo(**kw) -> Repository:
+    return Repository(MemoryStore(), **{**SMALL, **kw})
+
+
+# ------------------------------------------------------------------ round trips
+def test_every_dtype_round_trips_bit_exact(repo_url):
+    sd = {}
+    for i, d in enumerate(all_dtypes()):
+        name = str(d).removeprefix("torch.")
+        sd[name] = random_tensor(d, (33, 7), seed=i)
+    base = torch.randn(40, 30)
+    sd["special"] = {
+        "scalar": torch.tensor(3.25, dtype=torch.float64),
+        "scalar_bf16": torch.tensor(-1.5, dtype=torch.bfloat16),
+        "empty": torch.empty(0, 5),
+        "empty3": torch.zeros(4, 0, 2, dtype=torch.int16),
+        "transposed": base.t(),
+        "strided": base[::3, 1::2],
+        "view_a": base[5:10],
+        "view_b": base,
+        "conj": torch.randn(6, dtype=torch.complex64).conj(),
+        "expanded": torch.arange(4.0).expand(3, 4),
+        "big": torch.randn(300, 257),  # several chunks
+    }
+    sd["values"] = {"lr": 0.001, "name": "adam", "flag": True, "none": None, "ints": [1, 2, 3],
+                    "nested": {"a": [1.5, {"b": "c"}]}, "nan": float("nan"), "tuple": (1, torch.ones(2))}
+    sd[7] = {3: torch.ones(3, dtype=torch.int64)}  # int keys, as optimizer state has
+    with _open(repo_url) as repo:
+        info = repo.save(sd, step=10, metadata={"loss": 1.25})
+        assert info.step == 10 and info.tensors == len(repo.checkpoint(10).keys())
+        expected_logical = sum(t.numel() * t.element_size() for t in _tensors(sd))
+        assert info.logical_bytes == expected_logical
+        out = repo.load(10)
+    assert_tree_equal(_resolved(sd), out)
+    # a second handle reads the same (nothing cached in the first)
+    with _open(repo_url) as repo2:
+        assert repo2.steps() == [10]
+        assert repo2.checkpoint(10).metadata == {"loss": 1.25}
+        assert_tree_equal(_resolved(sd), repo2.load(10))
+
+
+def _tensors(tree):
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for v in tree.values():
+            yield from _tensors(v)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            yield from _tensors(v)
+
+
+def _resolved(tree):
+    """What a load returns: conj/neg resolved, everything contiguous."""
+    if isinstance(tree, torch.Tensor):
+        return tree.resolve_conj().resolve_neg().contiguous()
+    if isinstance(tree, dict):
+        return {k: _resolved(v) for k, v in tree.items()}
+    if isinstance(tree, tuple):
+        return tuple(_resolved(v) for v in tree)
+    if isinstance(tree, list):
+        return [_resolved(v) for v in tree]
+    return tree
+
+
+def test_steps_latest_checkpoint_views():
+    repo = _mem_repo()
+    assert repo.steps() == [] and repo.latest() is None
+    for s in (5, 1, 30):
+        repo.save({"w": torch.full((10,), float(s))}, step=s)
+    assert repo.steps() == [1, 5, 30] and repo.latest() == 30
+    ck = repo.checkpoint(5)
+    assert ck.keys() == ["w"]
+    meta = ck.tensor_meta("w")
+    assert meta.dtype == torch.float32 and meta.shape == (10,) and meta.shards == (((0,), (10,)),)
+    assert torch.equal(ck.read("w"), torch.full((10,), 5.0))
+    with pytest.raises(KeyError, match="nope"):
+        ck.read("nope")
+    with pytest.raises(StepNotFoundError):
+        repo.checkpoint(2)
+    repo.delete(5)
+    assert repo.steps() == [1, 30]
+    with pytest.raises(StepNotFoundError):
+        repo.delete(5)
+
+
+def test_load_into_is_in_place():
+    repo = _mem_repo()
+    model = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.Linear(300, 7))
+    repo.save({"model": model.state_dict(), "epoch": 3}, step=1)
+    fresh = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.Linear(300, 7))
+    dest = {"model": fresh.state_dict(), "epoch": 0}
+    ptrs = {k: v.data_ptr() for k, v in dest["model"].items()}
+    out = repo.load(1, into=dest)
+    assert out is dest and dest["epoch"] == 3
+    for k, v in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[k], v)
+        assert dest["model"][k].data_ptr() == ptrs[k]
+    # wrong shape: clear error, naming the key
+    bad = {"model": {**fresh.state_dict(), "0.weight": torch.zeros(3, 3)}}
+    with pytest.raises(ValueError, match="0.weight"):
+        repo.load(1, into=bad)
+    # non-contiguous destination still loads correctly
+    nc = torch.zeros(300, 64).t()
+    dest2 = {"model": {**fresh.state_dict(), "0.weight": nc}}
+    # shape of nc is (64, 300) but the tensor is (300, 64): expect error
+    with pytest.raises(ValueError):
+        repo.load(1, into=dest2)
+    nc2 = torch.zeros(64, 300).t()
+    repo.load(1, into={"model": {"0.weight": nc2}})
+    assert torch.equal(nc2, model.state_dict()["0.weight"])
+
+
+def test_bad_values_are_refused_naming_the_key():
+    repo = _mem_repo()
+    for bad, name in [(lambda x: x, "fn"), (object(), "obj"), ({1, 2}, "s"), (b"bytes", "b")]:
+        with pytest.raises(TypeError, match=name):
+            repo.save({"ok": torch.ones(2), "inner": {name: bad}}, step=1)
+    with pytest.raises(TypeError, match="sparse|layout"):
+        repo.save({"sp": torch.eye(3).to_sparse()}, step=1)
+    with pytest.raises(TypeError):
+        repo.save({"m": torch.ones(2)}, step=1, metadata={"x": object()})
+    with pytest.raises(ValueError):
+        repo.save({"m": torch.ones(2)}, step=-1)
+    with pytest.raises(ValueError, match="flatten"):
+        repo.save({"a.b": torch.ones(1), "a": {"b": torch.ones(1)}}, step=1)
+    assert list(repo.store.list()) == []  # nothing was written
+
+
+def test_tensor_names_never_become_object_keys(tmp_path):
+    repo = Repository(ckptstore.storage.LocalStore(str(tmp_path)), **SMALL)
+    evil = {"../../etc/passwd": torch.ones(3), "a/b\x00c": torch.zeros(2), "ü" * 500: torch.ones(1)}
+    repo.save(evil, step=1)
+    keys = [o.key for o in repo.store.list()]
+    assert all(k.startswith(("packs/", "manifests/", "config.json")) for k in keys), keys
+    out = repo.load(1)
+    assert_tree_equal(evil, out)
+    assert not (tmp_path.parent / "etc").exists()
+
+
+# ------------------------------------------------------------------ dedup
+def test_unchanged_tensors_upload_nothing(repo_url):
+    cs = SMALL["chunk_size"]
+    frozen = {f"frozen{i}": torch.randn(cs // 4 * 3) for i in range(4)}  # 3 chunks each
+    trained = torch.randn(cs // 4 * 2)  # 2 chunks
+    with _open(repo_url) as repo:
+        i1 = repo.save({**frozen, "trained": trained}, step=1)
+        assert i1.reused_bytes == 0 and i1.new_bytes == i1.logical_bytes
+        trained2 = trained + 1
+        i2 = repo.save({**frozen, "trained": trained2}, step=2)
+        changed = trained2.numel() * 4
+        assert i2.new_bytes == changed
+        assert i2.reused_bytes == i2.logical_bytes - changed
+        # uploaded: the changed tensor's compressed chunks + pack table/header + manifest
+        assert i2.uploaded_bytes < changed * 1.02 + 16_384
+        assert i2.new_chunks == 2 and i2.reused_chunks == 12
+        i3 = repo.save({**frozen, "trained": trained2}, step=3)
+        assert i3.new_bytes == 0 and i3.packs == 0
+        assert_tree_equal({**frozen, "trained": trained}, repo.load(1))
+        assert_tree_equal({**frozen, "trained": trained2}, repo.load(3))
+
+
+def test_duplicate_chunks_within_one_save_are_stored_once():
+    repo = _mem_repo()
+    z = torch.zeros(SMALL["chunk_size"] // 4 * 8)
+    info = repo.save({"a": z, "b": z.clone(), "c": torch.ones(10)}, step=1)
+    assert info.new_chunks == 2 and info.reused_chunks == 15
+    assert_tree_equal({"a": z, "b": z, "c": torch.ones(10)}, repo.load(1))
+
+
+def test_compression_pays_and_falls_back_to_raw():
+    repo = _mem_repo()
+    info = repo.save({"zeros": torch.zeros(200_000), "noise": random_tensor(torch.uint8, (200_000,))}, step=1)
+    m = repo.manifest(1)
+    codecs_z = {c.codec for c in m.tensors["zeros"].shards[0].chunks}
+    codecs_n = {c.codec for c in m.tensors["noise"].shards[0].chunks}
+    assert codecs_z == {"zstd"} and codecs_n == {"raw"}
+    ck = repo.checkpoint(1)
+    assert ck.tensor_meta("zeros").stored_bytes < 800_000 / 100
+    assert ck.tensor_meta("noise").stored_bytes == 200_000
+    assert info.new_bytes / info.stored_bytes == pytest.approx(info.compression_ratio)
+
+
+# ------------------------------------------------------------------ slices
+def test_slice_reads_fetch_only_covering_chunks(repo_url):
+    url, so = repo_url
+    from ckptstore.storage import open_store
+
+    store = CountingStore(open_store(url, so))
+    repo = Repository(store, **SMALL)
+    w = torch.randn(1024, 1024)  # 4 MiB = 64 chunks of 64 KiB
+    repo.save({"w": w, "other": torch.randn(100_000)}, step=1)
+    ck = repo.checkpoint(1)
+    store.reset()
+    got = ck.read("w", (slice(128, 160), slice(None)))  # 128 KiB of rows = 2 chunks
+    assert torch.equal(got, w[128:160])
+    stored_total = ck.tensor_meta("w").stored_bytes
+    assert store.bytes_read <= 3 * SMALL["chunk_size"] * 1.05
+    assert store.bytes_read < stored_total / 10
+    assert all(k.startswith("packs/") for k, _, _ in store.reads)
+    # a column slice needs every row: reads everything, still correct
+    assert torch.equal(ck.read("w", (slice(None), 5)), w[:, 5])
+    # assorted indices
+    for index in [5, -1, (3, 4), (slice(10, 900, 7), slice(3, 1000, 11)), (..., slice(0, 2)),
+                  (slice(1000, 2000),), (slice(5, 5),)]:
+        assert torch.equal(ck.read("w", index), w[index]), index
+    with pytest.raises(IndexError):
+        ck.read("w", 5000)
+    with pytest.raises(IndexError):
+        ck.read("w", (1, 2, 3))
+    repo.close()
+
+
+# ------------------------------------------------------------------ commit
+def test_existing_step_is_refused_and_store_unchanged():
+    repo = _mem_repo()
+    repo.save({"w": torch.ones(100)}, step=1)
+    before = [(o.key, o.size) for o in repo.store.list()]
+    with pytest.raises(StepExistsError, match="step 1"):
+        repo.save({"w": torch.zeros(100)}, step=1)
+    assert [(o.key, o.size) for o in repo.store.list()] == before
+    assert torch.equal(repo.load(1)["w"], torch.ones(100))
+
+
+def test_failed_manifest_write_leaves_no_step(repo_url):
+    url, so = repo_url
+    from ckptstore.storage import open_store
+
+    fault = FaultStore(open_store(url, so))
+    repo = Repository(fault, **SMALL)
+    sd1 = {"w": torch.randn(50_000)}
+    repo.save(sd1, step=1)
+    fault.add_rule("put_if_absent", "manifests/*", lambda op, k: StorageError(f"injected failure on {k}"), count=1)
+    with pytest.raises(StorageError, match="injected"):
+        repo.save({"w": torch.randn(50_000)}, step=2)
+    reopened = _open(repo_url)
+    assert reopened.steps() == [1]
+    assert_tree_equal(sd1, reopened.load(1))
+    # the same step can be saved afterwards
+    sd2 = {"w": torch.randn(50_000)}
+    repo.save(sd2, step=2)
+    assert reopened.steps() == [1, 2]
+    assert_tree_equal(sd2, reopened.load(2))
+    repo.close()
+    reopened.close()
+
+
+def test_failed_pack_upload_aborts_and_leaves_no_step():
+    fault = FaultStore(MemoryStore())
+    repo = Repository(fault, chunk_size=64 << 10, pack_size=16 << 20, part_size=5 << 20)
+    fault.add_rule("upload_part", "packs/*", lambda op, k: StorageError("injected part failure"), count=1)
+    with pytest.raises(StorageError, match="injected"):
+        repo.save({"w": torch.randn(3 << 20)}, step=1)  # 12 MiB -> multipart
+    assert repo.steps() == []
+    assert fault.inner.list_multipart() == []  # the upload was aborted
+    assert not [o for o in fault.inner.list("packs/")]
+
+
+def test_two_writers_race_for_one_step(repo_url):
+    url, so = repo_url
+    repos = [ckptstore.open(url, storage_options=so, **SMALL) for _ in range(4)]
+    sds = [{"w": torch.full((20_000,), float(i))} for i in range(4)]
+
+    def go(i):
+        try:
+            repos[i].save(sds[i], step=7)
+            return i
+        except StepExistsError:
+            return None
+
+    with cf.ThreadPoolExecutor(4) as ex:
+        results = list(ex.map(go, range(4)))
+    winners = [r for r in results if r is not None]
+    assert len(winners) == 1
+    fresh = ckptstore.open(url, storage_options=so)
+    assert fresh.steps() == [7]
+    assert torch.equal(fresh.load(7)["w"], sds[winners[0]]["w"])
+    for r in repos + [fresh]:
+        r.close()
+
+
+def test_async_save_stages_a_copy():
+    repo = _mem_repo()
+    w = torch.randn(300_000)
+    expected = w.clone()
+    fut = repo.save({"w": w}, step=1, blocking=False)
+    w.add_(1.0)  # caller mutates right away
+    info = fut.result(timeout=60)
+    assert info.step == 1
+    assert torch.equal(repo.load(1)["w"], expected)
+
+
+# ------------------------------------------------------------------ damage
+def _corrupt_setup():
+    store = MemoryStore()
+    repo = Repository(store, **SMALL)
+    repo.save({"a": torch.randn(100_000), "b": torch.randn(1000)}, step=1)
+    return store, repo
+
+
+def test_truncated_manifest_is_a_clear_error():
+    store, repo = _corrupt_setup()
+    raw = store.get(manifest_key(1))
+    store.put(manifest_key(1), raw[: len(raw) // 2])
+    with pytest.raises(FormatError, match="step 1.*not valid JSON"):
+        Repository(store).checkpoint(1)
+
+
+def test_corrupted_manifest_is_a_clear_error():
+    store, repo = _corrupt_setup()
+    doc = json.loads(store.get(manifest_key(1)))
+    doc["tensors"][0]["shards"][0]["chunks"][0][0] = "zz" * 32
+    store.put(manifest_key(1), json.dumps(doc).encode())
+    with pytest.raises(FormatError, match="hash"):
+        Repository(store).checkpoint(1)
+    store.put(manifest_key(1), b"\x00\xff garbage")
+    with pytest.raises(FormatError):
+        Repository(store).load(1)
+
+
+def test_future_major_version_is_refused():
+    store, repo = _corrupt_setup()
+    doc = json.loads(store.get(manifest_key(1)))
+    doc["version"] = [2, 0]
+    store.put(manifest_key(1), json.dumps(doc).encode())
+    with pytest.raises(UnsupportedVersionError, match="2.0.*upgrade"):
+        Repository(store).checkpoint(1)
+    # a newer minor version is read
+    doc["version"] = [1, 9]
+    store.put(manifest_key(1), json.dumps(doc).encode())
+    Repository(store).load(1)
+
+
+def test_flipped_byte_in_pack_names_step_tensor_pack_offset():
+    store, repo = _corrupt_setup()
+    m = repo.manifest(1)
+    c = m.tensors["a"].shards[0].chunks[3]
+    key = pack_key(c.pack)
+    data = bytearray(store.get(key))
+    data[c.offset + c.stored_len // 2] ^= 0x01
+    store.put(key, bytes(data))
+    fresh = Repository(store)
+    with pytest.raises(IntegrityError) as ei:
+        fresh.load(1)
+    msg = str(ei.value)
+    assert "step 1" in msg and "'a'" in msg and c.pack in msg and f"offset {c.offset}" in msg
+    # the untouched tensor still reads
+    assert fresh.checkpoint(1).read("b").shape == (1000,)
+
+
+def test_missing_pack_is_an_error_not_zeros():
+    store, repo = _corrupt_setup()
+    m = repo.manifest(1)
+    pid = m.tensors["a"].shards[0].chunks[0].pack
+    store.delete(pack_key(pid))
+    with pytest.raises(MissingDataError, match=pid):
+        Repository(store).load(1)
+
+
+def test_manifest_naming_a_bigger_pack_than_stored():
+    store, repo = _corrupt_setup()
+    m = repo.manifest(1)
+    c = m.tensors["a"].shards[0].chunks[-1]
+    key = pack_key(c.pack)
+    store.put(key, store.get(key)[: c.offset + 10])  # truncate the pack
+    with pytest.raises(IntegrityError, match="shorter|short|hash"):
+        Repository(store).load(1)

@@ -1,0 +1,276 @@
+"""Every store passes the conformance suite; S3 specifics; URL parsing."""
+
+from __future__ import annotations
+
+import sys
+import uuid
+
+import pytest
+
+from ckptstore.errors import (
+    ObjectExistsError,
+    ObjectNotFoundError,
+    StorageError,
+    TransientStorageError,
+)
+from ckptstore.storage import LocalStore, MemoryStore, open_store
+from ckptstore.testing.store_suite import StoreConformance
+
+
+class TestMemoryStore(StoreConformance):
+    @pytest.fixture
+    def store(self):
+        name = f"conf-{uuid.uuid4().hex}"
+        yield MemoryStore(name)
+        MemoryStore.clear(name)
+
+    @pytest.fixture
+    def sibling_store(self):
+        name = f"conf-{uuid.uuid4().hex}"
+        yield MemoryStore(name)
+        MemoryStore.clear(name)
+
+    def test_same_name_shares_objects(self, store):
+        store.put("k", b"v")
+        assert MemoryStore(store.name).get("k") == b"v"
+
+
+class TestLocalStore(StoreConformance):
+    @pytest.fixture
+    def store(self, tmp_path):
+        with LocalStore(str(tmp_path / "repo")) as s:
+            yield s
+
+    @pytest.fixture
+    def sibling_store(self, tmp_path):
+        # "repo2" starts with "repo": a root is a directory, not a string prefix.
+        with LocalStore(str(tmp_path / "repo2")) as s:
+            yield s
+
+
+class TestS3Store(StoreConformance):
+    multipart_initiated_is_real = False  # moto reports 2010-11-10 for every upload
+
+    @pytest.fixture
+    def store(self, s3):
+        return s3.store()
+
+    @pytest.fixture
+    def sibling_store(self, s3):
+        # A sibling whose prefix extends ours as a string.
+        return s3.store(s3.url + "2")
+
+    def test_url_and_repr(self, s3):
+        store = s3.store()
+        assert store.url == s3.url
+        assert "testing" not in repr(store)
+        assert s3.store(f"s3://{s3.bucket}").url == f"s3://{s3.bucket}"
+
+    def test_bucket_root_sees_prefixed_keys(self, s3):
+        store = s3.store()
+        store.put("a/b", b"x")
+        root = s3.store(f"s3://{s3.bucket}")
+        assert [o.key for o in root.list()] == ["repo/a/b"]
+        assert root.get("repo/a/b") == b"x"
+
+    def test_server_enforces_if_none_match(self, s3):
+        """moto really answers 412 to a second conditional create.
+
+        Without this, put_if_absent tests on moto could pass with a server
+        that ignores the header.
+        """
+        from botocore.exceptions import ClientError
+
+        client = s3.server.client()
+        client.put_object(Bucket=s3.bucket, Key="raw/k", Body=b"1", IfNoneMatch="*")
+        with pytest.raises(ClientError) as ei:
+            client.put_object(Bucket=s3.bucket, Key="raw/k", Body=b"2", IfNoneMatch="*")
+        assert ei.value.response["ResponseMetadata"]["HTTPStatusCode"] == 412
+        assert ei.value.response["Error"]["Code"] == "PreconditionFailed"
+        assert client.get_object(Bucket=s3.bucket, Key="raw/k")["Body"].read() == b"1"
+
+    def test_put_if_absent_error_names_key(self, s3):
+        store = s3.store()
+        store.put_if_absent("m", b"1")
+        with pytest.raises(ObjectExistsError, match=r"s3://ckpt-test/repo/m"):
+            store.put_if_absent("m", b"2")
+
+    def test_missing_bucket_is_not_a_missing_object(self, s3):
+        store = s3.store("s3://no-such-bucket/repo")
+        with pytest.raises(StorageError) as ei:
+            store.get("k")
+        assert not isinstance(ei.value, ObjectNotFoundError)
+        assert "NoSuchBucket" in str(ei.value)
+        with pytest.raises(StorageError) as ei:
+            list(store.list())
+        assert not isinstance(ei.value, ObjectNotFoundError)
+
+    def test_unreachable_endpoint_is_transient(self, s3):
+        from ckptstore.storage.s3 import S3Store
+        from ckptstore.testing.moto import free_port
+
+        opts = dict(s3.storage_options, retries=1)
+        opts["client_kwargs"] = dict(opts["client_kwargs"], endpoint_url=f"http://127.0.0.1:{free_port()}")
+        opts["config_kwargs"] = {"proxies": {}, "retries": {"max_attempts": 1}, "connect_timeout": 2}
+        with S3Store(f"{s3.bucket}/repo", opts) as store:
+            with pytest.raises(TransientStorageError) as ei:
+                store.get("k")
+        assert "s3://ckpt-test/repo/k" in str(ei.value)
+        assert "testing" not in str(ei.value)
+
+    def test_close_then_reuse(self, s3):
+        store = s3.store()
+        store.put("k", b"v")
+        store.close()
+        store.close()
+        assert store.get("k") == b"v"
+
+
+# ---------------------------------------------------------------- error classes
+def _client_error(code: str, status: int, op: str = "GetObject"):
+    from botocore.exceptions import ClientError
+
+    return ClientError(
+        {"Error": {"Code": code, "Message": f"msg for {code}"}, "ResponseMetadata": {"HTTPStatusCode": status}},
+        op,
+    )
+
+
+def _translated(code: str, status: int):
+    """What s3fs raises: a built-in exception caused by the ClientError."""
+    from s3fs.errors import translate_boto_error
+
+    return translate_boto_error(_client_error(code, status))
+
+
+@pytest.mark.parametrize(
+    "code,status,expected",
+    [
+        ("NoSuchKey", 404, ObjectNotFoundError),
+        ("404", 404, ObjectNotFoundError),
+        ("NoSuchUpload", 404, ObjectNotFoundError),
+        ("SlowDown", 503, TransientStorageError),
+        ("InternalError", 500, TransientStorageError),
+        ("ServiceUnavailable", 503, TransientStorageError),
+        ("RequestTimeout", 400, TransientStorageError),
+        ("ConditionalRequestConflict", 409, TransientStorageError),
+        ("SomethingNew", 502, TransientStorageError),
+        ("AccessDenied", 403, StorageError),
+        ("InvalidArgument", 400, StorageError),
+        ("NoSuchBucket", 404, StorageError),
+        ("PreconditionFailed", 412, StorageError),
+    ],
+)
+@pytest.mark.parametrize("wrap", [_client_error, _translated])
+def test_classify_error(code, status, expected, wrap):
+    from ckptstore.storage.s3 import classify_error
+
+    err = classify_error(wrap(code, status), "s3://b/p/key", "GetObject")
+    assert type(err) is expected
+    assert "s3://b/p/key" in str(err)
+    if expected is not ObjectNotFoundError:
+        assert code in str(err)
+
+
+@pytest.mark.parametrize("wrap", [_client_error, _translated])
+def test_classify_precondition_on_create(wrap):
+    from ckptstore.storage.s3 import classify_error
+
+    err = classify_error(wrap("PreconditionFailed", 412), "s3://b/k", "PutObject", exists_on_412=True)
+    assert isinstance(err, ObjectExistsError)
+
+
+def test_classify_without_response():
+    from botocore.exceptions import EndpointConnectionError, NoCredentialsError
+
+    from ckptstore.storage.s3 import classify_error
+
+    assert type(classify_error(EndpointConnectionError(endpoint_url="http://x"), "s3://b", "GetObject")) is (
+        TransientStorageError
+    )
+    assert type(classify_error(ConnectionResetError(), "s3://b", "GetObject")) is TransientStorageError
+    assert type(classify_error(NoCredentialsError(), "s3://b", "GetObject")) is StorageError
+    assert type(classify_error(FileExistsError("x"), "s3://b", "PutObject", exists_on_412=True)) is ObjectExistsError
+
+
+# ---------------------------------------------------------------- open_store
+def test_open_memory():
+    name = f"open-{uuid.uuid4().hex}"
+    try:
+        s = open_store(f"memory://{name}/")
+        assert isinstance(s, MemoryStore) and s.name == name
+        s.put("k", b"v")
+        assert open_store(f"memory://{name}").get("k") == b"v"
+    finally:
+        MemoryStore.clear(name)
+
+
+def test_open_local(tmp_path, monkeypatch):
+    s = open_store(f"file://{tmp_path}/a/")
+    assert isinstance(s, LocalStore) and s.root == str(tmp_path / "a")
+    s = open_store(str(tmp_path / "b") + "//")
+    assert isinstance(s, LocalStore) and s.root == str(tmp_path / "b")
+    monkeypatch.chdir(tmp_path)
+    s = open_store("rel/dir")
+    assert isinstance(s, LocalStore) and s.root == str(tmp_path / "rel" / "dir")
+    s = open_store("c", {"fsync": False})
+    assert s.fsync is False
+    with pytest.raises(ValueError, match="do not apply"):
+        open_store("d", {"key": "x"})
+
+
+def test_open_s3(s3):
+    s = open_store(f"s3://{s3.bucket}/runs/exp1/", s3.storage_options)
+    try:
+        assert type(s).__name__ == "S3Store"
+        assert (s.bucket, s.prefix, s.url) == (s3.bucket, "runs/exp1", f"s3://{s3.bucket}/runs/exp1")
+        s.put("k", b"v")
+        assert s3.store(f"s3://{s3.bucket}").get("runs/exp1/k") == b"v"
+    finally:
+        s.close()
+    s = open_store(f"s3://{s3.bucket}", s3.storage_options)
+    try:
+        assert (s.prefix, s.url) == ("", f"s3://{s3.bucket}")
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize(
+    "url", ["s3://AKIAEXAMPLE:hunter2SECRET@bucket/x", "s3://hunter2SECRET@bucket", "gs://u:hunter2SECRET@b/x"]
+)
+def test_open_refuses_credentials(url):
+    with pytest.raises(ValueError) as ei:
+        open_store(url)
+    assert "hunter2SECRET" not in str(ei.value)
+    assert "AKIAEXAMPLE" not in str(ei.value)
+    assert "credentials" in str(ei.value)
+
+
+@pytest.mark.parametrize("url", ["gs://bucket/x", "gcs://bucket/x", "az://c/x", "ftp://host/x", "s3a://bucket/x"])
+def test_open_unsupported_scheme(url):
+    with pytest.raises(ValueError, match="not supported|unsupported"):
+        open_store(url)
+
+
+@pytest.mark.parametrize(
+    "url", ["", "memory://", "s3://", "s3:///x", "file://host/x", "s3://bucket/a//b", "s3://bucket/x?versionId=1"]
+)
+def test_open_malformed(url):
+    with pytest.raises(ValueError):
+        open_store(url)
+
+
+def test_importing_storage_does_not_import_s3fs():
+    import subprocess
+
+    code = "import sys, ckptstore.storage; print('s3fs' in sys.modules, 'ckptstore.storage.s3' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
+
+
+def test_repo_url_fixture(repo_url):
+    url, opts = repo_url
+    with open_store(url, opts) as store:
+        assert list(store.list()) == []
+        store.put_if_absent("k", b"v")
+        assert store.get("k") == b"v"
