@@ -147,6 +147,43 @@ def rss_peak() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def cpu_self() -> float:
+    """User + system CPU seconds of this process (all threads)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+#: pid of the moto server child while one runs (its CPU time is read from /proc).
+SERVER_PID: int | None = None
+
+
+def cpu_server() -> float | None:
+    if SERVER_PID is None:
+        return None
+    try:
+        with open(f"/proc/{SERVER_PID}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class Timer:
+    """Wall clock plus CPU seconds of this process and of the moto child."""
+
+    def __enter__(self):
+        gc.collect()
+        self.cpu0, self.srv0 = cpu_self(), cpu_server()
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.seconds = time.perf_counter() - self.t0
+        self.cpu = cpu_self() - self.cpu0
+        srv = cpu_server()
+        self.server_cpu = srv - self.srv0 if srv is not None and self.srv0 is not None else None
+
+
 def dir_bytes(path: str) -> int:
     total = 0
     for dirpath, _, files in os.walk(path):
@@ -164,9 +201,10 @@ class Results:
         self.rows: list[dict] = []
         self.ref: dict[str, float] = {}
 
-    def add(self, section: str, op: str, kind: str, seconds: float, logical: int | None = None,
+    def add(self, section: str, op: str, kind: str, tm: "Timer", logical: int | None = None,
             written: int | None = None, note: str = "") -> dict:
         logical = self.logical if logical is None else logical
+        seconds = tm.seconds
         row = {
             "section": section,
             "operation": op,
@@ -175,13 +213,14 @@ class Results:
             "logical_bytes": logical,
             "gb_per_s": logical / seconds / 1e9 if seconds > 0 else None,
             "written_bytes": written,
+            "cpu_seconds": tm.cpu,
+            "server_cpu_seconds": tm.server_cpu,
             "rss_peak_bytes": rss_peak(),
             "rss_after_bytes": rss_now(),
             "note": note,
         }
         self.rows.append(row)
-        tag = f"{kind}  {section:<12} {op:<34} {seconds:8.2f} s"
-        print(f"  .. {tag}", flush=True)
+        print(f"  .. {kind:<4}  {section:<12} {op:<36} {seconds:8.2f} s", flush=True)
         return row
 
     def finish(self) -> None:
@@ -197,7 +236,7 @@ class Results:
         return None
 
     def table(self) -> str:
-        head = ["operation", "seconds", "GB/s", "written", "vs torch", "peak RSS"]
+        head = ["operation", "seconds", "GB/s", "written", "vs torch", "CPU s", "moto CPU s", "peak RSS"]
         lines = []
         for r in self.rows:
             ratio = r.get("vs_torch")
@@ -207,6 +246,8 @@ class Results:
                 f"{r['gb_per_s']:.3f}" if r["gb_per_s"] is not None else "-",
                 human(r["written_bytes"]) if r["written_bytes"] is not None else "-",
                 f"{ratio:.2f}x" if ratio is not None else "-",
+                f"{r['cpu_seconds']:.2f}",
+                f"{r['server_cpu_seconds']:.2f}" if r["server_cpu_seconds"] is not None else "-",
                 f"{r['rss_peak_bytes'] / GiB:.2f} GiB",
             ])
         widths = [max(len(head[i]), *(len(l[i]) for l in lines)) for i in range(len(head))]
@@ -225,27 +266,20 @@ def human(n: int) -> str:
     return f"{n / MiB:.1f} MiB"
 
 
-def clock():
-    gc.collect()
-    return time.perf_counter()
-
-
 # ---------------------------------------------------------------- torch
 def bench_torch(sd: dict, tmp: str, res: Results) -> None:
     path = os.path.join(tmp, "torch", "ckpt.pt")
     os.makedirs(os.path.dirname(path))
-    t0 = clock()
-    with open(path, "wb") as f:
-        torch.save(sd, f)
-        f.flush()
-        os.fsync(f.fileno())
-    dt = time.perf_counter() - t0
-    res.add("torch", "torch.save + fsync", "save", dt, written=os.path.getsize(path))
+    with Timer() as tm:
+        with open(path, "wb") as f:
+            torch.save(sd, f)
+            f.flush()
+            os.fsync(f.fileno())
+    res.add("torch", "torch.save + fsync", "save", tm, written=os.path.getsize(path))
 
-    t0 = clock()
-    loaded = torch.load(path, weights_only=True)
-    dt = time.perf_counter() - t0
-    res.add("torch", "torch.load(weights_only=True)", "load", dt)
+    with Timer() as tm:
+        loaded = torch.load(path, weights_only=True)
+    res.add("torch", "torch.load(weights_only=True)", "load", tm)
     verify(sd, loaded, "torch.load")
     del loaded
     shutil.rmtree(os.path.dirname(path))
@@ -261,16 +295,14 @@ def bench_dcp(sd: dict, like: dict, tmp: str, res: Results) -> None:
         # "torch.distributed is disabled, unavailable or uninitialized,
         # assuming the intent is to ... in a single process": that is the intent.
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        t0 = clock()
-        dcp.save(sd, storage_writer=FileSystemWriter(path))  # sync_files=True: fsyncs
-        dt = time.perf_counter() - t0
-        res.add("dcp", "dcp.save(FileSystemWriter)", "save", dt, written=dir_bytes(path))
+        with Timer() as tm:
+            dcp.save(sd, storage_writer=FileSystemWriter(path))  # sync_files=True: fsyncs
+        res.add("dcp", "dcp.save(FileSystemWriter)", "save", tm, written=dir_bytes(path))
 
         scrub(like)
-        t0 = clock()
-        dcp.load(like, storage_reader=FileSystemReader(path))
-        dt = time.perf_counter() - t0
-    res.add("dcp", "dcp.load(FileSystemReader) in place", "load", dt)
+        with Timer() as tm:
+            dcp.load(like, storage_reader=FileSystemReader(path))
+    res.add("dcp", "dcp.load(FileSystemReader) in place", "load", tm)
     verify(sd, like, "dcp.load")
     shutil.rmtree(path)
 
@@ -282,14 +314,13 @@ def bench_ckptstore(section: str, url: str, storage_options, options: dict, sd: 
     repo = ckptstore.open(url, storage_options=storage_options, **options)
     try:
         for step, label in ((1, "save step 1"), (2, "save step 2 (same data)")):
-            t0 = clock()
-            info = repo.save(sd, step=step)
-            dt = time.perf_counter() - t0
+            with Timer() as tm:
+                info = repo.save(sd, step=step)
             infos.append(info.as_dict())
             note = (f"new {human(info.new_bytes)} -> {human(info.stored_bytes)} "
                     f"(x{info.compression_ratio:.3f}), reused {human(info.reused_bytes)}, "
                     f"{info.packs} packs, StepInfo.seconds {info.seconds:.2f}")
-            res.add(section, label, "save", dt, written=info.uploaded_bytes, note=note)
+            res.add(section, label, "save", tm, written=info.uploaded_bytes, note=note)
         stats = repo.stats()
     finally:
         repo.close()
@@ -297,28 +328,25 @@ def bench_ckptstore(section: str, url: str, storage_options, options: dict, sd: 
     # A fresh handle for loads, as a restarted job has: no manifest cache.
     repo = ckptstore.open(url, storage_options=storage_options, **options)
     try:
-        t0 = clock()
-        loaded = repo.load(1)
-        dt = time.perf_counter() - t0
-        res.add(section, "load(1)", "load", dt)
+        with Timer() as tm:
+            loaded = repo.load(1)
+        res.add(section, "load(1)", "load", tm)
         verify(sd, loaded, f"{section} load(1)")
         del loaded
 
         scrub(like)
-        t0 = clock()
-        out = repo.load(1, into=like)
-        dt = time.perf_counter() - t0
-        res.add(section, "load(1, into=preallocated)", "load", dt)
+        with Timer() as tm:
+            out = repo.load(1, into=like)
+        res.add(section, "load(1, into=preallocated)", "load", tm)
         if out is not like:
             raise VerificationError(f"{section} load(1, into=...) returned a new dict, not `into`")
         verify(sd, like, f"{section} load(1, into=...)")
 
         key = "embed_tokens.weight"
-        t0 = clock()
-        part = repo.checkpoint(1).read(key, (slice(0, SLICE_ROWS), slice(None)))
-        dt = time.perf_counter() - t0
+        with Timer() as tm:
+            part = repo.checkpoint(1).read(key, (slice(0, SLICE_ROWS), slice(None)))
         want = sd[key][:SLICE_ROWS]
-        res.add(section, f"read {key}[:{SLICE_ROWS}]", "read", dt, logical=want.numel() * want.element_size())
+        res.add(section, f"read {key}[:{SLICE_ROWS}]", "read", tm, logical=want.numel() * want.element_size())
         verify({key: want}, {key: part}, f"{section} checkpoint(1).read(slice)")
     finally:
         repo.close()
@@ -348,9 +376,12 @@ def moto_subprocess():
             raise RuntimeError(f"moto server child did not start (exit code {proc.poll()})")
         # Not started here: used for its endpoint, storage_options() and create_bucket().
         handle = MotoServer(port=port)
+        global SERVER_PID
+        SERVER_PID = proc.pid
         try:
             yield handle
         finally:
+            SERVER_PID = None
             handle.stop()
     finally:
         try:
@@ -426,6 +457,8 @@ def main(argv=None) -> int:
     print(f"Data: {len(sd)} fp32 randn tensors, {logical / GiB:.3f} GiB logical "
           f"({logical / 1e9:.3f} GB); GB/s = logical bytes / seconds / 1e9.")
     print("'vs torch' = seconds / torch.save seconds for saves, / torch.load seconds for loads and reads.")
+    print("'CPU s' = user+system CPU seconds of this process during the operation (2 cores: at most 2x wall); "
+          "'moto CPU s' = the same for the moto server child process.")
     print(res.table())
     print()
     for r in res.rows:

@@ -1,0 +1,65 @@
+"""The ckptstore command line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import torch
+
+import ckptstore
+from ckptstore.cli.main import main
+
+from .helpers import SMALL
+
+
+def _repo(tmp_path):
+    url = str(tmp_path / "repo")
+    with ckptstore.open(url, **SMALL) as repo:
+        repo.save({"w": torch.randn(100, 100), "b": torch.zeros(100), "epoch": 1}, step=1, metadata={"loss": 2.5})
+        repo.save({"w": torch.randn(100, 100), "b": torch.zeros(100), "epoch": 2}, step=2)
+        repo.tag(1, "best")
+    return url
+
+
+def test_ls_show_stats_json(tmp_path, capsys):
+    url = _repo(tmp_path)
+    assert main(["ls", url, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [s["step"] for s in out["steps"]] == [1, 2]
+    assert out["steps"][0]["tags"] == ["best"]
+    assert out["steps"][0]["logical_bytes"] == 40_400
+    assert main(["show", url, "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["metadata"] == {"loss": 2.5}
+    assert {t["key"]: t["shape"] for t in out["tensors"]} == {"w": [100, 100], "b": [100]}
+    assert main(["stats", url, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["steps"] == 2 and out["dedup_ratio"] > 1.0
+
+
+def test_human_output_and_errors(tmp_path, capsys):
+    url = _repo(tmp_path)
+    assert main(["ls", url]) == 0
+    out = capsys.readouterr().out
+    assert "best" in out and "step" in out
+    assert main(["show", url, "2"]) == 0
+    assert "w" in capsys.readouterr().out
+    assert main(["show", url, "9"]) == 1
+    err = capsys.readouterr().err
+    assert "step 9 is not committed" in err and "Traceback" not in err
+
+
+def test_console_script_demo_runs():
+    r = subprocess.run(
+        [sys.executable, "-m", "ckptstore.cli.main", "demo", "--steps", "3", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    steps = report["steps"]
+    assert len(steps) == 3 and report["restore_equal"] and report["slice"]["equal"]
+    # frozen layers are reused after the first step
+    assert steps[1]["reused_bytes"] > 0.7 * steps[1]["logical_bytes"]
+    assert report["slice"]["bytes_fetched"] < report["slice"]["tensor_bytes"] / 10

@@ -1,0 +1,154 @@
+"""Pure format code: codec, packs, manifests (no store needed)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import zstandard
+
+from ckptstore import codec, manifest as M, pack as P
+from ckptstore.errors import FormatError, IntegrityError, UnsupportedVersionError
+from ckptstore.repository import Repository
+from ckptstore.storage.memory import MemoryStore
+
+from .helpers import SMALL
+
+
+# ------------------------------------------------------------------ codec
+def test_hash_is_blake3_hex():
+    h = codec.hash_bytes(b"abc")
+    assert codec.is_hash(h) and h == "6437b3ac38465133ffb63b75273a8db548c558465d79db03fd359c6cd5bd9d85"
+    assert not codec.is_hash("G" * 64) and not codec.is_hash("ab")
+
+
+def test_encode_decode():
+    data = bytes(1000) + b"xyz" * 100
+    name, stored = codec.encode(data)
+    assert name == "zstd" and len(stored) < len(data)
+    assert bytes(codec.decode(name, stored, len(data))) == data
+    rnd = os.urandom(5000)
+    name, stored = codec.encode(rnd)
+    assert name == "raw" and bytes(stored) == rnd
+    with pytest.raises(IntegrityError):
+        codec.decode("zstd", stored, 5000)  # not a frame
+    with pytest.raises(IntegrityError, match="declares"):
+        codec.decode("zstd", zstandard.ZstdCompressor().compress(bytes(100)), 50)
+    with pytest.raises(IntegrityError):
+        codec.decode("raw", b"abc", 4)
+    with pytest.raises(IntegrityError):
+        codec.decode("lz4", b"abc", 3)
+
+
+# ------------------------------------------------------------------ packs
+def _build_pack(chunks):
+    b = P.PackBuilder()
+    body = [P.header()]
+    for raw in chunks:
+        name, stored = codec.encode(raw)
+        b.add(codec.hash_bytes(raw), name, len(stored), len(raw))
+        body.append(bytes(stored))
+    body.append(b.tail())
+    return b"".join(body), b
+
+
+def test_pack_round_trip_is_self_describing():
+    chunks = [bytes(3000), os.urandom(2000), b"hello" * 50]
+    data, b = _build_pack(chunks)
+    assert len(data) == b.final_size()
+    store = MemoryStore()
+    store.put("p", data)
+    entries = P.read_table(store, "p")
+    assert entries == b.entries
+    for e, raw in zip(entries, chunks):
+        assert bytes(codec.decode(e.codec, data[e.offset : e.offset + e.stored_len], e.raw_len)) == raw
+        assert e.hash == codec.hash_bytes(raw)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "magic", "table", "footer_count"])
+def test_damaged_pack_table_is_refused(damage):
+    data, _ = _build_pack([bytes(3000), b"abc" * 10])
+    data = bytearray(data)
+    if damage == "truncate":
+        data = data[:-7]
+    elif damage == "magic":
+        data[-1] ^= 1
+    elif damage == "table":
+        data[-P.FOOTER_SIZE - 10] ^= 1
+    elif damage == "footer_count":
+        data[-P.FOOTER_SIZE + 8] ^= 0x40
+    store = MemoryStore()
+    store.put("p", bytes(data))
+    with pytest.raises(FormatError):
+        P.read_table(store, "p")
+
+
+# ------------------------------------------------------------------ manifests
+def _manifest_doc():
+    repo = Repository(MemoryStore(), **SMALL)
+    repo.save({"w": torch.randn(50_000), "n": {"lr": 0.1}}, step=3, metadata={"k": "v"})
+    return repo, json.loads(repo.store.get("manifests/00000000000000000003.json"))
+
+
+def test_manifest_round_trip():
+    repo, doc = _manifest_doc()
+    m = M.from_json(json.dumps(doc).encode(), expect_step=3)
+    assert M.from_json(M.to_json(m)) == m
+    assert m.metadata == {"k": "v"} and m.step == 3
+
+
+def _mutations():
+    def chunk(doc):
+        return doc["tensors"][0]["shards"][0]["chunks"][0]
+
+    yield "offset past pack end", lambda d: chunk(d).__setitem__(2, d["packs"][0]["size"]), "past the end"
+    yield "negative length", lambda d: chunk(d).__setitem__(3, -5), "stored_len"
+    yield "non-hex hash", lambda d: chunk(d).__setitem__(0, "x" * 64), "hash"
+    yield "unknown codec", lambda d: chunk(d).__setitem__(5, "lzma"), "codec"
+    yield "bad pack index", lambda d: chunk(d).__setitem__(1, 99), "pack index"
+    yield "huge shape", lambda d: d["tensors"][0].__setitem__("shape", [1 << 40, 1 << 40]), "limit"
+    yield "too many dims", lambda d: d["tensors"][0].__setitem__("shape", [1] * 100), "dimensions"
+    yield "shape/chunks mismatch", lambda d: d["tensors"][0].__setitem__("shape", [49_999]), "box|reaches"
+    yield "unknown dtype", lambda d: d["tensors"][0].__setitem__("dtype", "float128"), "dtype"
+    yield "pack id not hex", lambda d: d["packs"][0].__setitem__("id", "../../etc/passwd"), "pack id"
+    yield "unknown field", lambda d: d.__setitem__("evil", 1), "unknown field"
+    yield "missing field", lambda d: d.pop("tensors"), "missing"
+    yield "tree names unknown tensor", lambda d: d.__setitem__("tree", {"t": "nope"}), "unknown tensor"
+    yield "wrong step", lambda d: d.__setitem__("step", 4), "step"
+    yield "not a manifest", lambda d: d.__setitem__("format", "x"), "not a ckptstore manifest"
+    yield "bool as int", lambda d: chunk(d).__setitem__(2, True), "integer"
+
+
+@pytest.mark.parametrize("name,mutate,match", list(_mutations()), ids=[m[0] for m in _mutations()])
+def test_manifest_validation(name, mutate, match):
+    _, doc = _manifest_doc()
+    mutate(doc)
+    with pytest.raises(FormatError, match=match):
+        M.from_json(json.dumps(doc).encode(), expect_step=3)
+
+
+def test_manifest_version_checks():
+    _, doc = _manifest_doc()
+    doc["version"] = [7, 1]
+    with pytest.raises(UnsupportedVersionError):
+        M.from_json(json.dumps(doc).encode())
+    doc["version"] = "1.0"
+    with pytest.raises(FormatError):
+        M.from_json(json.dumps(doc).encode())
+
+
+def test_manifest_size_bound(monkeypatch):
+    monkeypatch.setattr(M, "MAX_MANIFEST_BYTES", 100)
+    _, doc = _manifest_doc()
+    with pytest.raises(FormatError, match="limit"):
+        M.from_json(json.dumps(doc).encode())
+
+
+def test_manifest_contains_no_pickle():
+    repo, doc = _manifest_doc()
+    for o in repo.store.list():
+        data = repo.store.get(o.key)
+        assert b"\x80\x04\x95" not in data[:16]  # pickle protocol 4 header
+    assert json.dumps(doc)  # pure JSON
