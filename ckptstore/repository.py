@@ -204,6 +204,45 @@ def _byte_view(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
+MAX_RELOCATION_HOPS = 8
+RELOCATION_PREFIX = "relocations/"
+RELOCATION_FORMAT = "ckptstore.relocation"
+
+
+def relocation_key(pack_id: str) -> str:
+    return f"{RELOCATION_PREFIX}{pack_id[:2]}/{pack_id}.json"
+
+
+def parse_relocation(raw: bytes, pack_id: str) -> dict[str, ChunkRef]:
+    """Parse a relocation record: chunk hash -> new location, strictly validated."""
+    if len(raw) > _m.MAX_MANIFEST_BYTES:
+        raise FormatError(f"relocation record of pack {pack_id} is too large")
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise FormatError(f"relocation record of pack {pack_id} is not valid JSON") from None
+    if not isinstance(doc, dict) or doc.get("format") != RELOCATION_FORMAT or doc.get("pack") != pack_id:
+        raise FormatError(f"relocation record of pack {pack_id} is malformed")
+    _m.check_version(doc.get("version"), f"relocation record of pack {pack_id}")
+    chunks = doc.get("chunks")
+    if not isinstance(chunks, dict):
+        raise FormatError(f"relocation record of pack {pack_id}: 'chunks' must be an object")
+    out = {}
+    for h, loc in chunks.items():
+        if not _codec.is_hash(h) or not isinstance(loc, list) or len(loc) != 5:
+            raise FormatError(f"relocation record of pack {pack_id}: bad entry for {h!r:.70}")
+        pid, off, slen, rlen, cod = loc
+        if (
+            not _m.is_pack_id(pid)
+            or any(type(x) is not int or x < 0 for x in (off, slen, rlen))
+            or cod not in _codec.CODECS
+            or (cod == "raw" and slen != rlen)
+        ):
+            raise FormatError(f"relocation record of pack {pack_id}: bad location for chunk {h[:16]}")
+        out[h] = ChunkRef(h, pid, off, slen, rlen, cod)
+    return out
+
+
 class Repository:
     """A checkpoint repository on one object store. Thread-safe for reads.
 
@@ -324,6 +363,14 @@ class Repository:
             raise type(e)(f"{self.url}: step {step}: {e}") from None
         self._manifest_cache[step] = m
         return m
+
+    def _relocation(self, pack_id: str) -> dict[str, ChunkRef] | None:
+        """The relocation record of a repacked pack, or None."""
+        try:
+            raw = self.store.get(relocation_key(pack_id))
+        except ObjectNotFoundError:
+            return None
+        return parse_relocation(raw, pack_id)
 
     def checkpoint(self, step: int) -> "Checkpoint":
         """A read view of one committed step."""
@@ -844,45 +891,8 @@ class Checkpoint:
         reqs = _plan.coalesce(
             [(r.pack, r.offset, r.offset + r.stored_len) for r in refs], o.coalesce_gap, o.max_request
         )
-        store = self.repo.store
         _, io, _ = self.repo._pools()
-
-        def run(req: _plan.RangeRequest):
-            try:
-                (data,) = store.get_ranges(pack_key(req.pack), [(req.start, req.end)])
-            except ObjectNotFoundError:
-                r = refs[req.items[0]]
-                raise MissingDataError(
-                    f"{self.repo.url}: step {self.step}: tensor {key!r}: pack {req.pack} is missing "
-                    f"(needed at offset {r.offset}); the step cannot be restored"
-                ) from None
-            except ValueError as ex:
-                r = refs[req.items[0]]
-                raise IntegrityError(
-                    f"{self.repo.url}: step {self.step}: tensor {key!r}: pack {req.pack} is shorter than "
-                    f"the manifest says (offset {r.offset}): {ex}"
-                ) from None
-            if len(data) != req.end - req.start:
-                raise IntegrityError(
-                    f"{self.repo.url}: step {self.step}: tensor {key!r}: pack {req.pack}: short read at {req.start}"
-                )
-            mv = memoryview(data)
-            for i in req.items:
-                r = refs[i]
-                stored = mv[r.offset - req.start : r.offset - req.start + r.stored_len]
-                where = (
-                    f"{self.repo.url}: step {self.step}: tensor {key!r}: chunk {r.hash[:16]} "
-                    f"in pack {r.pack} at offset {r.offset}"
-                )
-                try:
-                    raw = _codec.decode(r.codec, stored, r.raw_len)
-                except IntegrityError as ex:
-                    raise IntegrityError(f"{where}: {ex}") from None
-                if _codec.hash_bytes(raw) != r.hash:
-                    raise IntegrityError(f"{where}: content hash mismatch (corrupted data)")
-                sinks[i](raw)
-
-        futures = [io.submit(run, q) for q in reqs]
+        futures = [io.submit(self._run_request, key, q, refs, sinks, 0) for q in reqs]
         try:
             for f in cf.as_completed(futures):
                 f.result()
@@ -891,3 +901,63 @@ class Checkpoint:
                 f.cancel()
             cf.wait(futures)
             raise
+
+    def _run_request(self, key, req: _plan.RangeRequest, refs, sinks, hops: int) -> None:
+        store = self.repo.store
+        try:
+            (data,) = store.get_ranges(pack_key(req.pack), [(req.start, req.end)])
+        except ObjectNotFoundError:
+            self._relocated(key, req, refs, sinks, hops)
+            return
+        except ValueError as ex:
+            r = refs[req.items[0]]
+            raise IntegrityError(
+                f"{self.repo.url}: step {self.step}: tensor {key!r}: pack {req.pack} is shorter than "
+                f"the manifest says (offset {r.offset}): {ex}"
+            ) from None
+        if len(data) != req.end - req.start:
+            raise IntegrityError(
+                f"{self.repo.url}: step {self.step}: tensor {key!r}: pack {req.pack}: short read at {req.start}"
+            )
+        mv = memoryview(data)
+        for i in req.items:
+            r = refs[i]
+            stored = mv[r.offset - req.start : r.offset - req.start + r.stored_len]
+            where = (
+                f"{self.repo.url}: step {self.step}: tensor {key!r}: chunk {r.hash[:16]} "
+                f"in pack {r.pack} at offset {r.offset}"
+            )
+            try:
+                raw = _codec.decode(r.codec, stored, r.raw_len)
+            except IntegrityError as ex:
+                raise IntegrityError(f"{where}: {ex}") from None
+            if _codec.hash_bytes(raw) != r.hash:
+                raise IntegrityError(f"{where}: content hash mismatch (corrupted data)")
+            sinks[i](raw)
+
+    def _relocated(self, key, req: _plan.RangeRequest, refs, sinks, hops: int) -> None:
+        """A pack is gone: follow its relocation record (written by repack), if any."""
+        r0 = refs[req.items[0]]
+        missing = MissingDataError(
+            f"{self.repo.url}: step {self.step}: tensor {key!r}: pack {req.pack} is missing "
+            f"(needed at offset {r0.offset}) and no relocation record names its chunks; "
+            "the step cannot be restored"
+        )
+        if hops >= MAX_RELOCATION_HOPS:
+            raise missing
+        table = self.repo._relocation(req.pack)
+        if table is None:
+            raise missing
+        new_refs, new_sinks = [], []
+        for i in req.items:
+            moved = table.get(refs[i].hash)
+            if moved is None:
+                raise missing
+            new_refs.append(moved)
+            new_sinks.append(sinks[i])
+        o = self.repo.options
+        sub = _plan.coalesce(
+            [(r.pack, r.offset, r.offset + r.stored_len) for r in new_refs], o.coalesce_gap, o.max_request
+        )
+        for q in sub:  # serially, on this I/O thread: no nested pool waits
+            self._run_request(key, q, new_refs, new_sinks, hops + 1)
