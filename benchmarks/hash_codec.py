@@ -133,7 +133,8 @@ def main(argv=None) -> int:
     )
     print(f"command: {command}")
     print(f"python {platform.python_version()}, blake3 {getattr(blake3, '__version__', '?')}, "
-          f"zstandard {zstandard.__version__} (libzstd {zstandard.ZSTD_VERSION}), {os.cpu_count()} CPUs", flush=True)
+          f"zstandard {zstandard.__version__} (libzstd {zstandard.ZSTD_VERSION}), {os.cpu_count()} CPUs, "
+          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
 
     hashes = bench_hashes(args.hash_mib * MiB)
     print(f"\nHashes, {args.hash_mib} MiB of random bytes, best of 3:")

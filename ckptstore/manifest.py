@@ -306,6 +306,9 @@ def from_json(data: bytes, expect_step: int | None = None) -> Manifest:
 
     tree = doc["tree"]
     _check_tree(tree, tensors, "tree", 0)
+    dcp = doc.get("dcp")
+    if dcp is not None:
+        _check_dcp(dcp, tensors)
     return Manifest(
         step=step,
         created=float(created),
@@ -357,3 +360,28 @@ def _check_tree(node, tensors, where, depth):
             _check_tree(item, tensors, f"{where}[{i}]", depth + 1)
     else:
         _fail(where, f"unknown node kind {kind!r:.20}")
+
+
+def _check_dcp(dcp, tensors) -> None:
+    """The ``dcp`` section of a step saved through torch.distributed.checkpoint."""
+    _obj(dcp, "dcp", {"bytes"}, {"version", "planner_data", "storage_meta"})
+    for i, k in enumerate(_list(dcp["bytes"], "dcp.bytes")):
+        if type(k) is not str or k not in tensors:
+            _fail(f"dcp.bytes[{i}]", "does not name a stored item")
+        t = tensors[k]
+        if t.dtype != "uint8" or len(t.shape) != 1 or len(t.shards) != 1:
+            _fail(f"dcp.bytes[{i}]", "a bytes item must be one 1-d uint8 shard")
+    v = dcp.get("version")
+    if v is not None:
+        _str(v, "dcp.version", 64)
+    pd = dcp.get("planner_data")
+    if pd is not None:
+        _check_tree(pd, {}, "dcp.planner_data", 0)
+    sm = dcp.get("storage_meta")
+    if sm is not None:
+        _obj(sm, "dcp.storage_meta", set(), {"checkpoint_id", "save_id", "load_id", "modules"})
+        for k in ("checkpoint_id", "save_id", "load_id"):
+            if sm.get(k) is not None:
+                _str(sm[k], f"dcp.storage_meta.{k}")
+        for m in _list(sm.get("modules", []), "dcp.storage_meta.modules"):
+            _str(m, "dcp.storage_meta.modules")

@@ -461,12 +461,7 @@ class Repository:
         if self.store.exists(manifest_key(step)):
             raise StepExistsError(f"{self.url}: step {step} already exists; nothing was written")
         self._ensure_config()
-        base_step = self.latest() if base == "latest" else base
-        base_refs: dict[str, ChunkRef] = {}
-        if base_step is not None:
-            base_m = self.manifest(base_step)
-            for c in base_m.chunk_refs():
-                base_refs.setdefault(c.hash, c)
+        base_step, base_refs = self._dedup_base(base)
         writer = _SaveWriter(self, base_refs)
         entries: dict[str, tuple[torch.Tensor, list]] = {}
         try:
@@ -499,15 +494,7 @@ class Repository:
             stats=stats,
         )
         man = self._resolve_pack_sizes(man, packs)
-        body = _m.to_json(man)
-        try:
-            self.store.put_if_absent(manifest_key(step), body)
-        except ObjectExistsError:
-            raise StepExistsError(
-                f"{self.url}: step {step} was committed by another writer during this save; "
-                "this save's packs are unreferenced and will be reclaimed by gc"
-            ) from None
-        self._manifest_cache[step] = man
+        body = self._commit(man)
         secs = time.perf_counter() - t0
         return StepInfo(
             step=step,
@@ -523,6 +510,28 @@ class Repository:
             reused_chunks=writer.reused_chunks,
             packs=len(packs),
         )
+
+    def _dedup_base(self, base) -> tuple[int | None, dict[str, ChunkRef]]:
+        """The dedup base step and its chunks by hash."""
+        base_step = self.latest() if base == "latest" else (None if base is None else _check_step(base))
+        refs: dict[str, ChunkRef] = {}
+        if base_step is not None:
+            for c in self.manifest(base_step).chunk_refs():
+                refs.setdefault(c.hash, c)
+        return base_step, refs
+
+    def _commit(self, man: Manifest) -> bytes:
+        """Create the step's manifest (exclusive create): the step now exists."""
+        body = _m.to_json(man)
+        try:
+            self.store.put_if_absent(manifest_key(man.step), body)
+        except ObjectExistsError:
+            raise StepExistsError(
+                f"{self.url}: step {man.step} was committed by another writer during this save; "
+                "this save's packs are unreferenced and will be reclaimed by gc"
+            ) from None
+        self._manifest_cache[man.step] = man
+        return body
 
     def _resolve_pack_sizes(self, man: Manifest, new_packs: dict[str, int]) -> Manifest:
         sizes = {}
@@ -762,7 +771,7 @@ class Checkpoint:
 
     def keys(self) -> list[str]:
         """Tensor keys in state-dict order."""
-        return list(self.manifest.tensors)
+        return tree_keys(self.manifest.tree)
 
     def __contains__(self, key) -> bool:
         return key in self.manifest.tensors
@@ -853,11 +862,12 @@ class Checkpoint:
             r0, r1 = 0, 1
         span_lo, span_hi = r0 * row, r1 * row
         direct = (
-            target.is_contiguous()
+            target.device.type == "cpu"
+            and target.is_contiguous()
             and (nd == 0 or all(b == (0, n, 1) for b, n in zip(local, shape)))
         )
         if direct:
-            buf = target
+            buf = target.detach()
         elif nd == 0:
             buf = torch.empty((), dtype=target.dtype)
         else:
@@ -881,7 +891,8 @@ class Checkpoint:
                     (slice(local[0][0] - r0, local[0][1] - r0, local[0][2]),)
                     + tuple(slice(a, b, s) for a, b, s in local[1:])
                 ]
-            target.copy_(sub)
+            with torch.no_grad():
+                target.copy_(sub)
 
     def _fetch(self, key: str, refs: Sequence[ChunkRef], sinks: Sequence[Callable]) -> None:
         """Fetch, verify and decode chunks; hand each one's raw bytes to its sink."""

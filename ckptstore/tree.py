@@ -138,3 +138,78 @@ def tree_keys(tree: dict) -> list[str]:
 
     walk(tree)
     return out
+
+
+def encode_value(obj, depth: int = 0) -> dict:
+    """Encode a tensor-free value (dicts, lists, tuples, JSON scalars) as a tree node.
+
+    Tuples survive the JSON round trip (DCP's planner data maps keys to
+    tuple paths). Raises ``TypeError`` for anything else.
+    """
+    if depth > 100:
+        raise TypeError("value nested more than 100 levels")
+    if _is_plain(obj):
+        return {"v": obj}
+    if isinstance(obj, Mapping):
+        items = []
+        for k, x in obj.items():
+            if type(k) not in (str, int):
+                raise TypeError(f"dict key {k!r} is not a str or int")
+            items.append([k, encode_value(x, depth + 1)])
+        return {"d": items}
+    if isinstance(obj, tuple):
+        return {"u": [encode_value(x, depth + 1) for x in obj]}
+    if isinstance(obj, list):
+        return {"l": [encode_value(x, depth + 1) for x in obj]}
+    raise TypeError(f"cannot encode a {type(obj).__name__} as JSON")
+
+
+def decode_value(node: dict):
+    """Inverse of :func:`encode_value`."""
+
+    def no_tensor(key):
+        raise ValueError(f"unexpected tensor reference {key!r} in a value")
+
+    return unflatten(node, no_tensor)
+
+
+def leaf_values(tree: dict) -> dict[str, Any]:
+    """Plain (non-tensor) leaves of a state-dict tree by dotted key, with their paths."""
+    out: dict[str, Any] = {}
+
+    def walk(node, path):
+        ((kind, val),) = node.items()
+        if kind == "v":
+            if isinstance(val, dict) and val and path:
+                for k, x in val.items():
+                    walk({"v": x}, path + [k])
+            else:
+                out[_path_str(path)] = (val, tuple(path))
+        elif kind == "d":
+            for k, x in val:
+                walk(x, path + [k])
+        elif kind in ("l", "u"):
+            for i, x in enumerate(val):
+                walk(x, path + [i])
+
+    walk(tree, [])
+    return out
+
+
+def tensor_paths(tree: dict) -> dict[str, tuple]:
+    """Tensor key -> path tuple in the state dict."""
+    out: dict[str, tuple] = {}
+
+    def walk(node, path):
+        ((kind, val),) = node.items()
+        if kind == "t":
+            out[val] = tuple(path)
+        elif kind == "d":
+            for k, x in val:
+                walk(x, path + [k])
+        elif kind in ("l", "u"):
+            for i, x in enumerate(val):
+                walk(x, path + [i])
+
+    walk(tree, [])
+    return out

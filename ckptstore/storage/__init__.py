@@ -105,7 +105,7 @@ def open_store(url: str, storage_options: dict | None = None) -> ObjectStore:
             raise ValueError("memory:// URL needs a name, e.g. memory://scratch")
         return MemoryStore(name)
     if scheme == "s3":
-        location = rest.strip("/")
+        location = rest.rstrip("/")
         if not location.split("/", 1)[0]:
             raise ValueError("s3:// URL needs a bucket, e.g. s3://bucket/prefix")
         if "?" in location or "#" in location:

@@ -10,10 +10,14 @@ original as ``__cause__``; :func:`classify_error` looks at that S3 error code
 (not at the built-in type, which depends on the s3fs version and on whether
 the server sent a ``Condition`` field) to pick the ckptstore exception.
 
-s3fs retries connection errors and ``SlowDown`` itself (``retries`` in
-``storage_options``, default 5) before an error reaches this module; the
-errors left over are classified as transient or permanent for the retry
-wrapper above.
+Two layers below us retry already: botocore (5xx, throttling and connection
+errors; ``config_kwargs={"retries": {...}}`` in ``storage_options``) and s3fs
+(connection errors and ``SlowDown``, ``S3FileSystem.retries`` = 5). The
+errors left over are classified as transient or permanent for ckptstore's
+retry wrapper.
+
+Stores that bring explicit credentials share one process-wide botocore
+session, so opening a store does not reload the S3 service model each time.
 """
 
 from __future__ import annotations
@@ -59,9 +63,10 @@ TRANSIENT_CODES = frozenset(
 )
 
 #: Codes meaning "this object (or upload) does not exist". ``404`` is what
-#: HEAD requests report, having no body to carry a code. ``NoSuchBucket`` is
-#: deliberately absent: a missing bucket is a configuration error, and
-#: reporting it as a missing object would make an empty repository out of it.
+#: HEAD requests report, having no body to carry a code (so a HEAD cannot
+#: tell a missing bucket from a missing key). ``NoSuchBucket`` is deliberately
+#: absent: a missing bucket is a configuration error, and reporting it as a
+#: missing object would make an empty repository out of it.
 NOT_FOUND_CODES = frozenset({"NoSuchKey", "NoSuchUpload", "404", "NotFound"})
 
 _MAX_MESSAGE = 300
@@ -210,6 +215,46 @@ def _body(data):
     return memoryview(data).cast("B").tobytes()
 
 
+_SESSION = None
+_SESSION_LOCK = threading.Lock()
+#: S3FileSystem arguments that do not reach the botocore session; any other
+#: key is forwarded to ``AioSession`` (``profile``...) and needs its own.
+_FS_ARGS = frozenset(
+    {
+        "anon", "key", "secret", "token", "use_ssl", "client_kwargs", "requester_pays",
+        "default_block_size", "default_fill_cache", "default_cache_type", "version_aware",
+        "config_kwargs", "s3_additional_kwargs", "endpoint_url", "use_listings_cache",
+        "listings_expiry_time", "max_paths", "skip_instance_cache", "cache_regions",
+        "max_concurrency", "fixed_upload_size", "username",
+        "password", "connect_timeout", "read_timeout",
+    }
+)
+
+
+def _can_share_session(opts: dict) -> bool:
+    """Whether this store may use the process-wide botocore session.
+
+    A botocore session loads the S3 service model (tens of thousands of
+    objects, ~0.1 s) and caches credentials found through the environment
+    chain. Sharing it is safe only when the store brings its own credentials
+    (or none, anonymous) and no session-level option such as ``profile``.
+    """
+    if "session" in opts or set(opts) - _FS_ARGS:
+        return False
+    explicit = (opts.get("key") or opts.get("username")) and (opts.get("secret") or opts.get("password"))
+    return bool(explicit or opts.get("anon"))
+
+
+def _shared_session():
+    global _SESSION
+    with _SESSION_LOCK:
+        if _SESSION is None:
+            import aiobotocore.session
+
+            _SESSION = aiobotocore.session.AioSession()
+        return _SESSION
+
+
 class _RangeError(ValueError):
     pass
 
@@ -223,7 +268,7 @@ class S3Store(ObjectStore):
         ``"bucket"`` or ``"bucket/prefix"`` (an ``s3://`` scheme is accepted).
     storage_options:
         Passed to :class:`s3fs.S3FileSystem` (``key``, ``secret``, ``token``,
-        ``endpoint_url``, ``client_kwargs``, ``config_kwargs``, ``retries``...).
+        ``endpoint_url``, ``client_kwargs``, ``config_kwargs``, ``profile``...).
         Instance and listing caches are always disabled so that no stale
         cache hides an object.
     max_concurrency:
@@ -240,7 +285,10 @@ class S3Store(ObjectStore):
             path = path[len("s3://") :]
         bucket, _, prefix = path.strip("/").partition("/")
         prefix = prefix.strip("/")
-        if not bucket or "@" in bucket or ":" in bucket:
+        if "@" in bucket:
+            # Never echo it: the part before "@" would be a secret.
+            raise ValueError("S3 path must not embed credentials; pass them in storage_options")
+        if not bucket or ":" in bucket:
             raise ValueError(f"invalid S3 bucket name {bucket!r}")
         if prefix:
             check_key(prefix)
@@ -258,10 +306,11 @@ class S3Store(ObjectStore):
         opts["config_kwargs"] = config
         # Kept only to scrub them from error messages, never printed.
         self._secrets = tuple(
-            str(opts[k]) for k in ("secret", "token", "session_token") if opts.get(k)
+            str(opts[k]) for k in ("secret", "password", "token", "session_token") if opts.get(k)
         )
+        if _can_share_session(opts):
+            opts["session"] = _shared_session()
         self._fs = s3fs.S3FileSystem(**opts)
-        self._closed = False
         self._catch = _errors_to_classify()
 
     def __repr__(self) -> str:

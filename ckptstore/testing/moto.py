@@ -25,13 +25,17 @@ def free_port(host: str = HOST) -> int:
         return s.getsockname()[1]
 
 
-class _ConditionalWriteLock:
-    """Serialize conditional requests (``If-None-Match``/``If-Match``).
+class _Middleware:
+    """WSGI fixes that make moto behave like S3 towards our clients.
 
-    moto checks the precondition and stores the object in two steps without a
-    lock, so two concurrent exclusive creates could both succeed on its
-    threaded server. Real S3 makes them atomic; this WSGI wrapper does the
-    same for moto, so create-if-absent races test our code, not moto's.
+    * Conditional requests (``If-None-Match``/``If-Match``) run one at a
+      time: moto checks the precondition and stores the object in two steps
+      without a lock, so two concurrent exclusive creates could both succeed
+      on its threaded server. S3 makes them atomic.
+    * moto sets ``server: amazon.com`` and werkzeug adds its own ``Server``
+      header; strict HTTP parsers (aiohttp's pure-Python parser, used under
+      ``python -X dev``) reject the duplicate with a 400. moto's copy is
+      dropped.
     """
 
     def __init__(self, app):
@@ -39,12 +43,16 @@ class _ConditionalWriteLock:
         self.lock = threading.Lock()
 
     def __call__(self, environ, start_response):
+        def start(status, headers, exc_info=None):
+            headers = [(k, v) for k, v in headers if k.lower() != "server"]
+            return start_response(status, headers, exc_info)
+
         if environ.get("HTTP_IF_NONE_MATCH") or environ.get("HTTP_IF_MATCH"):
             with self.lock:
                 # Flask has produced the whole response (and moto has applied
                 # the write) by the time the app returns.
-                return self.app(environ, start_response)
-        return self.app(environ, start_response)
+                return self.app(environ, start)
+        return self.app(environ, start)
 
 
 class MotoServer:
@@ -82,7 +90,7 @@ class MotoServer:
         server.start()
         wsgi = getattr(server, "_server", None)
         if wsgi is not None and hasattr(wsgi, "app"):
-            wsgi.app = _ConditionalWriteLock(wsgi.app)
+            wsgi.app = _Middleware(wsgi.app)
         self._server = server
         return self
 
@@ -113,13 +121,15 @@ class MotoServer:
 
         ``bucket`` is accepted for symmetry with other emulators and unused:
         the options do not depend on the bucket. ``config_kwargs.proxies`` is
-        empty so that no environment proxy sees the traffic.
+        empty so that no environment proxy sees the traffic; botocore's own
+        retries are off (moto does not throttle, and retrying its internal
+        errors only slows tests down by seconds).
         """
         return {
             "key": KEY,
             "secret": SECRET,
             "client_kwargs": {"endpoint_url": self.endpoint, "region_name": REGION},
-            "config_kwargs": {"proxies": {}},
+            "config_kwargs": {"proxies": {}, "retries": {"max_attempts": 1}},
         }
 
     def client(self):

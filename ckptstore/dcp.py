@@ -1,0 +1,569 @@
+"""torch.distributed.checkpoint storage backend.
+
+``CkptStoreWriter`` and ``CkptStoreReader`` plug ckptstore into DCP's
+planners, so FSDP/DTensor state dicts, multi-rank saves and resharding on
+load work as DCP users expect::
+
+    import torch.distributed.checkpoint as dcp
+    from ckptstore.dcp import CkptStoreWriter, CkptStoreReader
+
+    dcp.save(sd, storage_writer=CkptStoreWriter("s3://bucket/run", step=1000))
+    dcp.load(sd, storage_reader=CkptStoreReader("s3://bucket/run", step=1000))
+
+Save: the coordinator checks the step is free and picks the dedup base in
+``prepare_global_plan``; every rank chunks, hashes, compresses and uploads
+its own items into its own packs in ``write_data`` (chunks already in the
+dedup base are referenced, not uploaded); the coordinator's ``finish``
+builds the step's one manifest from all ranks' results and commits it with
+an exclusive create, like :meth:`Repository.save`. DCP's bytes items (values
+DCP serializes itself) are stored as opaque chunks; DCP's metadata is kept
+in the manifest as JSON and rebuilt by ``read_metadata``. No pickle is
+written or read by this module.
+
+Load: each read item becomes a box of one stored shard; the range-reading
+loader fetches only the chunks covering it (coalesced, concurrent,
+verified) and writes into the destination tensor.
+
+A step saved here is an ordinary step (``repo.checkpoint(step).read``,
+``repo.load`` assemble shards); a step saved with ``repo.save`` loads
+through ``CkptStoreReader``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import io
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from . import manifest as _m
+from . import open as _open
+from .errors import CkptStoreError, FormatError, StepExistsError, StepNotFoundError
+from .manifest import ChunkRef, Manifest, Shard, TensorEntry
+from .repository import Repository, _check_step, _SaveWriter, manifest_key
+from .tree import decode_value, encode_value, leaf_values, tensor_paths
+
+__all__ = ["CkptStoreWriter", "CkptStoreReader", "RankWriteError"]
+
+_SCHEMES = ("s3://", "gs://", "gcs://", "file://", "memory://")
+
+
+class RankWriteError(CkptStoreError, RuntimeError):
+    """One rank failed to write its items; no step was committed."""
+
+
+@dataclass(frozen=True)
+class _GlobalInfo:
+    """What the coordinator tells every rank in ``prepare_global_plan``."""
+
+    rank: int
+    base_step: int | None
+
+
+@dataclass(frozen=True)
+class _ItemResult:
+    """A rank's record of one written item, carried to the coordinator."""
+
+    rank: int
+    kind: str  # "tensor" or "bytes"
+    sizes: tuple[int, ...]
+    dtype: str
+    refs: tuple[tuple, ...]  # (hash, pack, offset, stored_len, raw_len, codec)
+    packs: dict | None = None  # pack id -> size, on the first result of a rank
+    stats: dict | None = None  # this rank's byte counts, on its first result
+
+
+def _ref_tuple(c: ChunkRef) -> tuple:
+    return (c.hash, c.pack, c.offset, c.stored_len, c.raw_len, c.codec)
+
+
+def _is_url(checkpoint_id) -> bool:
+    return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+class CkptStoreWriter(StorageWriter):
+    """DCP ``StorageWriter`` that saves one step of a ckptstore repository.
+
+    Parameters
+    ----------
+    url:
+        Repository URL (``s3://bucket/prefix``, a path, ``memory://name``...).
+        A ``checkpoint_id`` passed to ``dcp.save`` replaces it.
+    step:
+        Step number to commit; it must not exist yet.
+    storage_options:
+        Backend options, as for :func:`ckptstore.open`.
+    metadata:
+        JSON dict stored with the step.
+    base:
+        Dedup base: ``"latest"`` (default), a step number, or None.
+    **options:
+        Repository tunables (``chunk_size``, ``pack_size``, ``workers``...).
+    """
+
+    def __init__(
+        self,
+        url: str | os.PathLike,
+        step: int,
+        storage_options: dict | None = None,
+        metadata: dict | None = None,
+        base: int | str | None = "latest",
+        **options,
+    ):
+        super().__init__()
+        self.url = os.fspath(url)
+        self.step = _check_step(step)
+        self.storage_options = storage_options
+        self.user_metadata = dict(metadata or {})
+        self.base = base
+        self.options = options
+        self.rank = 0
+        self.is_coordinator = True
+        self._repo: Repository | None = None
+        self._base_step: int | None = None
+        self.last_rank_stats: dict | None = None
+
+    # -- DCP protocol -------------------------------------------------------
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            self.url = os.fspath(checkpoint_id)
+        self._close()
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        rank = kwargs.get("rank")
+        if rank is None:
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        self.rank = int(rank)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        repo = self._get_repo()
+        if repo.store.exists(manifest_key(self.step)):
+            raise StepExistsError(f"{repo.url}: step {self.step} already exists; nothing was written")
+        repo._ensure_config()
+        base_step = repo.latest() if self.base == "latest" else self.base
+        self._base_step = base_step
+        return [
+            dataclasses.replace(p, storage_data=_GlobalInfo(rank=i, base_step=base_step))
+            for i, p in enumerate(plans)
+        ]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        info = plan.storage_data if isinstance(plan.storage_data, _GlobalInfo) else None
+        rank = info.rank if info is not None else self.rank
+        base_step = info.base_step if info is not None else None
+        fut: Future = Future()
+        try:
+            fut.set_result(self._write_items(plan, planner, rank, base_step))
+        except BaseException as e:
+            raise RankWriteError(f"rank {rank}: writing step {self.step} failed: {type(e).__name__}: {e}") from e
+        return fut
+
+    def _write_items(self, plan: SavePlan, planner: SavePlanner, rank: int, base_step) -> list[WriteResult]:
+        repo = self._get_repo()
+        repo.config()  # adopt the repository's chunk size (dedup needs the same cut)
+        _, base_refs = repo._dedup_base(base_step)
+        writer = _SaveWriter(repo, base_refs)
+        pending = []
+        try:
+            for item in plan.items:
+                data = planner.resolve_data(item)
+                if item.type == WriteItemType.BYTE_IO:
+                    buf = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+                    t = torch.frombuffer(bytearray(buf), dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
+                    kind = "bytes"
+                else:
+                    t = data
+                    kind = "tensor"
+                refs = writer.add(t)
+                pending.append((item, kind, tuple(t.shape), _m.dtype_name(t.dtype), t.numel() * t.element_size(), refs))
+            packs = writer.finish()
+        except BaseException:
+            writer.abort()
+            raise
+        stats = {
+            "logical_bytes": writer.logical,
+            "new_bytes": writer.new_raw,
+            "stored_bytes": writer.new_stored,
+            "reused_bytes": writer.reused,
+            "pack_bytes": sum(packs.values()),
+        }
+        self.last_rank_stats = dict(stats, rank=rank)
+        results = []
+        for n, (item, kind, sizes, dtype, nbytes, refs) in enumerate(pending):
+            results.append(
+                WriteResult(
+                    index=item.index,
+                    size_in_bytes=nbytes,
+                    storage_data=_ItemResult(
+                        rank=rank,
+                        kind=kind,
+                        sizes=sizes,
+                        dtype=dtype,
+                        refs=tuple(_ref_tuple(c) for c in refs),
+                        packs=packs if n == 0 else None,
+                        stats=stats if n == 0 else None,
+                    ),
+                )
+            )
+        if not results and packs:
+            raise RankWriteError(f"rank {rank}: wrote packs but no items")
+        return results
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        repo = self._get_repo()
+        man = build_manifest(
+            self.step, metadata, results, base_step=self._base_step, user_metadata=self.user_metadata
+        )
+        packs: dict[str, int] = {}
+        for rank_results in results:
+            for wr in rank_results:
+                if wr.storage_data.packs:
+                    packs.update(wr.storage_data.packs)
+        if man.base_step is not None:
+            repo.manifest(man.base_step)  # cached: pack sizes of reused chunks
+        man = repo._resolve_pack_sizes(man, packs)
+        repo._commit(man)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return _is_url(checkpoint_id)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.url, save_id=f"step-{self.step}")
+
+    # -- helpers ------------------------------------------------------------
+    def _get_repo(self) -> Repository:
+        if self._repo is None:
+            self._repo = _open(self.url, storage_options=self.storage_options, **self.options)
+        return self._repo
+
+    def _close(self) -> None:
+        if self._repo is not None:
+            self._repo.close()
+            self._repo = None
+
+    def close(self) -> None:
+        """Release threads and connections (also done on garbage collection)."""
+        self._close()
+
+    def __del__(self):
+        try:
+            self._close()
+        except Exception:
+            pass
+
+
+def build_manifest(
+    step: int, metadata: Metadata, results: list[list[WriteResult]], base_step=None, user_metadata=None
+) -> Manifest:
+    """The manifest of a DCP save, from DCP's global metadata and every rank's results."""
+    written: dict[str, list[tuple[tuple[int, ...], _ItemResult]]] = {}
+    stats = {"logical_bytes": 0, "new_bytes": 0, "stored_bytes": 0, "reused_bytes": 0, "pack_bytes": 0}
+    ranks: dict[str, dict] = {}
+    for rank_results in results:
+        for wr in rank_results:
+            sd = wr.storage_data
+            if not isinstance(sd, _ItemResult):
+                raise FormatError(f"step {step}: a write result carries no ckptstore data (mixed storage writers?)")
+            offset = tuple(wr.index.offset) if wr.index.offset is not None else None
+            written.setdefault(wr.index.fqn, []).append((offset, sd))
+            if sd.stats:
+                ranks[str(sd.rank)] = sd.stats
+                for k in stats:
+                    stats[k] += sd.stats.get(k, 0)
+    stats["ranks"] = ranks
+
+    tensors: dict[str, TensorEntry] = {}
+    bytes_keys: list[str] = []
+    for fqn, md in metadata.state_dict_metadata.items():
+        items = written.get(fqn, [])
+        if isinstance(md, BytesStorageMetadata):
+            if len(items) != 1:
+                raise FormatError(f"step {step}: bytes item {fqn!r} was written {len(items)} times")
+            _, sd = items[0]
+            refs = tuple(ChunkRef(*r) for r in sd.refs)
+            n = sum(c.raw_len for c in refs)
+            tensors[fqn] = TensorEntry(fqn, "uint8", (n,), (Shard((0,), (n,), refs),))
+            bytes_keys.append(fqn)
+            continue
+        shape = tuple(md.size)
+        dtype = _m.dtype_name(md.properties.dtype)
+        by_offset = {off: sd for off, sd in items}
+        shards = []
+        for chunk in md.chunks:
+            off = tuple(chunk.offsets)
+            sd = by_offset.get(off)
+            if sd is None:
+                raise FormatError(f"step {step}: no rank wrote tensor {fqn!r} at offsets {off}")
+            if tuple(sd.sizes) != tuple(chunk.sizes):
+                raise FormatError(f"step {step}: tensor {fqn!r} at {off}: wrote sizes {sd.sizes}, planned {tuple(chunk.sizes)}")
+            shards.append(Shard(off, tuple(chunk.sizes), tuple(ChunkRef(*r) for r in sd.refs)))
+        tensors[fqn] = TensorEntry(fqn, dtype, shape, tuple(shards))
+
+    planner_data = metadata.planner_data
+    tree = _tree_from_planner_data([k for k in tensors if k not in bytes_keys], planner_data)
+    try:
+        pd_node = encode_value(planner_data) if planner_data is not None else None
+    except TypeError:
+        pd_node = None  # a custom planner's private data; not needed to load tensors
+    sm = metadata.storage_meta
+    dcp_section = {
+        "bytes": bytes_keys,
+        "version": metadata.version,
+        "planner_data": pd_node,
+        "storage_meta": None
+        if sm is None
+        else {
+            "checkpoint_id": None if sm.checkpoint_id is None else os.fspath(sm.checkpoint_id),
+            "save_id": sm.save_id,
+            "load_id": sm.load_id,
+            "modules": list(sm.modules or []),
+        },
+    }
+    return Manifest(
+        step=step,
+        created=time.time(),
+        tensors=tensors,
+        tree=tree,
+        packs={c.pack: 0 for t in tensors.values() for s in t.shards for c in s.chunks},
+        metadata=user_metadata or {},
+        base_step=base_step,
+        stats=stats,
+        dcp=dcp_section,
+    )
+
+
+def _tree_from_planner_data(keys: list[str], planner_data) -> dict:
+    """Nest tensor fqns by the paths DCP's planner recorded (flat if unknown)."""
+    paths = {}
+    if isinstance(planner_data, dict):
+        for k in keys:
+            p = planner_data.get(k)
+            if isinstance(p, (tuple, list)) and p and all(type(x) in (str, int) for x in p):
+                paths[k] = tuple(p)
+    if len(paths) != len(keys):
+        return {"d": [[k, {"t": k}] for k in keys]}
+    root: dict = {}
+    for k in keys:
+        node = root
+        p = paths[k]
+        for part in p[:-1]:
+            nxt = node.setdefault(part, {})
+            if not isinstance(nxt, dict):
+                return {"d": [[k, {"t": k}] for k in keys]}
+            node = nxt
+        if p[-1] in node:
+            return {"d": [[k, {"t": k}] for k in keys]}
+        node[p[-1]] = k
+
+    def to_node(d):
+        return {"d": [[name, {"t": v} if isinstance(v, str) else to_node(v)] for name, v in d.items()]}
+
+    return to_node(root)
+
+
+class CkptStoreReader(StorageReader):
+    """DCP ``StorageReader`` over one committed step.
+
+    Parameters
+    ----------
+    url:
+        Repository URL; a ``checkpoint_id`` passed to ``dcp.load`` replaces it.
+    step:
+        Step to load; None reads the newest committed step (rank 0 picks it
+        and broadcasts it, so every rank loads the same step).
+    storage_options:
+        Backend options, as for :func:`ckptstore.open`.
+    item_workers:
+        Read items processed concurrently (each fans out to coalesced,
+        concurrent range reads on the repository's I/O pool).
+    """
+
+    def __init__(
+        self,
+        url: str | os.PathLike,
+        step: int | None = None,
+        storage_options: dict | None = None,
+        item_workers: int = 4,
+        **options,
+    ):
+        super().__init__()
+        self.url = os.fspath(url)
+        self.step = None if step is None else _check_step(step)
+        self.storage_options = storage_options
+        self.options = options
+        self.item_workers = item_workers
+        self._repo: Repository | None = None
+        self._ckpt = None
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            self.url = os.fspath(checkpoint_id)
+        self._ckpt = None
+
+    def _get_repo(self) -> Repository:
+        if self._repo is None:
+            self._repo = _open(self.url, storage_options=self.storage_options, **self.options)
+        return self._repo
+
+    def _resolve_step(self) -> int:
+        step = self.step
+        if step is None:
+            step = self._get_repo().latest()
+            if dist.is_available() and dist.is_initialized():
+                box = [step]
+                dist.broadcast_object_list(box, src=0)
+                step = box[0]
+            if step is None:
+                raise StepNotFoundError(f"{self._get_repo().url}: the repository has no committed step")
+        return step
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        step = self._resolve_step()
+        self._ckpt = self._get_repo().checkpoint(step)
+        return metadata_from_manifest(self._ckpt.manifest)
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self._ckpt is None:
+            self._ckpt = self._get_repo().checkpoint(self._resolve_step())
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        ckpt = self._ckpt
+        man = ckpt.manifest
+        bytes_keys = set((man.dcp or {}).get("bytes", []))
+        values = leaf_values(man.tree) if man.dcp is None else {}
+        tensor_jobs = []
+        for item in plan.items:
+            fqn = item.storage_index.fqn
+            if item.type == LoadItemType.BYTE_IO:
+                if fqn in bytes_keys:
+                    data = ckpt.read(fqn).numpy().tobytes()
+                elif fqn in values:
+                    # A step saved by repo.save holds plain JSON values; DCP
+                    # expects them as torch.save bytes of the value.
+                    buf = io.BytesIO()
+                    torch.save(values[fqn][0], buf)
+                    data = buf.getvalue()
+                else:
+                    raise KeyError(f"step {man.step} has no value {fqn!r}")
+                planner.load_bytes(item, io.BytesIO(data))
+                continue
+            entry = man.tensors.get(fqn)
+            if entry is None:
+                raise KeyError(f"step {man.step} has no tensor {fqn!r}")
+            shard = _find_shard(entry, item.storage_index.offset, man.step)
+            local = tuple((o, o + n, 1) for o, n in zip(item.storage_offsets, item.lengths))
+            target = planner.resolve_tensor(item).detach()
+            tensor_jobs.append((item, entry, shard, local, target))
+
+        def run(job):
+            _, entry, shard, local, target = job
+            ckpt._read_shard(entry, shard, local, target)
+
+        if tensor_jobs:
+            with cf.ThreadPoolExecutor(min(self.item_workers, len(tensor_jobs)), thread_name_prefix="ckpt-dcp") as ex:
+                futures = [ex.submit(run, j) for j in tensor_jobs]
+                for f in futures:
+                    f.result()
+            for item, _, _, _, target in tensor_jobs:
+                planner.commit_tensor(item, target)
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return _is_url(checkpoint_id)
+
+    def close(self) -> None:
+        if self._repo is not None:
+            self._repo.close()
+            self._repo = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _find_shard(entry: TensorEntry, offset, step: int) -> Shard:
+    want = tuple(offset) if offset is not None else (0,) * len(entry.shape)
+    for s in entry.shards:
+        if s.offsets == want:
+            return s
+    raise FormatError(f"step {step}: tensor {entry.key!r} has no stored shard at offsets {want}")
+
+
+def metadata_from_manifest(man: Manifest) -> Metadata:
+    """DCP ``Metadata`` for a step (saved through DCP or by ``repo.save``)."""
+    sdm: dict[str, Any] = {}
+    if man.dcp is not None:
+        bytes_keys = set(man.dcp.get("bytes", []))
+        for key, e in man.tensors.items():
+            if key in bytes_keys:
+                sdm[key] = BytesStorageMetadata()
+            else:
+                sdm[key] = _tensor_md(e)
+        pd = man.dcp.get("planner_data")
+        planner_data = decode_value(pd) if pd is not None else None
+        sm = man.dcp.get("storage_meta")
+        storage_meta = StorageMeta(**{k: v for k, v in sm.items()}) if sm else None
+        return Metadata(
+            state_dict_metadata=sdm,
+            planner_data=planner_data,
+            storage_meta=storage_meta,
+            version=man.dcp.get("version"),
+        )
+    paths = tensor_paths(man.tree)
+    planner_data: dict[str, tuple] = {}
+    for key, e in man.tensors.items():
+        sdm[key] = _tensor_md(e)
+        planner_data[key] = paths.get(key, (key,))
+    for key, (_, path) in leaf_values(man.tree).items():
+        sdm.setdefault(key, BytesStorageMetadata())
+        planner_data.setdefault(key, path)
+    return Metadata(state_dict_metadata=sdm, planner_data=planner_data)
+
+
+def _tensor_md(e: TensorEntry) -> TensorStorageMetadata:
+    return TensorStorageMetadata(
+        properties=TensorProperties(dtype=_m.DTYPES[e.dtype]),
+        size=torch.Size(e.shape),
+        chunks=[ChunkStorageMetadata(offsets=torch.Size(s.offsets), sizes=torch.Size(s.sizes)) for s in e.shards],
+    )

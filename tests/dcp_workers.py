@@ -1,0 +1,182 @@
+"""Process bodies for the multi-rank DCP tests (spawned with gloo on 127.0.0.1).
+
+Kept in an importable module so torch.multiprocessing's spawn can find them.
+Expected values travel between processes as torch.save files in the test's
+tmp dir (test scaffolding only; the store never holds a pickle).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from ckptstore.dcp import CkptStoreReader, CkptStoreWriter
+from ckptstore.errors import StorageError
+from ckptstore.storage.wrappers import FaultStore
+
+SMALL = dict(chunk_size=64 << 10, pack_size=1 << 20, part_size=5 << 20)
+
+
+def _init(rank, world, port):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    return init_device_mesh("cpu", (world,))
+
+
+def _shutdown():
+    # Every rank finishes its last collective before any rank tears gloo
+    # down; tearing down while a peer still reads aborts that peer.
+    try:
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+
+
+def _train_state(mesh):
+    """FSDP2 model + AdamW after one step; state dict as DCP users build it."""
+    m = _model()
+    if mesh is not None:
+        for layer in (m[0], m[2]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(m, mesh=mesh)
+    opt = torch.optim.AdamW(m.parameters(), lr=0.01)
+    torch.manual_seed(1)
+    m(torch.randn(8, 16)).pow(2).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(m, opt)
+    return m, opt, msd, osd
+
+
+def _extras(mesh, fill=None):
+    g = torch.Generator().manual_seed(2)
+    big = torch.randn(512, 256, generator=g)
+    rep = torch.randn(8, 8, generator=g)
+    plain = torch.randn(1000, generator=g)
+    if fill is not None:
+        big, rep, plain = torch.full_like(big, fill), torch.full_like(rep, fill), torch.full_like(plain, fill)
+    if mesh is None:
+        return {"big": big, "rep_dt": rep, "rep_plain": plain}
+    return {
+        "big": distribute_tensor(big, mesh, [Shard(0)]),
+        "rep_dt": distribute_tensor(rep, mesh, [Replicate()]),
+        "rep_plain": plain,
+    }
+
+
+def _full(tree):
+    if isinstance(tree, DTensor):
+        return tree.full_tensor()
+    if isinstance(tree, torch.Tensor):
+        return tree.clone()
+    if isinstance(tree, dict):
+        return {k: _full(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_full(v) for v in tree)
+    return tree
+
+
+def compare(expected, got, path=""):
+    if isinstance(expected, torch.Tensor):
+        g = got.full_tensor() if isinstance(got, DTensor) else got
+        if not torch.equal(expected, g):
+            raise AssertionError(f"{path} differs")
+    elif isinstance(expected, dict):
+        for k in expected:
+            if k not in got:
+                raise AssertionError(f"{path}.{k} missing")
+            compare(expected[k], got[k], f"{path}.{k}")
+    elif isinstance(expected, (list, tuple)):
+        for i, (a, b) in enumerate(zip(expected, got)):
+            compare(a, b, f"{path}[{i}]")
+    elif expected != got:
+        raise AssertionError(f"{path}: {expected!r} != {got!r}")
+
+
+def save_worker(rank, world, port, url, so, expect_path):
+    mesh = _init(rank, world, port)
+    try:
+        _, _, msd, osd = _train_state(mesh)
+        sd = {"model": msd, "optim": osd, **_extras(mesh), "epoch": 7}
+        dcp.save(sd, storage_writer=CkptStoreWriter(url, step=1, storage_options=so, **SMALL))
+        expected = _full(sd)
+        if rank == 0:
+            torch.save(expected, expect_path)
+    finally:
+        _shutdown()
+
+
+def load_worker(rank, world, port, url, so, expect_path):
+    mesh = _init(rank, world, port)
+    try:
+        expected = torch.load(expect_path, weights_only=True)
+        _, _, msd, osd = _train_state(mesh)
+        sd = {"model": msd, "optim": osd, **_extras(mesh, fill=0.0), "epoch": 0}
+        dcp.load(sd, storage_reader=CkptStoreReader(url, step=1, storage_options=so))
+        compare(expected, sd)
+    finally:
+        _shutdown()
+
+
+def load_single_process(url, so, expect_path):
+    expected = torch.load(expect_path, weights_only=True)
+    _, _, msd, osd = _train_state(None)
+    sd = {"model": msd, "optim": osd, **_extras(None, fill=0.0), "epoch": 0}
+    dcp.load(sd, storage_reader=CkptStoreReader(url, step=1, storage_options=so))
+    compare(expected, sd)
+
+
+class _FailingWriter(CkptStoreWriter):
+    """Rank 1's pack uploads fail, as a broken network or bucket would."""
+
+    def _get_repo(self):
+        repo = super()._get_repo()
+        if self.rank == 1 and not isinstance(repo.store, FaultStore):
+            repo.store = FaultStore(
+                repo.store, [("*", "packs/*", lambda op, k: StorageError(f"injected failure: {op} {k}"), None)]
+            )
+        return repo
+
+
+def dedup_and_failure_worker(rank, world, port, url, so, out_path):
+    mesh = _init(rank, world, port)
+    try:
+        g = torch.Generator().manual_seed(3)
+        w = torch.randn(256, 512, generator=g)  # 512 KiB: 256 KiB per rank
+        dt = distribute_tensor(w, mesh, [Shard(0)])
+        dcp.save({"w": dt}, storage_writer=CkptStoreWriter(url, step=1, storage_options=so, **SMALL))
+        # step 2: only rank 1's shard changes
+        if rank == 1:
+            dt.to_local().add_(1.0)
+        writer = CkptStoreWriter(url, step=2, storage_options=so, **SMALL)
+        dcp.save({"w": dt}, storage_writer=writer)
+        stats = writer.last_rank_stats
+        # step 3: rank 1 fails while writing
+        err = None
+        try:
+            dt.to_local().add_(1.0)
+            dcp.save({"w": dt}, storage_writer=_FailingWriter(url, step=3, storage_options=so, **SMALL))
+        except (Exception, CheckpointException) as e:  # a BaseException, raised on every rank
+            err = f"{type(e).__name__}: {e}"
+        all_stats = [None] * world
+        dist.all_gather_object(all_stats, {"stats": stats, "err": err})
+        if rank == 0:
+            with open(out_path, "w") as f:
+                json.dump(all_stats, f)
+    finally:
+        _shutdown()
