@@ -136,6 +136,7 @@ class RepoOptions:
     codec: "zstd" or "raw".
     coalesce_gap: merge range reads of one pack separated by at most this.
     max_request: largest single ranged GET.
+    tensor_workers: tensors loaded at once by ``load``.
     """
 
     chunk_size: int = 4 * MiB
@@ -149,6 +150,7 @@ class RepoOptions:
     codec: str = "zstd"
     coalesce_gap: int = 1 * MiB
     max_request: int = 32 * MiB
+    tensor_workers: int = 4
 
     def check(self) -> None:
         if self.chunk_size < 4096 or self.chunk_size > _m.MAX_CHUNK_BYTES:
@@ -159,7 +161,7 @@ class RepoOptions:
             raise ValueError("pack_size must be positive")
         if self.codec not in _codec.CODECS:
             raise ValueError(f"codec must be one of {_codec.CODECS}, got {self.codec!r}")
-        for name in ("workers", "io_workers", "packs_in_flight"):
+        for name in ("workers", "io_workers", "packs_in_flight", "tensor_workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
 
@@ -260,6 +262,7 @@ class Repository:
         self._io_pool: cf.ThreadPoolExecutor | None = None
         self._seal_pool: cf.ThreadPoolExecutor | None = None
         self._async_pool: cf.ThreadPoolExecutor | None = None
+        self._tensor_pool: cf.ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self._manifest_cache: dict[int, Manifest] = {}
 
@@ -275,10 +278,10 @@ class Repository:
 
     def close(self) -> None:
         """Wait for async saves, stop worker threads and close the store."""
-        for p in (self._async_pool, self._seal_pool, self._cpu_pool, self._io_pool):
+        for p in (self._async_pool, self._tensor_pool, self._seal_pool, self._cpu_pool, self._io_pool):
             if p is not None:
                 p.shutdown(wait=True)
-        self._async_pool = self._seal_pool = self._cpu_pool = self._io_pool = None
+        self._async_pool = self._tensor_pool = self._seal_pool = self._cpu_pool = self._io_pool = None
         self.store.close()
 
     def __enter__(self):
@@ -559,15 +562,31 @@ class Repository:
                 raise StepNotFoundError(f"{self.url}: the repository has no committed step")
         ckpt = self.checkpoint(step)
         if into is None:
-            return unflatten(ckpt.manifest.tree, ckpt.read)
+            keys = ckpt.keys()
+            tensors = dict(zip(keys, self._map_tensors(ckpt.read, keys)))
+            return unflatten(ckpt.manifest.tree, tensors.__getitem__)
         _, dest = flatten(into)
         missing = [k for k in dest if k not in ckpt.manifest.tensors]
         if missing:
             raise KeyError(f"step {step} has no tensor(s) {missing[:5]} present in `into`")
-        for key, t in dest.items():
-            ckpt.read_into(key, t)
+        self._map_tensors(lambda k: ckpt.read_into(k, dest[k]), list(dest))
         _replace_values(into, ckpt.manifest.tree)
         return into
+
+    def _map_tensors(self, fn, keys: list[str]) -> list:
+        """Run ``fn(key)`` for several tensors at once (each fans out to the I/O pool)."""
+        with self._pool_lock:
+            if self._tensor_pool is None:
+                self._tensor_pool = cf.ThreadPoolExecutor(
+                    self.options.tensor_workers, thread_name_prefix="ckpt-tensor"
+                )
+        futures = [self._tensor_pool.submit(fn, k) for k in keys]
+        try:
+            return [f.result() for f in futures]
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
 
     # ------------------------------------------------------------ stats
     def stats(self) -> dict:
@@ -931,7 +950,8 @@ class Checkpoint:
                 f"{self.repo.url}: step {self.step}: tensor {key!r}: pack {req.pack}: short read at {req.start}"
             )
         mv = memoryview(data)
-        for i in req.items:
+
+        def decode(i):
             r = refs[i]
             stored = mv[r.offset - req.start : r.offset - req.start + r.stored_len]
             where = (
@@ -945,6 +965,17 @@ class Checkpoint:
             if _codec.hash_bytes(raw) != r.hash:
                 raise IntegrityError(f"{where}: content hash mismatch (corrupted data)")
             sinks[i](raw)
+
+        if len(req.items) == 1:
+            decode(req.items[0])
+            return
+        # Decoding and hashing release the GIL: spread one request's chunks
+        # over the CPU pool (its tasks never wait on anything, so an I/O
+        # thread waiting here cannot deadlock).
+        cpu, _, _ = self.repo._pools()
+        futures = [cpu.submit(decode, i) for i in req.items]
+        for f in futures:
+            f.result()
 
     def _relocated(self, key, req: _plan.RangeRequest, refs, sinks, hops: int) -> None:
         """A pack is gone: follow its relocation record (written by repack), if any."""
