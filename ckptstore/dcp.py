@@ -146,6 +146,8 @@ class CkptStoreWriter(StorageWriter):
         self.is_coordinator = True
         self._repo: Repository | None = None
         self._base_step: int | None = None
+        self._lease: str | None = None
+        self._t0 = time.perf_counter()
         self.last_rank_stats: dict | None = None
 
     # -- DCP protocol -------------------------------------------------------
@@ -169,6 +171,10 @@ class CkptStoreWriter(StorageWriter):
         if repo.store.exists(manifest_key(self.step)):
             raise StepExistsError(f"{repo.url}: step {self.step} already exists; nothing was written")
         repo._ensure_config()
+        # GC protocol (docs/gc.md): lease first, then the clock starts, then
+        # the dedup base is chosen; finish() refuses to commit once too old.
+        self._lease = repo._write_lease(self.step)
+        self._t0 = time.perf_counter()
         base_step = repo.latest() if self.base == "latest" else self.base
         self._base_step = base_step
         return [
@@ -251,7 +257,12 @@ class CkptStoreWriter(StorageWriter):
         if man.base_step is not None:
             repo.manifest(man.base_step)  # cached: pack sizes of reused chunks
         man = repo._resolve_pack_sizes(man, packs)
-        repo._commit(man)
+        try:
+            repo._check_base_age(self.step, self._t0)
+            repo._commit(man)
+        finally:
+            repo._drop_lease(self._lease)
+            self._lease = None
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:

@@ -54,3 +54,7 @@ class IntegrityError(CkptStoreError, ValueError):
 
 class MissingDataError(CkptStoreError, FileNotFoundError):
     """A committed step references a pack that is no longer in the store."""
+
+
+class StaleBaseError(CkptStoreError, RuntimeError):
+    """A save ran longer than the GC grace period allows; it did not commit."""

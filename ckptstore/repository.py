@@ -24,6 +24,7 @@ import json
 import math
 import os
 import re
+import socket
 import threading
 import time
 import uuid
@@ -44,6 +45,7 @@ from .errors import (
     ObjectExistsError,
     ObjectNotFoundError,
     StepExistsError,
+    StaleBaseError,
     StepNotFoundError,
     StorageError,
 )
@@ -52,6 +54,10 @@ from .storage.base import MIN_PART_SIZE, ObjectStore, ParallelUploader
 from .tree import flatten, tree_keys, unflatten
 
 MiB = 1 << 20
+LEASE_PREFIX = "leases/"
+TOMBSTONE_PREFIX = "tombstones/"
+TOMBSTONE_FORMAT = "ckptstore.tombstone"
+DEFAULT_GRACE = 2 * 3600.0
 CONFIG_KEY = "config.json"
 MANIFEST_PREFIX = "manifests/"
 PACK_PREFIX = "packs/"
@@ -59,6 +65,11 @@ TAG_PREFIX = "refs/tags/"
 CONFIG_FORMAT = "ckptstore.config"
 MAX_STEP = 10**19 - 1
 _TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def safety_margin(grace: float) -> float:
+    """Slack between a saver's own deadline and GC's: clock skew, listing delay."""
+    return min(0.1 * grace, 300.0)
 
 
 def manifest_key(step: int) -> str:
@@ -137,6 +148,8 @@ class RepoOptions:
     coalesce_gap: merge range reads of one pack separated by at most this.
     max_request: largest single ranged GET.
     tensor_workers: tensors loaded at once by ``load``.
+    grace: GC grace period in seconds, recorded in the config of a new
+        repository (the repository's recorded value wins otherwise).
     """
 
     chunk_size: int = 4 * MiB
@@ -151,12 +164,15 @@ class RepoOptions:
     coalesce_gap: int = 1 * MiB
     max_request: int = 32 * MiB
     tensor_workers: int = 4
+    grace: float = DEFAULT_GRACE
 
     def check(self) -> None:
         if self.chunk_size < 4096 or self.chunk_size > _m.MAX_CHUNK_BYTES:
             raise ValueError(f"chunk_size must be in [4096, {_m.MAX_CHUNK_BYTES}], got {self.chunk_size}")
         if self.part_size < MIN_PART_SIZE:
             raise ValueError(f"part_size must be at least {MIN_PART_SIZE} (S3's minimum), got {self.part_size}")
+        if not (self.grace >= 0):
+            raise ValueError("grace must be a non-negative number of seconds")
         if self.pack_size < 1:
             raise ValueError("pack_size must be positive")
         if self.codec not in _codec.CODECS:
@@ -322,6 +338,7 @@ class Repository:
             "pack_size": o.pack_size,
             "codec": o.codec,
             "level": o.level,
+            "grace": o.grace,
             "created": time.time(),
         }
         try:
@@ -380,11 +397,26 @@ class Repository:
         return Checkpoint(self, self.manifest(step))
 
     def delete(self, step: int) -> None:
-        """Delete one step's manifest; its packs are reclaimed by GC."""
+        """Delete one step; its packs are reclaimed by GC.
+
+        A tombstone holding the manifest is written first, so packs the step
+        referenced stay protected from GC while a saver that read it as its
+        dedup base may still commit (``docs/gc.md``).
+        """
         step = _check_step(step)
         key = manifest_key(step)
-        if not self.store.exists(key):
-            raise StepNotFoundError(f"{self.url}: step {step} is not committed")
+        try:
+            raw = self.store.get(key)
+        except ObjectNotFoundError:
+            raise StepNotFoundError(f"{self.url}: step {step} is not committed") from None
+        tomb = {
+            "format": TOMBSTONE_FORMAT,
+            "version": list(_m.VERSION),
+            "step": step,
+            "deleted_at": time.time(),
+            "manifest": raw.decode("utf-8", errors="replace"),
+        }
+        self.store.put(f"{TOMBSTONE_PREFIX}{step:020d}-{uuid.uuid4().hex[:8]}.json", json.dumps(tomb).encode())
         self.store.delete(key)
         self._manifest_cache.pop(step, None)
 
@@ -464,17 +496,25 @@ class Repository:
         if self.store.exists(manifest_key(step)):
             raise StepExistsError(f"{self.url}: step {step} already exists; nothing was written")
         self._ensure_config()
-        base_step, base_refs = self._dedup_base(base)
-        writer = _SaveWriter(self, base_refs)
-        entries: dict[str, tuple[torch.Tensor, list]] = {}
+        # The lease goes up before the dedup base is read (see docs/gc.md).
+        lease = self._write_lease(step)
         try:
-            for key in tree_keys(tree):
-                t = tensors[key]
-                entries[key] = (t, writer.add(t))
-            packs = writer.finish()
-        except BaseException:
-            writer.abort()
-            raise
+            base_step, base_refs = self._dedup_base(base)
+            writer = _SaveWriter(self, base_refs)
+            entries: dict[str, tuple[torch.Tensor, list]] = {}
+            try:
+                for key in tree_keys(tree):
+                    t = tensors[key]
+                    entries[key] = (t, writer.add(t))
+                packs = writer.finish()
+            except BaseException:
+                writer.abort()
+                raise
+            return self._finish_save(step, tree, metadata, base_step, writer, entries, packs, t0)
+        finally:
+            self._drop_lease(lease)
+
+    def _finish_save(self, step, tree, metadata, base_step, writer, entries, packs, t0) -> StepInfo:
         te = {}
         for key, (t, refs) in entries.items():
             shape = tuple(t.shape)
@@ -497,6 +537,7 @@ class Repository:
             stats=stats,
         )
         man = self._resolve_pack_sizes(man, packs)
+        self._check_base_age(step, t0)
         body = self._commit(man)
         secs = time.perf_counter() - t0
         return StepInfo(
@@ -522,6 +563,47 @@ class Repository:
             for c in self.manifest(base_step).chunk_refs():
                 refs.setdefault(c.hash, c)
         return base_step, refs
+
+    # ------------------------------------------------------------ GC protocol (docs/gc.md)
+    def grace(self) -> float:
+        """Seconds an unreferenced object must age before GC may delete it."""
+        cfg = self.config()
+        if "grace" in self._explicit or "grace" not in cfg:
+            return float(self.options.grace)
+        return float(cfg["grace"])
+
+    def _write_lease(self, step: int) -> str:
+        key = f"{LEASE_PREFIX}{uuid.uuid4().hex}.json"
+        doc = {"step": step, "started": time.time(), "host": socket.gethostname(), "pid": os.getpid()}
+        self.store.put(key, json.dumps(doc).encode())
+        return key
+
+    def _drop_lease(self, key: str | None) -> None:
+        if key is None:
+            return
+        try:
+            self.store.delete(key)
+        except Exception:
+            pass  # a stale lease only delays GC; it expires after the grace period
+
+    def _check_base_age(self, step: int, t0: float) -> None:
+        """Invariant 5: refuse to commit once the dedup base may have been collected.
+
+        ``t0`` (``perf_counter``) was taken before the dedup base was read. GC
+        keeps the packs of a deleted step for the grace period after the
+        deletion; a save that outlived ``grace - margin`` since reading its
+        base can no longer rely on that.
+        """
+        grace = self.grace()
+        margin = safety_margin(grace)
+        age = time.perf_counter() - t0
+        if age > grace - margin:
+            raise StaleBaseError(
+                f"{self.url}: step {step}: this save read its dedup base {age:.0f} s ago, longer than the "
+                f"repository's GC grace period ({grace:.0f} s) less the safety margin ({margin:.0f} s); "
+                "chunks it reuses may have been collected, so it does not commit. Save again, or raise "
+                "the grace period (ckptstore.open(..., grace=SECONDS) on an empty repository)."
+            )
 
     def _commit(self, man: Manifest) -> bytes:
         """Create the step's manifest (exclusive create): the step now exists."""
@@ -588,6 +670,19 @@ class Repository:
                 f.cancel()
             raise
 
+    # ------------------------------------------------------------ gc, verify
+    def plan_gc(self, **kwargs):
+        """Plan retention and garbage collection; see :func:`ckptstore.gc.plan_gc`."""
+        from .gc import plan_gc
+
+        return plan_gc(self, **kwargs)
+
+    def verify(self, step: int | None = None, read_data: bool = False, progress=None):
+        """Check manifests, packs and (with ``read_data``) every chunk; see :mod:`ckptstore.verify`."""
+        from .verify import verify
+
+        return verify(self, step=step, read_data=read_data, progress=progress)
+
     # ------------------------------------------------------------ stats
     def stats(self) -> dict:
         """Stored bytes, referenced bytes, dedup and compression ratios."""
@@ -628,6 +723,9 @@ def _parse_config(raw: bytes, url: str) -> dict:
     if not isinstance(cfg, dict) or cfg.get("format") != CONFIG_FORMAT:
         raise FormatError(f"{url}/{CONFIG_KEY} is not a ckptstore config")
     _m.check_version(cfg.get("version"), f"{url}/{CONFIG_KEY}")
+    g = cfg.get("grace", DEFAULT_GRACE)
+    if isinstance(g, bool) or not isinstance(g, (int, float)) or not g >= 0:
+        raise FormatError(f"{url}/{CONFIG_KEY}: 'grace' must be a non-negative number of seconds")
     if cfg.get("hash") != _codec.HASH_NAME:
         raise FormatError(f"{url}: repository uses hash {cfg.get('hash')!r}; this version knows only blake3")
     return cfg

@@ -115,6 +115,99 @@ def cmd_stats(args) -> int:
     return 0
 
 
+class _Progress:
+    """One self-overwriting line on stderr, only when stderr is a terminal."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled and sys.stderr.isatty()
+
+    def __call__(self, what: str, done: int, total: int) -> None:
+        if self.enabled:
+            sys.stderr.write(f"\r{what}: {done}/{total}")
+            if done >= total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def cmd_verify(args) -> int:
+    with _open(args) as repo:
+        report = repo.verify(step=args.step, read_data=args.read_data, progress=_Progress(not args.json))
+    if args.json:
+        emit_json(report.as_dict())
+    else:
+        print(report)
+    return 0 if report.ok else 1
+
+
+def cmd_gc(args) -> int:
+    keep_tags = tuple(args.keep_tag) if (args.keep_tag or args.no_keep_tags) else True
+    with _open(args) as repo:
+        plan = repo.plan_gc(
+            keep_last=args.keep_last,
+            keep_every=args.keep_every,
+            keep_within=args.keep_within,
+            keep_tags=keep_tags,
+            keep_steps=args.keep_step,
+            grace=args.grace,
+            repack=args.repack,
+            repack_threshold=args.repack_threshold,
+        )
+        if args.dry_run:
+            if args.json:
+                emit_json({"plan": plan.as_dict(), "dry_run": True})
+            else:
+                print(plan)
+                print("dry run: nothing was changed")
+            return 0
+        if not args.json:
+            print(plan)
+        if not args.yes:
+            if not sys.stdin.isatty():
+                print("ckptstore: error: refusing to delete without confirmation; pass --yes", file=sys.stderr)
+                return 1
+            answer = input("proceed? [y/N] ").strip().lower()
+            if answer not in ("y", "yes"):
+                print("nothing was changed")
+                return 1
+        result = plan.execute(progress=_Progress(not args.json))
+    if args.json:
+        emit_json({"plan": plan.as_dict(), "result": result.as_dict()})
+    else:
+        print(
+            f"deleted {len(result.deleted_steps)} step(s) and {len(result.deleted_packs)} pack(s), "
+            f"repacked {len(result.repacked_packs)}, aborted {result.aborted_uploads} upload(s); "
+            f"freed {human_bytes(result.freed_bytes)}"
+        )
+        for pid, why in result.skipped_packs:
+            print(f"  kept pack {pid}: {why}")
+    return 0
+
+
+def cmd_rm(args) -> int:
+    with _open(args) as repo:
+        latest = repo.latest()
+        if args.step == latest and not args.force:
+            print(f"ckptstore: error: step {args.step} is the newest step; pass --force to delete it",
+                  file=sys.stderr)
+            return 1
+        repo.delete(args.step)
+    if args.json:
+        emit_json({"deleted": args.step})
+    else:
+        print(f"deleted step {args.step}; its data is reclaimed by the next gc")
+    return 0
+
+
+def cmd_tag(args) -> int:
+    with _open(args) as repo:
+        repo.tag(args.step, args.name)
+    if args.json:
+        emit_json({"tag": args.name, "step": args.step})
+    else:
+        print(f"tagged step {args.step} as {args.name}")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from .demo import run_demo
 

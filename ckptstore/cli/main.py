@@ -48,6 +48,41 @@ def build_parser() -> argparse.ArgumentParser:
     common(sp)
     sp.set_defaults(func=commands.cmd_stats)
 
+    sp = sub.add_parser("verify", help="check manifests and packs (and chunk contents with --read-data)")
+    common(sp)
+    sp.add_argument("step", type=int, nargs="?", metavar="STEP", help="only this step")
+    sp.add_argument("--read-data", action="store_true", help="read every chunk and check its hash")
+    sp.set_defaults(func=commands.cmd_verify)
+
+    sp = sub.add_parser("gc", help="apply retention rules and reclaim unreferenced data")
+    common(sp)
+    sp.add_argument("--keep-last", type=int, metavar="N", help="keep the newest N steps")
+    sp.add_argument("--keep-every", type=int, metavar="K", help="keep steps divisible by K")
+    sp.add_argument("--keep-within", metavar="DURATION", help="keep steps newer than this (e.g. 7d, 12h)")
+    sp.add_argument("--keep-tag", action="append", default=[], metavar="NAME",
+                    help="keep steps with this tag (repeatable; default: every tagged step)")
+    sp.add_argument("--no-keep-tags", action="store_true", help="tags protect nothing unless named by --keep-tag")
+    sp.add_argument("--keep-step", action="append", type=int, default=[], metavar="STEP", help="keep this step")
+    sp.add_argument("--grace", metavar="DURATION", help="minimum age of unreferenced data (default: the repository's)")
+    sp.add_argument("--repack", action="store_true", help="rewrite live chunks of partly used packs")
+    sp.add_argument("--repack-threshold", type=float, default=0.2, metavar="SHARE",
+                    help="repack when dead bytes in partly used packs exceed this share of the store (default 0.2)")
+    sp.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
+    sp.add_argument("--yes", "-y", action="store_true", help="do not ask before deleting")
+    sp.set_defaults(func=commands.cmd_gc)
+
+    sp = sub.add_parser("rm", help="delete one step (its data goes with the next gc)")
+    common(sp)
+    sp.add_argument("step", type=int, metavar="STEP")
+    sp.add_argument("--force", action="store_true", help="allow deleting the newest step")
+    sp.set_defaults(func=commands.cmd_rm)
+
+    sp = sub.add_parser("tag", help="name a step (tagged steps survive gc)")
+    common(sp)
+    sp.add_argument("step", type=int, metavar="STEP")
+    sp.add_argument("name", metavar="NAME")
+    sp.set_defaults(func=commands.cmd_tag)
+
     sp = sub.add_parser("demo", help="train a small model, checkpoint it into an embedded S3 server, restore it")
     sp.add_argument("--steps", type=int, default=6, help="training steps to save (default 6)")
     sp.add_argument("--json", action="store_true", help="machine-readable output")

@@ -146,7 +146,8 @@ class FaultStore(WrapperStore):
     rules: list of ``(op, key_glob, error_factory, count)``; ``op`` is a
         method name (``"put_if_absent"``, ``"get_ranges"``, ``"upload_part"``
         ...) or ``"*"``; ``count`` is how many matching calls fail (None:
-        all). ``error_factory(op, key)`` returns the exception to raise.
+        all). ``error_factory(op, key)`` returns the exception to raise, or
+        None to let the call through (a factory that sleeps is a delay).
     """
 
     def __init__(self, inner: ObjectStore, rules: Sequence[tuple[str, str, Callable, int | None]] = ()):
@@ -167,7 +168,12 @@ class FaultStore(WrapperStore):
                     if count is not None:
                         rule[3] = count - 1
                     self.triggered.append((op, key))
-                    raise factory(op, key)
+                    break
+            else:
+                return
+        err = factory(op, key)  # outside the lock: a factory may sleep (a delay rule)
+        if err is not None:
+            raise err
 
     def get(self, key):
         self._check("get", key)

@@ -1,0 +1,285 @@
+"""Retention, garbage collection under concurrent saves, repack, verify."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+import ckptstore
+from ckptstore.cli.main import main
+from ckptstore.errors import StaleBaseError, StepExistsError, StorageError
+from ckptstore.gc import RetentionPolicy, parse_duration, select_steps
+from ckptstore.repository import Repository, manifest_key, pack_key
+from ckptstore.storage import open_store
+from ckptstore.storage.memory import MemoryStore
+from ckptstore.storage.wrappers import FaultStore
+
+from .helpers import assert_tree_equal
+
+OPTS = dict(chunk_size=64 << 10, pack_size=1 << 20, part_size=5 << 20)
+GRACE = 1.0
+
+
+def _listing(store):
+    return sorted((o.key, o.size) for o in store.list())
+
+
+# ------------------------------------------------------------------ pure retention
+def test_select_steps_union_of_rules():
+    now = 10_000.0
+    steps = {s: now - (30 - s) * 100 for s in range(1, 31)}
+    keep = select_steps(steps, {"best": 7, "gone": 99}, RetentionPolicy(keep_last=2, keep_every=10, keep_within=450,
+                                                                        keep_steps=(3,)), now)
+    assert sorted(keep) == [3, 7, 10, 20, 26, 27, 28, 29, 30]
+    assert "newest" in keep[30] and "tag best" in keep[7] and "explicit" in keep[3]
+    # nothing but the newest without rules
+    assert sorted(select_steps(steps, {}, RetentionPolicy(keep_tags=False), now)) == [30]
+    assert parse_duration("2h") == 7200 and parse_duration("7d") == 604800 and parse_duration(5) == 5.0
+    with pytest.raises(ValueError):
+        parse_duration("soon")
+
+
+# ------------------------------------------------------------------ retention + repack
+def _train_steps(repo, n=20):
+    g = torch.Generator().manual_seed(0)
+    frozen = torch.randn(200_000, generator=g)  # ~12 chunks, never changes
+    medium = torch.randn(100_000, generator=g)
+    states = {}
+    for s in range(1, n + 1):
+        if s % 4 == 0:
+            medium = medium + 1  # changes every 4th step
+        head = torch.randn(30_000, generator=g)  # changes every step
+        sd = {"frozen": frozen, "medium": medium, "head": head, "step": s}
+        repo.save(sd, step=s)
+        states[s] = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in sd.items()}
+    return states
+
+
+def test_retention_over_20_steps_with_repack(repo_url):
+    url, so = repo_url
+    repo = ckptstore.open(url, storage_options=so, grace=GRACE, **OPTS)
+    states = _train_steps(repo)
+    repo.tag(7, "best")
+    time.sleep(GRACE + 0.2)
+    before = _listing(repo.store)
+    plan = repo.plan_gc(keep_last=3, keep_every=5, keep_steps=[2], repack=True, repack_threshold=0.05)
+    assert _listing(repo.store) == before  # planning writes nothing
+    assert sorted(plan.keep_steps) == [2, 5, 7, 10, 15, 18, 19, 20]
+    assert plan.delete_steps == tuple(s for s in range(1, 21) if s not in plan.keep_steps)
+    assert plan.bytes_to_free > 0 and "delete 12 step(s)" in str(plan)
+    result = plan.execute()
+    assert sorted(result.deleted_steps) == list(plan.delete_steps)
+    assert repo.steps() == [2, 5, 7, 10, 15, 18, 19, 20]
+    fresh = ckptstore.open(url, storage_options=so)
+    for s in fresh.steps():
+        assert_tree_equal(states[s], fresh.load(s))
+    assert fresh.verify(read_data=True).ok
+    after = fresh.plan_gc(keep_last=100)
+    stored = after.stats["stored_bytes"]
+    referenced = after.stats["referenced_bytes"]
+    assert stored <= referenced * 1.05, (stored, referenced)
+    # nothing else is left but the kept steps' objects
+    keys = [k for k, _ in _listing(fresh.store)]
+    assert not [k for k in keys if k.startswith(("leases/",))]
+    fresh.close()
+    repo.close()
+
+
+def test_gc_keeps_newest_and_tagged_and_rm_refuses_newest(tmp_path, capsys):
+    url = str(tmp_path / "repo")
+    repo = ckptstore.open(url, grace=GRACE, **OPTS)
+    for s in (1, 2, 3):
+        repo.save({"w": torch.full((1000,), float(s))}, step=s)
+    repo.tag(1, "keepme")
+    plan = repo.plan_gc(keep_last=0)
+    assert sorted(plan.keep_steps) == [1, 3] and plan.delete_steps == (2,)
+    assert main(["rm", url, "3"]) == 1
+    assert "newest" in capsys.readouterr().err
+    assert main(["rm", url, "2"]) == 0
+    assert repo.steps() == [1, 3]
+    assert main(["rm", url, "3", "--force"]) == 0
+    assert ckptstore.open(url).steps() == [1]
+
+
+def test_dry_run_changes_nothing(repo_url, capsys):
+    url, so = repo_url
+    repo = ckptstore.open(url, storage_options=so, grace=GRACE, **OPTS)
+    _train_steps(repo, 6)
+    time.sleep(GRACE + 0.2)
+    before = _listing(repo.store)
+    args = ["gc", url, "--keep-last", "1"]
+    if so:
+        args += ["-o", f"endpoint_url={so['client_kwargs']['endpoint_url']}", "-o", "key=testing", "-o", "secret=testing"]
+    assert main(args + ["--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "delete 5 step(s)" in out and "dry run" in out
+    assert _listing(repo.store) == before
+    assert main(args + ["--yes", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["plan"]["delete_steps"] == [1, 2, 3, 4, 5] and doc["result"]["deleted_steps"] == [1, 2, 3, 4, 5]
+    assert repo.steps() == [6]
+    repo.close()
+
+
+def test_gc_never_touches_objects_outside_its_prefix(s3):
+    outside = s3.store(f"s3://{s3.bucket}/other")
+    outside.put("packs/aa/" + "a" * 32 + ".pack", b"not ours")
+    outside.put("manifests/x.json", b"{}")
+    sibling = s3.store(f"s3://{s3.bucket}/repo-old")
+    sibling.put("packs/bb/" + "b" * 32 + ".pack", b"sibling with a shared name prefix")
+    repo = ckptstore.open(s3.url, storage_options=s3.storage_options, grace=GRACE, **OPTS)
+    for s in (1, 2, 3):
+        repo.save({"w": torch.randn(50_000)}, step=s)
+    time.sleep(GRACE + 0.2)
+    repo.plan_gc(keep_last=1).execute()
+    assert [o.key for o in outside.list()] == ["manifests/x.json", "packs/aa/" + "a" * 32 + ".pack"]
+    assert len(list(sibling.list())) == 1
+    repo.close()
+
+
+# ------------------------------------------------------------------ crashed savers
+def test_crashed_saver_leftovers_reclaimed_only_after_grace(tmp_path):
+    store = FaultStore(open_store(str(tmp_path / "repo")))
+    repo = Repository(store, grace=GRACE, **OPTS)
+    repo.save({"w": torch.randn(50_000)}, step=1)
+    # a saver "crashes" before its manifest: packs uploaded, no step
+    store.add_rule("put_if_absent", "manifests/*", lambda op, k: StorageError("killed"), count=1)
+    with pytest.raises(StorageError):
+        repo.save({"w": torch.randn(50_000), "x": torch.randn(50_000)}, step=2)
+    orphan_packs = {o.key for o in store.list("packs/")} - {pack_key(c.pack) for c in repo.manifest(1).chunk_refs()}
+    assert orphan_packs
+    # and one left a multipart upload and a lease behind
+    mpu = store.create_multipart("packs/cc/" + "c" * 32 + ".pack", 5 << 20)
+    mpu.upload_part(1, b"x" * (5 << 20))
+    store.put("leases/" + "d" * 32 + ".json", b'{"step": 2}')
+
+    plan = repo.plan_gc()
+    assert not plan.delete_packs and not plan.abort_uploads and not plan.stale_leases
+    assert {pack_key(p) for p, _ in plan.young_packs} == orphan_packs
+    plan.execute()
+    assert orphan_packs <= {o.key for o in store.list("packs/")}
+    assert store.list_multipart()
+
+    time.sleep(GRACE + 0.3)
+    plan = repo.plan_gc()
+    assert {pack_key(p) for p, _ in plan.delete_packs} == orphan_packs
+    assert len(plan.abort_uploads) == 1 and len(plan.stale_leases) == 1
+    plan.execute()
+    assert not orphan_packs & {o.key for o in store.list("packs/")}
+    assert not store.list_multipart() and not list(store.list("leases/"))
+    assert repo.verify(read_data=True).ok
+    torch.testing.assert_close(repo.load(1)["w"], repo.load(1)["w"])
+
+
+def test_slow_saver_refuses_to_commit():
+    store = FaultStore(MemoryStore())
+    repo = Repository(store, grace=GRACE, **OPTS)
+    repo.save({"w": torch.randn(50_000)}, step=1)
+    store.add_rule("head", "packs/*", lambda op, k: time.sleep(GRACE), count=1)
+    with pytest.raises(StaleBaseError, match="grace period"):
+        repo.save({"w": torch.randn(50_000)}, step=2)
+    assert repo.steps() == [1]
+
+
+# ------------------------------------------------------------------ GC racing savers
+def _race(url, so, rounds, seed):
+    """Savers deduplicate against an old step while GC deletes that step."""
+    rng = random.Random(seed)
+    fault = FaultStore(open_store(url, so))
+    saver = Repository(fault, grace=0.6, **OPTS)
+    gc_repo = ckptstore.open(url, storage_options=so, **OPTS)
+    frozen = torch.randn(150_000)
+    saver.save({"frozen": frozen, "x": torch.randn(20_000)}, step=0)
+    committed = {0}
+    expected = {0: None}
+    outcomes = {"committed": 0, "refused": 0}
+    for r in range(1, rounds + 1):
+        base = max(committed)
+        sd = {"frozen": frozen, "x": torch.randn(20_000)}
+        delay = rng.choice([0.0, 0.05, 0.3, 0.8])  # 0.8 s > grace - margin: must refuse
+        fault.rules.clear()
+        fault.add_rule("head", "packs/*", lambda op, k, d=delay: time.sleep(d), count=1)
+        err = []
+
+        def save():
+            try:
+                saver.save(sd, step=r, base=base)
+                expected[r] = sd
+            except StaleBaseError as e:
+                err.append(e)
+
+        def gc():
+            time.sleep(rng.random() * 0.2)
+            try:
+                gc_repo.plan_gc(keep_last=1, keep_tags=False).execute()
+            except StepExistsError:
+                pass
+
+        t1, t2 = threading.Thread(target=save), threading.Thread(target=gc)
+        t1.start(), t2.start()
+        t1.join(), t2.join()
+        if err:
+            outcomes["refused"] += 1
+        else:
+            outcomes["committed"] += 1
+            committed.add(r)
+        # every committed step that still exists loads bit-exact
+        for s in gc_repo.steps():
+            out = gc_repo.load(s)
+            if expected.get(s) is not None:
+                assert torch.equal(out["frozen"], frozen) and torch.equal(out["x"], expected[s]["x"])
+        time.sleep(0.7 * rng.random())
+    rep = gc_repo.verify(read_data=True)
+    assert rep.ok, str(rep)
+    assert outcomes["committed"] > 0
+    saver.close()
+    gc_repo.close()
+    return outcomes
+
+
+def test_gc_racing_savers_local(tmp_path):
+    _race(str(tmp_path / "repo"), None, rounds=25, seed=1)
+
+
+def test_gc_racing_savers_s3(s3):
+    _race(s3.url, s3.storage_options, rounds=15, seed=2)
+
+
+# ------------------------------------------------------------------ verify
+def test_verify_reports_every_problem(tmp_path, capsys):
+    url = str(tmp_path / "repo")
+    repo = ckptstore.open(url, **OPTS)
+    for s in (1, 2, 3):
+        repo.save({"a": torch.randn(100_000) + s, "b": torch.randn(100_000) + s}, step=s)
+    assert repo.verify(read_data=True).ok
+    store = repo.store
+    m1, m2 = repo.manifest(1), repo.manifest(2)
+    # step 1: flipped byte in a chunk of "a"
+    c = m1.tensors["a"].shards[0].chunks[2]
+    data = bytearray(store.get(pack_key(c.pack)))
+    data[c.offset + 7] ^= 0xFF
+    store.put(pack_key(c.pack), bytes(data))
+    # step 2: its "b" pack is missing (only b's chunks live in that pack? delete the pack of b's first chunk)
+    gone = m2.tensors["b"].shards[0].chunks[0].pack
+    store.delete(pack_key(gone))
+    # step 3: truncated manifest
+    raw = store.get(manifest_key(3))
+    store.put(manifest_key(3), raw[:100])
+    rep = ckptstore.open(url).verify(read_data=True)
+    kinds = {(p.kind, p.step) for p in rep.problems}
+    assert ("chunk", 1) in kinds and ("missing_pack", 2) in kinds and ("manifest", 3) in kinds
+    chunk = next(p for p in rep.problems if p.kind == "chunk")
+    assert chunk.tensor == "a" and chunk.pack == c.pack and chunk.offset == c.offset
+    missing = next(p for p in rep.problems if p.kind == "missing_pack")
+    assert missing.pack == gone
+    assert main(["verify", url, "--read-data"]) == 1
+    out = capsys.readouterr().out
+    assert c.pack in out and gone in out and "step 3" in out
+    assert main(["verify", url, "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert not doc["ok"] and {p["kind"] for p in doc["problems"]} >= {"missing_pack", "manifest"}
