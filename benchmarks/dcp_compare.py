@@ -453,7 +453,10 @@ def main(argv=None) -> int:
         ap.error(f"unknown backends {unknown}; choose from {list(BACKENDS)}")
     if args.ranks < 1:
         ap.error("--ranks must be at least 1")
-    layout(args.size_gib, args.ranks)  # fails early on an indivisible shape
+    try:
+        layout(args.size_gib, args.ranks)  # fail early on an indivisible shape
+    except ValueError as e:
+        ap.error(str(e))
 
     command = f"{sys.executable} -m benchmarks.dcp_compare" + "".join(
         " " + shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)

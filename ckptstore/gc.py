@@ -265,6 +265,11 @@ class _State:
     leases: dict[str, float]  # key -> mtime
     packs: dict[str, tuple[int, float]]  # id -> (size, mtime)
     relocations: set[str]  # pack ids with a relocation record
+    res: float = 0.0  # the store's mtime resolution
+
+    def age(self, mtime: float) -> float:
+        """Lower bound of an object's age (truncated mtimes never make it look older)."""
+        return self.now - mtime - self.res
 
 
 def _read_manifests(repo: Repository) -> dict[int, Manifest]:
@@ -293,7 +298,7 @@ def _read_state(repo: Repository, now: float) -> _State:
         name = o.key.rsplit("/", 1)[-1]
         if name.endswith(".json") and _m.is_pack_id(name[:-5]):
             relocs.add(name[:-5])
-    return _State(now, _read_manifests(repo), tombstones, leases, packs, relocs)
+    return _State(now, _read_manifests(repo), tombstones, leases, packs, relocs, st.mtime_resolution)
 
 
 def _read_tombstone(repo: Repository, key: str) -> Manifest | None:
@@ -318,9 +323,12 @@ def _protecting_tombstones(state: _State, grace: float) -> list[Manifest]:
     margin = safety_margin(grace)
     out = []
     for _key, (tmtime, man) in state.tombstones.items():
-        if man is None or state.now - tmtime > grace:
+        if man is None or state.age(tmtime) > grace:
             continue
-        if any(lmtime <= tmtime + margin and state.now - lmtime <= grace for lmtime in state.leases.values()):
+        if any(
+            lmtime <= tmtime + margin + state.res and state.age(lmtime) <= grace
+            for lmtime in state.leases.values()
+        ):
             out.append(man)
     return out
 
@@ -410,8 +418,8 @@ def plan_gc(
 
     # Live leases: savers in flight. Their fresh packs are protected by the
     # age rule; keeping the newest step keeps their likely dedup base.
-    live_leases = tuple(k for k, t in state.leases.items() if now - t <= g)
-    stale_leases = tuple(k for k, t in state.leases.items() if now - t > g)
+    live_leases = tuple(k for k, t in state.leases.items() if state.age(t) <= g)
+    stale_leases = tuple(k for k, t in state.leases.items() if state.age(t) > g)
 
     kept_manifests = [state.manifests[s] for s in sorted(keep)]
     tomb_manifests = _protecting_tombstones(state, g)
@@ -425,7 +433,7 @@ def plan_gc(
     for pid, (size, mtime) in sorted(state.packs.items()):
         if pid in live_refs:
             continue
-        if now - mtime <= g:
+        if state.age(mtime) <= g:
             young.append((pid, size))
         elif pid in prot_refs:
             protected.append((pid, size))
@@ -448,16 +456,16 @@ def plan_gc(
     if repack and stored and partial_dead / stored > repack_threshold:
         # Only packs old enough that no in-flight save is still writing or
         # committing against them in a way GC cannot see.
-        repack_list = tuple(sorted((u for u in partial if now - u.mtime > g), key=lambda u: u.pack))
+        repack_list = tuple(sorted((u for u in partial if state.age(u.mtime) > g), key=lambda u: u.pack))
 
     uploads = []
     for u in repo.store.list_multipart(PACK_PREFIX):
-        if now - u.initiated > g and not live_leases:
+        if state.age(u.initiated) > g and not live_leases:
             uploads.append(u)
-        elif now - u.initiated > g and live_leases and _older_than_all(u.initiated, state.leases, now, g):
+        elif state.age(u.initiated) > g and _older_than_all(u.initiated, state, g):
             uploads.append(u)
 
-    expired = tuple(k for k, (t, _) in state.tombstones.items() if now - t > g)
+    expired = tuple(k for k, (t, _) in state.tombstones.items() if state.age(t) > g)
     logical = sum(c.raw_len for m in kept_manifests for c in m.chunk_refs())
     uniq: dict[str, tuple[int, int]] = {}
     for m in kept_manifests:
@@ -497,10 +505,10 @@ def plan_gc(
     )
 
 
-def _older_than_all(t: float, leases: dict[str, float], now: float, g: float) -> bool:
+def _older_than_all(t: float, state: "_State", g: float) -> bool:
     """An upload started before every live lease cannot belong to a live saver."""
-    live = [lt for lt in leases.values() if now - lt <= g]
-    return all(t < lt - safety_margin(g) for lt in live)
+    live = [lt for lt in state.leases.values() if state.age(lt) <= g]
+    return all(t < lt - safety_margin(g) - state.res for lt in live)
 
 
 def _overhead(nchunks: int) -> int:
@@ -547,7 +555,7 @@ def _execute(plan: GCPlan, repo: Repository, progress) -> GCResult:
             res.skipped_packs.append((pid, "already gone"))
             continue
         size, mtime = info
-        if now - mtime <= g:
+        if state.age(mtime) <= g:
             res.skipped_packs.append((pid, "younger than the grace period"))
             continue
         if pid in relocated:

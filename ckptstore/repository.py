@@ -261,6 +261,10 @@ def parse_relocation(raw: bytes, pack_id: str) -> dict[str, ChunkRef]:
     return out
 
 
+class PackVanishedError(ObjectNotFoundError):
+    """A pack this save uploaded is gone before the commit."""
+
+
 class Repository:
     """A checkpoint repository on one object store. Thread-safe for reads.
 
@@ -507,6 +511,10 @@ class Repository:
                     t = tensors[key]
                     entries[key] = (t, writer.add(t))
                 packs = writer.finish()
+            except PackVanishedError as e:
+                writer.abort()
+                self._check_base_age(step, t0)  # a slow save: say so
+                raise StorageError(str(e)) from None
             except BaseException:
                 writer.abort()
                 raise
@@ -599,8 +607,8 @@ class Repository:
         age = time.perf_counter() - t0
         if age > grace - margin:
             raise StaleBaseError(
-                f"{self.url}: step {step}: this save read its dedup base {age:.0f} s ago, longer than the "
-                f"repository's GC grace period ({grace:.0f} s) less the safety margin ({margin:.0f} s); "
+                f"{self.url}: step {step}: this save read its dedup base {age:.3g} s ago, longer than the "
+                f"repository's GC grace period ({grace:.3g} s) less the safety margin ({margin:.3g} s); "
                 "chunks it reuses may have been collected, so it does not commit. Save again, or raise "
                 "the grace period (ckptstore.open(..., grace=SECONDS) on an empty repository)."
             )
@@ -849,7 +857,16 @@ class _SaveWriter:
         # Invariant 3: every pack the manifest will name is complete, with
         # the size we wrote, before the manifest write begins.
         store = self.repo.store
-        heads = list(self.io.map(lambda p: (p[0], p[1], store.head(pack_key(p[0])).size), self.sealing))
+        def head(p):
+            try:
+                return p[0], p[1], store.head(pack_key(p[0])).size
+            except ObjectNotFoundError:
+                raise PackVanishedError(
+                    f"{store.url}/{pack_key(p[0])}: pack vanished after its upload completed "
+                    "(collected by gc after the save outlived the grace period?)"
+                ) from None
+
+        heads = list(self.io.map(head, self.sealing))
         for pid, expected, got in heads:
             if got != expected:
                 raise StorageError(f"{store.url}/{pack_key(pid)}: stored size {got}, expected {expected}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import threading
 import time
@@ -187,53 +188,67 @@ def test_slow_saver_refuses_to_commit():
 
 
 # ------------------------------------------------------------------ GC racing savers
-def _race(url, so, rounds, seed):
-    """Savers deduplicate against an old step while GC deletes that step."""
+def _race(url, so, rounds, seed, grace=0.3):
+    """A saver deduplicates against an older step while GC deletes that step.
+
+    Each round commits step P holding a tensor ``u`` only P has, then a newer
+    step E without it, waits until P's packs are older than the grace
+    period, then races a save of step R = {u, x} with ``base=P`` (so R reuses
+    P's packs) against GC (keep only the newest step) run twice, a grace
+    period apart. Some saves are slowed past the grace period. Allowed
+    outcomes: R commits and loads, or R refuses with StaleBaseError. Never
+    a committed step with a missing chunk.
+    """
     rng = random.Random(seed)
     fault = FaultStore(open_store(url, so))
-    saver = Repository(fault, grace=0.6, **OPTS)
+    saver = Repository(fault, grace=grace, **OPTS)
     gc_repo = ckptstore.open(url, storage_options=so, **OPTS)
-    frozen = torch.randn(150_000)
-    saver.save({"frozen": frozen, "x": torch.randn(20_000)}, step=0)
-    committed = {0}
-    expected = {0: None}
+    expected: dict[int, dict] = {}
     outcomes = {"committed": 0, "refused": 0}
-    for r in range(1, rounds + 1):
-        base = max(committed)
-        sd = {"frozen": frozen, "x": torch.randn(20_000)}
-        delay = rng.choice([0.0, 0.05, 0.3, 0.8])  # 0.8 s > grace - margin: must refuse
+    unexpected: list[BaseException] = []
+    step = 0
+    for _ in range(rounds):
+        u = torch.randn(100_000)
+        p, e, r = step + 1, step + 2, step + 3
+        step = r
+        saver.save({"u": u}, step=p, base=None)
+        saver.save({"e": torch.randn(1000)}, step=e, base=None)
+        time.sleep(grace + fault.mtime_resolution + 0.05)  # P's packs are now "old" to GC
+        sd = {"u": u, "x": torch.randn(1000)}
+        delay = rng.choice([0.0, 0.05, grace / 2, grace * 3])  # the last must refuse
         fault.rules.clear()
         fault.add_rule("head", "packs/*", lambda op, k, d=delay: time.sleep(d), count=1)
         err = []
 
         def save():
             try:
-                saver.save(sd, step=r, base=base)
+                saver.save(sd, step=r, base=p)
                 expected[r] = sd
-            except StaleBaseError as e:
-                err.append(e)
+            except StaleBaseError as ex:
+                err.append(ex)
+            except BaseException as ex:  # anything else fails the test
+                unexpected.append(ex)
 
         def gc():
-            time.sleep(rng.random() * 0.2)
-            try:
+            # run 1 deletes P (leaving a tombstone), run 2 comes while the
+            # tombstone is young, run 3 after it expired.
+            time.sleep(rng.random() * 0.05)
+            for pause in (grace / 3, grace + fault.mtime_resolution + 0.05, 0):
                 gc_repo.plan_gc(keep_last=1, keep_tags=False).execute()
-            except StepExistsError:
-                pass
+                time.sleep(pause)
 
         t1, t2 = threading.Thread(target=save), threading.Thread(target=gc)
         t1.start(), t2.start()
         t1.join(), t2.join()
-        if err:
-            outcomes["refused"] += 1
-        else:
-            outcomes["committed"] += 1
-            committed.add(r)
-        # every committed step that still exists loads bit-exact
-        for s in gc_repo.steps():
+        if unexpected:
+            raise unexpected[0]
+        outcomes["refused" if err else "committed"] += 1
+        if os.environ.get("RACE_DEBUG"):
+            print("round", r, "delay", delay, "refused" if err else "committed", fault.triggered[-1:])
+        for s in gc_repo.steps():  # every committed step that exists loads bit-exact
             out = gc_repo.load(s)
-            if expected.get(s) is not None:
-                assert torch.equal(out["frozen"], frozen) and torch.equal(out["x"], expected[s]["x"])
-        time.sleep(0.7 * rng.random())
+            if s in expected:
+                assert torch.equal(out["u"], expected[s]["u"]) and torch.equal(out["x"], expected[s]["x"])
     rep = gc_repo.verify(read_data=True)
     assert rep.ok, str(rep)
     assert outcomes["committed"] > 0
@@ -247,7 +262,7 @@ def test_gc_racing_savers_local(tmp_path):
 
 
 def test_gc_racing_savers_s3(s3):
-    _race(s3.url, s3.storage_options, rounds=15, seed=2)
+    _race(s3.url, s3.storage_options, rounds=6, seed=2, grace=1.0)
 
 
 # ------------------------------------------------------------------ verify

@@ -112,6 +112,10 @@ class ObjectStore(abc.ABC):
 
     #: A URL naming the store root, for messages (credentials never included).
     url: str = ""
+    #: Granularity of ``ObjectInfo.mtime`` in seconds (S3 reports whole
+    #: seconds). GC adds it to every age it computes, so truncated times
+    #: never make an object look older than it is.
+    mtime_resolution: float = 0.0
 
     @abc.abstractmethod
     def get(self, key: str) -> bytes:

@@ -22,6 +22,7 @@ _TMP = ".tmp"
 
 
 class LocalStore(ObjectStore):
+    mtime_resolution = 0.01  # coarse-timestamp file systems
     """Objects as files under ``root``.
 
     Parameters

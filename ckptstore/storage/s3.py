@@ -260,6 +260,8 @@ class _RangeError(ValueError):
 
 
 class S3Store(ObjectStore):
+    mtime_resolution = 1.0  # Last-Modified has whole seconds
+
     """Objects under ``s3://bucket/prefix``.
 
     Parameters

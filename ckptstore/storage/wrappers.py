@@ -21,6 +21,7 @@ class WrapperStore(ObjectStore):
     def __init__(self, inner: ObjectStore):
         self.inner = inner
         self.url = inner.url
+        self.mtime_resolution = inner.mtime_resolution
 
     def get(self, key):
         return self.inner.get(key)
