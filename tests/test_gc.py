@@ -66,7 +66,7 @@ def test_retention_over_20_steps_with_repack(repo_url):
     repo = ckptstore.open(url, storage_options=so, grace=GRACE, **OPTS)
     states = _train_steps(repo)
     repo.tag(7, "best")
-    time.sleep(GRACE + 0.2)
+    time.sleep(GRACE + repo.store.mtime_resolution + 0.2)
     before = _listing(repo.store)
     plan = repo.plan_gc(keep_last=3, keep_every=5, keep_steps=[2], repack=True, repack_threshold=0.05)
     assert _listing(repo.store) == before  # planning writes nothing
@@ -111,7 +111,7 @@ def test_dry_run_changes_nothing(repo_url, capsys):
     url, so = repo_url
     repo = ckptstore.open(url, storage_options=so, grace=GRACE, **OPTS)
     _train_steps(repo, 6)
-    time.sleep(GRACE + 0.2)
+    time.sleep(GRACE + repo.store.mtime_resolution + 0.2)
     before = _listing(repo.store)
     args = ["gc", url, "--keep-last", "1"]
     if so:
@@ -136,7 +136,7 @@ def test_gc_never_touches_objects_outside_its_prefix(s3):
     repo = ckptstore.open(s3.url, storage_options=s3.storage_options, grace=GRACE, **OPTS)
     for s in (1, 2, 3):
         repo.save({"w": torch.randn(50_000)}, step=s)
-    time.sleep(GRACE + 0.2)
+    time.sleep(GRACE + repo.store.mtime_resolution + 0.2)
     repo.plan_gc(keep_last=1).execute()
     assert [o.key for o in outside.list()] == ["manifests/x.json", "packs/aa/" + "a" * 32 + ".pack"]
     assert len(list(sibling.list())) == 1
@@ -166,7 +166,7 @@ def test_crashed_saver_leftovers_reclaimed_only_after_grace(tmp_path):
     assert orphan_packs <= {o.key for o in store.list("packs/")}
     assert store.list_multipart()
 
-    time.sleep(GRACE + 0.3)
+    time.sleep(GRACE + repo.store.mtime_resolution + 0.3)
     plan = repo.plan_gc()
     assert {pack_key(p) for p, _ in plan.delete_packs} == orphan_packs
     assert len(plan.abort_uploads) == 1 and len(plan.stale_leases) == 1
