@@ -543,13 +543,21 @@ def _execute(plan: GCPlan, repo: Repository, progress) -> GCResult:
     if plan.repack:
         relocated = _repack(repo, plan, res, progress)
 
-    # 3. Re-read everything just before deleting packs.
-    now = time.time()
-    state = _read_state(repo, now)
-    live_refs, live_chunks = _referenced(repo, state.manifests.values(), state.packs, state.relocations)
-    prot_refs, _ = _referenced(repo, _protecting_tombstones(state, g), state.packs, state.relocations)
+    # 3. Re-read everything just before deleting packs, and again whenever
+    #    half the safety margin has passed: a deletion must follow the
+    #    listing that cleared it by less than the margin (docs/gc.md, G3).
+    def reread():
+        st = _read_state(repo, time.time())
+        live, chunks = _referenced(repo, st.manifests.values(), st.packs, st.relocations)
+        prot, _ = _referenced(repo, _protecting_tombstones(st, g), st.packs, st.relocations)
+        return st, live, chunks, prot
+
+    state, live_refs, live_chunks, prot_refs = reread()
     todo = [pid for pid, _ in plan.delete_packs] + list(relocated)
     for i, pid in enumerate(todo):
+        if time.time() - state.now > safety_margin(g) / 2:
+            state, live_refs, live_chunks, prot_refs = reread()
+        now = state.now
         info = state.packs.get(pid)
         if info is None:
             res.skipped_packs.append((pid, "already gone"))
@@ -684,3 +692,47 @@ def _repack(repo: Repository, plan: GCPlan, res: GCResult, progress) -> dict[str
             out[old] = {h: [c.pack, c.offset, c.stored_len, c.raw_len, c.codec] for h, c in prev.items()}
         res.repacked_packs.append(old)
     return out
+
+
+def space_accounting(repo: Repository) -> dict:
+    """Bytes stored, referenced by committed steps, dead inside partly used packs; ratios."""
+    state = _read_state(repo, time.time())
+    manifests = list(state.manifests.values())
+    refs, chunks = _referenced(repo, manifests, state.packs, state.relocations)
+    stored = sum(s for s, _ in state.packs.values())
+    referenced = 0
+    partial_packs = partial_dead = unreferenced = 0
+    for pid, (size, _) in state.packs.items():
+        if pid not in refs:
+            unreferenced += size
+            continue
+        ch = chunks.get(pid, set())
+        live = sum(sl for _, sl, _ in ch)
+        referenced += live
+        if size - live > _overhead(len(ch)):
+            partial_packs += 1
+            partial_dead += size - live
+    logical = 0
+    uniq: dict[str, tuple[int, int]] = {}
+    for m in manifests:
+        for c in m.chunk_refs():
+            logical += c.raw_len
+            uniq[c.hash] = (c.raw_len, c.stored_len)
+    uraw = sum(r for r, _ in uniq.values())
+    ustored = sum(s for _, s in uniq.values())
+    return {
+        "url": repo.url,
+        "steps": len(manifests),
+        "packs": len(state.packs),
+        "stored_bytes": stored,
+        "referenced_bytes": referenced,
+        "unreferenced_pack_bytes": unreferenced,
+        "partial_packs": partial_packs,
+        "partial_dead_bytes": partial_dead,
+        "logical_bytes": logical,
+        "unique_raw_bytes": uraw,
+        "unique_stored_bytes": ustored,
+        "dedup_ratio": (logical / uraw) if uraw else 1.0,
+        "compression_ratio": (uraw / ustored) if ustored else 1.0,
+        "total_ratio": (logical / stored) if stored else 1.0,
+    }

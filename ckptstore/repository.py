@@ -693,34 +693,10 @@ class Repository:
 
     # ------------------------------------------------------------ stats
     def stats(self) -> dict:
-        """Stored bytes, referenced bytes, dedup and compression ratios."""
-        stored = 0
-        npacks = 0
-        for info in self.store.list(PACK_PREFIX):
-            stored += info.size
-            npacks += 1
-        logical = 0
-        unique: dict[str, tuple[int, int]] = {}
-        steps = self.steps()
-        for s in steps:
-            m = self.manifest(s)
-            for c in m.chunk_refs():
-                logical += c.raw_len
-                unique[c.hash] = (c.raw_len, c.stored_len)
-        uraw = sum(r for r, _ in unique.values())
-        ustored = sum(s for _, s in unique.values())
-        return {
-            "url": self.url,
-            "steps": len(steps),
-            "packs": npacks,
-            "stored_bytes": stored,
-            "logical_bytes": logical,
-            "unique_raw_bytes": uraw,
-            "unique_stored_bytes": ustored,
-            "dedup_ratio": (logical / uraw) if uraw else 1.0,
-            "compression_ratio": (uraw / ustored) if ustored else 1.0,
-            "total_ratio": (logical / stored) if stored else 1.0,
-        }
+        """Space accounting: stored and referenced bytes, dead bytes in partly used packs, ratios."""
+        from .gc import space_accounting
+
+        return space_accounting(self)
 
 
 def _parse_config(raw: bytes, url: str) -> dict:

@@ -298,3 +298,18 @@ def test_verify_reports_every_problem(tmp_path, capsys):
     assert main(["verify", url, "--json"]) == 1
     doc = json.loads(capsys.readouterr().out)
     assert not doc["ok"] and {p["kind"] for p in doc["problems"]} >= {"missing_pack", "manifest"}
+
+
+def test_stats_report_dead_bytes_in_partly_used_packs(tmp_path, capsys):
+    url = str(tmp_path / "repo")
+    repo = ckptstore.open(url, grace=GRACE, chunk_size=64 << 10, pack_size=64 << 20, part_size=5 << 20)
+    a, b = torch.randn(100_000), torch.randn(100_000)
+    repo.save({"a": a, "b": b}, step=1)  # one pack holding a and b
+    repo.save({"a": a, "b": b + 1}, step=2)
+    repo.delete(1)  # b's first version is now dead inside step 1's pack
+    st = repo.stats()
+    assert st["partial_packs"] == 1
+    assert st["partial_dead_bytes"] == pytest.approx(repo.manifest(2).tensors["a"].nbytes / 1.08, rel=0.1)
+    assert st["referenced_bytes"] + st["partial_dead_bytes"] <= st["stored_bytes"]
+    assert main(["stats", url]) == 0
+    assert "dead in partly used packs" in capsys.readouterr().out
