@@ -31,11 +31,18 @@ def open(url: str, storage_options: dict | None = None, **options) -> Repository
     **options:
         :class:`~ckptstore.repository.RepoOptions` fields (``chunk_size``,
         ``pack_size``, ``part_size``, ``workers``, ``io_workers``,
-        ``max_inflight_bytes``, ...).
+        ``max_inflight_bytes``, ``grace``, ...), and ``retry``: a
+        :class:`~ckptstore.storage.retry.RetryPolicy`, or False to turn off
+        the retries remote stores get by default.
     """
     from .storage import open_store
+    from .storage.retry import RetryPolicy, RetryStore
 
-    return Repository(open_store(url, storage_options), **options)
+    retry = options.pop("retry", True)
+    store = open_store(url, storage_options)
+    if retry and store.remote:
+        store = RetryStore(store, retry if isinstance(retry, RetryPolicy) else None)
+    return Repository(store, **options)
 
 
 __all__ = [

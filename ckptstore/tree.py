@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 
 _SCALARS = (bool, int, float, str, type(None))
+MAX_KEY_LEN = 4096  # the manifest parser refuses longer keys
 
 
 def _is_plain(v, depth=0) -> bool:
@@ -47,6 +48,10 @@ def flatten(state_dict: Mapping) -> tuple[dict, dict[str, torch.Tensor]]:
             raise TypeError(f"{_path_str(path)}: nested more than 100 levels")
         if isinstance(v, torch.Tensor):
             key = _path_str(path)
+            if len(key) > MAX_KEY_LEN:
+                raise ValueError(
+                    f"tensor key {key[:60]!r}... is {len(key)} characters; the limit is {MAX_KEY_LEN}"
+                )
             if key in tensors:
                 raise ValueError(
                     f"two tensors flatten to the key {key!r}; rename one (keys join path parts with '.')"

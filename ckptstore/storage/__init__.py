@@ -49,8 +49,9 @@ def _split_url(url: str) -> tuple[str, str]:
 
 
 def _refuse_credentials(scheme: str, rest: str) -> None:
-    authority = rest.split("/", 1)[0]
-    if "@" in authority:
+    # Look at the whole location, not just up to the first "/": a secret may
+    # itself contain "/" (AWS secrets often do), which would hide the "@".
+    if "@" in rest:
         # Do not echo the URL: the part before "@" is a secret.
         raise ValueError(
             f"{scheme}:// URL must not embed credentials (user:secret@...); "

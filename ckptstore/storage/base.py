@@ -116,6 +116,8 @@ class ObjectStore(abc.ABC):
     #: seconds). GC adds it to every age it computes, so truncated times
     #: never make an object look older than it is.
     mtime_resolution: float = 0.0
+    #: Reached over a network: ``ckptstore.open`` wraps it in a RetryStore.
+    remote: bool = False
 
     @abc.abstractmethod
     def get(self, key: str) -> bytes:

@@ -261,6 +261,7 @@ class _RangeError(ValueError):
 
 class S3Store(ObjectStore):
     mtime_resolution = 1.0  # Last-Modified has whole seconds
+    remote = True
 
     """Objects under ``s3://bucket/prefix``.
 

@@ -2,7 +2,7 @@
 
 :class:`CountingStore` counts calls and bytes (tests assert on what a read
 fetched; the demo and benchmarks report it). :class:`FaultStore` makes chosen
-calls fail (tests of commit and crash behaviour).
+calls fail (now in :mod:`ckptstore.storage.faults`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ class WrapperStore(ObjectStore):
         self.inner = inner
         self.url = inner.url
         self.mtime_resolution = inner.mtime_resolution
+        self.remote = inner.remote
 
     def get(self, key):
         return self.inner.get(key)
@@ -138,85 +139,10 @@ class _CountingMultipart(MultipartUpload):
         self.owner._count("abort_multipart")
 
 
-class FaultStore(WrapperStore):
-    """Raises ``error`` on calls matching ``op`` and a key glob.
+def __getattr__(name):
+    # FaultStore grew into its own module; keep the old import path working.
+    if name == "FaultStore":
+        from .faults import FaultStore
 
-    Parameters
-    ----------
-    inner: the store to wrap.
-    rules: list of ``(op, key_glob, error_factory, count)``; ``op`` is a
-        method name (``"put_if_absent"``, ``"get_ranges"``, ``"upload_part"``
-        ...) or ``"*"``; ``count`` is how many matching calls fail (None:
-        all). ``error_factory(op, key)`` returns the exception to raise, or
-        None to let the call through (a factory that sleeps is a delay).
-    """
-
-    def __init__(self, inner: ObjectStore, rules: Sequence[tuple[str, str, Callable, int | None]] = ()):
-        super().__init__(inner)
-        self._lock = threading.Lock()
-        self.rules = [list(r) for r in rules]
-        self.triggered: list[tuple[str, str]] = []
-
-    def add_rule(self, op: str, key_glob: str, error_factory: Callable, count: int | None = None) -> None:
-        with self._lock:
-            self.rules.append([op, key_glob, error_factory, count])
-
-    def _check(self, op: str, key: str) -> None:
-        with self._lock:
-            for rule in self.rules:
-                rop, glob, factory, count = rule
-                if (rop == "*" or rop == op) and fnmatch.fnmatchcase(key, glob) and (count is None or count > 0):
-                    if count is not None:
-                        rule[3] = count - 1
-                    self.triggered.append((op, key))
-                    break
-            else:
-                return
-        err = factory(op, key)  # outside the lock: a factory may sleep (a delay rule)
-        if err is not None:
-            raise err
-
-    def get(self, key):
-        self._check("get", key)
-        return self.inner.get(key)
-
-    def get_ranges(self, key, ranges):
-        self._check("get_ranges", key)
-        return self.inner.get_ranges(key, ranges)
-
-    def put(self, key, data):
-        self._check("put", key)
-        return self.inner.put(key, data)
-
-    def put_if_absent(self, key, data):
-        self._check("put_if_absent", key)
-        return self.inner.put_if_absent(key, data)
-
-    def head(self, key):
-        self._check("head", key)
-        return self.inner.head(key)
-
-    def delete(self, key):
-        self._check("delete", key)
-        return self.inner.delete(key)
-
-    def create_multipart(self, key, part_size):
-        self._check("create_multipart", key)
-        return _FaultMultipart(self, self.inner.create_multipart(key, part_size))
-
-
-class _FaultMultipart(MultipartUpload):
-    def __init__(self, owner: FaultStore, inner: MultipartUpload):
-        self.owner, self.inner = owner, inner
-        self.key, self.part_size = inner.key, inner.part_size
-
-    def upload_part(self, number, data):
-        self.owner._check("upload_part", self.key)
-        self.inner.upload_part(number, data)
-
-    def complete(self, nparts):
-        self.owner._check("complete_multipart", self.key)
-        self.inner.complete(nparts)
-
-    def abort(self):
-        self.inner.abort()
+        return FaultStore
+    raise AttributeError(name)
