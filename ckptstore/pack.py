@@ -9,7 +9,7 @@ Layout (all integers little-endian)::
                u64       offset of the stored bytes from the pack's start
                u64       stored length
                u64       raw length
-               u8        codec id (0 raw, 1 zstd)
+               u8        codec id (0 raw, 1 zstd, 2 bgz)
                7 zero bytes
     footer   40 bytes   u64 table offset, u32 N, 4 zero bytes,
                         16 bytes BLAKE3 of the table (truncated), b"CKPTEND1"
@@ -36,7 +36,7 @@ ENTRY = struct.Struct("<32sQQQB7x")
 FOOTER = struct.Struct("<QI4x16s8s")
 HEADER_SIZE = HEADER.size
 FOOTER_SIZE = FOOTER.size
-CODEC_IDS = {"raw": 0, "zstd": 1}
+CODEC_IDS = {"raw": 0, "zstd": 1, "bgz": 2}
 CODEC_NAMES = {v: k for k, v in CODEC_IDS.items()}
 #: A table larger than this is refused before it is read (about 16M chunks).
 MAX_TABLE_ENTRIES = 1 << 24

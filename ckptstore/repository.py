@@ -802,6 +802,7 @@ class _SaveWriter:
 
     def add(self, t: torch.Tensor) -> list:
         mv = _tensor_bytes(t)
+        dtype = str(t.dtype).removeprefix("torch.")
         self.logical += len(mv)
         refs: list = []
         cs = self.o.chunk_size
@@ -809,20 +810,20 @@ class _SaveWriter:
             piece = mv[off : off + cs]
             while self.pending and self.pending_bytes + len(piece) > self.lookahead:
                 self._drain_one()
-            fut = self.cpu.submit(self._prepare, piece)
-            self.pending.append((piece, fut, refs))
+            fut = self.cpu.submit(self._prepare, piece, dtype)
+            self.pending.append((piece, fut, refs, dtype))
             self.pending_bytes += len(piece)
         return refs
 
-    def _prepare(self, piece):
+    def _prepare(self, piece, dtype):
         h = _codec.hash_bytes(piece)
         if h in self.base or h in self.written:
             return h, None, None
-        codec, stored = _codec.encode(piece, self.o.codec, self.o.level)
+        codec, stored = _codec.encode(piece, self.o.codec, self.o.level, dtype)
         return h, codec, stored
 
     def _drain_one(self) -> None:
-        piece, fut, refs = self.pending.popleft()
+        piece, fut, refs, dtype = self.pending.popleft()
         self.pending_bytes -= len(piece)
         h, codec, stored = fut.result()
         ref = self.written.get(h) or self.base.get(h)
@@ -831,7 +832,7 @@ class _SaveWriter:
             self.reused_chunks += 1
         else:
             if stored is None:  # raced with a chunk that was then not written
-                codec, stored = _codec.encode(piece, self.o.codec, self.o.level)
+                codec, stored = _codec.encode(piece, self.o.codec, self.o.level, dtype)
             ref = self._append(h, codec, stored, len(piece))
             self.written[h] = ref
             self.new_raw += len(piece)
@@ -890,7 +891,7 @@ class _SaveWriter:
         return dict(self.done)
 
     def abort(self) -> None:
-        for _, fut, _ in self.pending:
+        for _, fut, _, _ in self.pending:
             fut.cancel()
         self.pending.clear()
         if self.pack is not None:

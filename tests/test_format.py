@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 import zstandard
+from hypothesis import given, settings, strategies as st
 
 from ckptstore import codec, manifest as M, pack as P
 from ckptstore.errors import FormatError, IntegrityError, UnsupportedVersionError
@@ -152,3 +153,48 @@ def test_manifest_contains_no_pickle():
         data = repo.store.get(o.key)
         assert b"\x80\x04\x95" not in data[:16]  # pickle protocol 4 header
     assert json.dumps(doc)  # pure JSON
+
+
+# ------------------------------------------------------------------ byte grouping
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64", "complex64", "complex128"])
+def test_bytegroup_round_trip(dtype):
+    d = getattr(torch, dtype)
+    if d.is_complex:
+        real = torch.float32 if d == torch.complex64 else torch.float64
+        t = torch.complex(torch.randn(10_000, dtype=real) * 0.02, torch.randn(10_000, dtype=real) * 0.02)
+    else:
+        t = (torch.randn(10_000) * 0.02).to(d)
+    raw = t.view(torch.uint8).numpy().tobytes()
+    name, stored = codec.encode(raw, "zstd", 1, dtype)
+    assert name == "bgz" and len(stored) < len(raw)
+    assert bytes(codec.decode(name, stored, len(raw))) == raw
+    # plain zstd of the same bytes is larger: grouping pays
+    assert len(stored) < len(zstandard.ZstdCompressor(level=1).compress(raw))
+
+
+def test_bytegroup_bf16_beats_plain_zstd_clearly():
+    t = (torch.randn(200_000) * 0.02).bfloat16()
+    raw = t.view(torch.uint8).numpy().tobytes()
+    _, stored = codec.encode(raw, "zstd", 1, "bfloat16")
+    plain = zstandard.ZstdCompressor(level=1).compress(raw)
+    assert len(raw) / len(stored) > 1.4 and len(stored) < 0.9 * len(plain)
+
+
+def test_bytegroup_rejects_damage():
+    t = torch.randn(5000)
+    raw = t.numpy().tobytes()
+    name, stored = codec.encode(raw, "zstd", 1, "float32")
+    for bad in (stored[:3], stored[:-1], stored + b"x", b"\x02" + stored[1:], stored[:4] + b"\x07" + stored[5:]):
+        with pytest.raises(IntegrityError):
+            codec.decode("bgz", bad, len(raw))
+    with pytest.raises(IntegrityError):
+        codec.decode("bgz", stored, len(raw) + 4)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=300), st.integers(0, 600))
+def test_fuzz_bgz_decoder_only_raises_integrity_errors(blob, raw_len):
+    try:
+        codec.decode("bgz", blob, raw_len)
+    except IntegrityError:
+        pass

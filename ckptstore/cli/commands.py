@@ -119,17 +119,44 @@ def cmd_stats(args) -> int:
 
 
 class _Progress:
-    """One self-overwriting line on stderr, only when stderr is a terminal."""
+    """tqdm progress bars on stderr, one per phase; quiet under ``--json`` or off a terminal.
+
+    Called as ``progress(what, done, total)`` (the library's callback
+    signature). A ``what`` ending in ``" bytes"`` counts bytes: the bar
+    shows sizes and throughput. A new ``what`` closes the previous bar.
+    """
 
     def __init__(self, enabled: bool):
         self.enabled = enabled and sys.stderr.isatty()
+        self._bar = None
+        self._what = None
 
     def __call__(self, what: str, done: int, total: int) -> None:
-        if self.enabled:
-            sys.stderr.write(f"\r{what}: {done}/{total}")
-            if done >= total:
-                sys.stderr.write("\n")
-            sys.stderr.flush()
+        if not self.enabled:
+            return
+        if what != self._what or self._bar is None:
+            self.close()
+            from tqdm import tqdm
+
+            is_bytes = what.endswith(" bytes")
+            self._bar = tqdm(
+                total=total, desc=what.removesuffix(" bytes") if is_bytes else what, file=sys.stderr,
+                unit="B" if is_bytes else "it", unit_scale=is_bytes, unit_divisor=1024 if is_bytes else 1000,
+                leave=True, dynamic_ncols=True,
+            )
+            self._what = what
+        bar = self._bar
+        if total != bar.total:
+            bar.total = total
+        bar.update(done - bar.n)
+        if done >= total:
+            self.close()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+            self._what = None
 
 
 def cmd_verify(args) -> int:
@@ -215,3 +242,96 @@ def cmd_demo(args) -> int:
     from .demo import run_demo
 
     return run_demo(steps=args.steps, as_json=args.json)
+
+
+# ------------------------------------------------------------------ transfer commands
+def cmd_export(args) -> int:
+    progress = _Progress(not args.json)
+    with _open(args) as repo:
+        try:
+            if args.format == "dcp":
+                if args.keys:
+                    raise ValueError("--keys works only with --format safetensors")
+                out = repo.export(args.step, args.out, format="dcp")
+            else:
+                out = repo.export(args.step, args.out, format="safetensors", keys=args.keys or None,
+                                  progress=progress)
+        finally:
+            progress.close()
+    out["format"] = args.format
+    if args.json:
+        emit_json(out)
+    else:
+        print(f"exported step {out['step']} ({out['tensors']} tensors, {human_bytes(out['bytes'])}) "
+              f"to {out['path']} ({args.format})")
+    return 0
+
+
+def cmd_import(args) -> int:
+    from ..transfer import detect_format
+
+    fmt = args.format or detect_format(args.path)
+    with _open(args) as repo:
+        info = repo.import_(args.path, args.step, format=fmt)
+    if args.json:
+        emit_json({"format": fmt, **info.as_dict()})
+    else:
+        print(f"imported {args.path} ({fmt}) as step {info.step}: {info.tensors} tensors, "
+              f"{human_bytes(info.logical_bytes)} logical, {human_bytes(info.stored_bytes)} new stored")
+    return 0
+
+
+def _options_from(pairs) -> dict | None:
+    class _A:
+        storage_option = pairs
+
+    return _storage_options(_A)
+
+
+def cmd_cp(args) -> int:
+    common = list(args.storage_option)
+    src_opts = _options_from(common + list(args.src_option))
+    dst_opts = _options_from(common + list(args.dst_option))
+    progress = _Progress(not args.json)
+    with open_repo(args.src, storage_options=src_opts) as src, open_repo(args.dst, storage_options=dst_opts) as dst:
+        try:
+            res = src.copy_to(dst, steps=args.step or None, progress=progress, verify_data=args.verify_data)
+        finally:
+            progress.close()
+    if args.json:
+        emit_json({"src": src.url, "dst": dst.url, **res.as_dict()})
+        return 0
+    for step, why in res.skipped:
+        print(f"step {step}: skipped, {why}")
+    print(
+        f"copied {len(res.copied)} step(s): {res.chunks_copied} chunk(s), {human_bytes(res.bytes_copied)} stored "
+        f"in {len(res.packs)} new pack(s); {res.chunks_reused} chunk reference(s) reused what the destination had"
+    )
+    return 0
+
+
+def cmd_diff(args) -> int:
+    with _open(args) as repo:
+        d = repo.diff(args.a, args.b)
+    if args.json:
+        emit_json(d)
+        return 0
+    print(f"step {d['a']} -> step {d['b']}: {len(d['added'])} added, {len(d['removed'])} removed, "
+          f"{len(d['changed'])} changed, {len(d['unchanged'])} unchanged")
+    rows = [["+", t["key"], f"{t['dtype']}{t['shape']}", human_bytes(t["bytes"])] for t in d["added"]]
+    rows += [["-", t["key"], f"{t['dtype']}{t['shape']}", human_bytes(t["bytes"])] for t in d["removed"]]
+    rows += [
+        ["~", t["key"], t["reason"] if t["reason"] != "data" else f"{t['changed_chunks']}/{t['chunks']} chunks",
+         human_bytes(t["changed_bytes"])]
+        for t in d["changed"]
+    ]
+    if rows:
+        table(rows, ["", "tensor", "change", "bytes"])
+    v = d["values"]
+    for k, x in v["added"].items():
+        print(f"+ value {k} = {x!r}")
+    for k, x in v["removed"].items():
+        print(f"- value {k} (was {x!r})")
+    for k, x in v["changed"].items():
+        print(f"~ value {k}: {x['from']!r} -> {x['to']!r}")
+    return 0

@@ -83,6 +83,43 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("name", metavar="NAME")
     sp.set_defaults(func=commands.cmd_tag)
 
+    sp = sub.add_parser("export", help="write a step as a .safetensors file or a DCP directory")
+    common(sp)
+    sp.add_argument("step", type=int, metavar="STEP")
+    sp.add_argument("out", metavar="OUT", help="OUT.safetensors, or a directory with --format dcp")
+    sp.add_argument("--format", choices=["safetensors", "dcp"], default="safetensors",
+                    help="output format (default safetensors)")
+    sp.add_argument("--keys", action="append", default=[], metavar="GLOB",
+                    help="export only tensors whose key matches (fnmatch; repeatable; safetensors only)")
+    sp.set_defaults(func=commands.cmd_export)
+
+    sp = sub.add_parser("import", help="save a .safetensors file, torch.save file or DCP directory as a step")
+    sp.add_argument("path", metavar="FILE_OR_DIR")
+    common(sp)
+    sp.add_argument("--step", type=int, required=True, metavar="N", help="step number to create")
+    sp.add_argument("--format", choices=["safetensors", "torch", "dcp"],
+                    help="input format (default: detected from the path)")
+    sp.set_defaults(func=commands.cmd_import)
+
+    sp = sub.add_parser("cp", help="copy steps between repositories, moving only chunks the destination lacks")
+    sp.add_argument("src", metavar="SRC_URL")
+    sp.add_argument("dst", metavar="DST_URL")
+    common(sp, url=False)
+    sp.add_argument("--src-option", action="append", type=_storage_option, default=[], metavar="KEY=VALUE",
+                    help="backend option for the source only (repeatable; -o applies to both)")
+    sp.add_argument("--dst-option", action="append", type=_storage_option, default=[], metavar="KEY=VALUE",
+                    help="backend option for the destination only (repeatable; -o applies to both)")
+    sp.add_argument("--step", action="append", type=int, default=[], metavar="N",
+                    help="copy this step (repeatable; default: every step)")
+    sp.add_argument("--verify-data", action="store_true", help="read back and hash every chunk of each copied step")
+    sp.set_defaults(func=commands.cmd_cp)
+
+    sp = sub.add_parser("diff", help="tensors added, removed, changed between two steps (manifests only)")
+    common(sp)
+    sp.add_argument("a", type=int, metavar="STEP_A")
+    sp.add_argument("b", type=int, metavar="STEP_B")
+    sp.set_defaults(func=commands.cmd_diff)
+
     sp = sub.add_parser("demo", help="train a small model, checkpoint it into an embedded S3 server, restore it")
     sp.add_argument("--steps", type=int, default=6, help="training steps to save (default 6)")
     sp.add_argument("--json", action="store_true", help="machine-readable output")
