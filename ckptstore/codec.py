@@ -146,10 +146,9 @@ _BG_PLANE = struct.Struct("<BI")
 
 def _planes(arr: np.ndarray, k: int, transform: int) -> list[np.ndarray]:
     if transform == 1:  # bfloat16: exponent bits apart from sign + mantissa
-        b = arr.reshape(-1, 2)
-        lo, hi = b[:, 0], b[:, 1]  # little-endian: hi = sign + 7 exponent bits
-        exp = ((hi & 0x7F) << 1) | (lo >> 7)
-        sm = (hi & 0x80) | (lo & 0x7F)
+        x = arr.view("<u2")
+        exp = (x >> 7).astype(np.uint8)  # the cast drops the sign bit
+        sm = ((x >> 8) & 0x80).astype(np.uint8) | (x & 0x7F).astype(np.uint8)
         return [exp, sm]
     b = arr.view(np.uint8).reshape(-1, k)
     return [np.ascontiguousarray(b[:, i]) for i in range(k - 1, -1, -1)]  # high bytes first
@@ -157,11 +156,9 @@ def _planes(arr: np.ndarray, k: int, transform: int) -> list[np.ndarray]:
 
 def _unplanes(planes: list[np.ndarray], k: int, transform: int, n: int) -> bytes:
     if transform == 1:
-        exp, sm = planes
-        out = np.empty((n, 2), dtype=np.uint8)
-        out[:, 0] = ((exp & 0x01) << 7) | (sm & 0x7F)
-        out[:, 1] = (sm & 0x80) | (exp >> 1)
-        return out.tobytes()
+        exp = planes[0].astype("<u2")
+        sm = planes[1].astype("<u2")
+        return (((sm & 0x80) << 8) | (exp << 7) | (sm & 0x7F)).tobytes()
     out = np.empty((n, k), dtype=np.uint8)
     for i, p in zip(range(k - 1, -1, -1), planes):
         out[:, i] = p
