@@ -283,6 +283,7 @@ class Repository:
         self._seal_pool: cf.ThreadPoolExecutor | None = None
         self._async_pool: cf.ThreadPoolExecutor | None = None
         self._tensor_pool: cf.ThreadPoolExecutor | None = None
+        self._buffer_pool = None
         self._pool_lock = threading.Lock()
         self._manifest_cache: dict[int, Manifest] = {}
 
@@ -295,6 +296,16 @@ class Repository:
                 self._io_pool = cf.ThreadPoolExecutor(o.io_workers, thread_name_prefix="ckpt-io")
                 self._seal_pool = cf.ThreadPoolExecutor(o.packs_in_flight + 1, thread_name_prefix="ckpt-seal")
             return self._cpu_pool, self._io_pool, self._seal_pool
+
+    def _part_buffers(self, window: int):
+        """The repository's pool of reusable multipart part buffers."""
+        with self._pool_lock:
+            o = self.options
+            if self._buffer_pool is None or self._buffer_pool.size != o.part_size:
+                from .storage.base import BufferPool
+
+                self._buffer_pool = BufferPool(o.part_size, keep=(o.packs_in_flight + 1) * (window + 1))
+            return self._buffer_pool
 
     def close(self) -> None:
         """Wait for async saves, stop worker threads and close the store."""
@@ -843,7 +854,10 @@ class _SaveWriter:
     def _append(self, h, codec, stored, raw_len) -> ChunkRef:
         if self.pack is None:
             pid = uuid.uuid4().hex
-            up = ParallelUploader(self.repo.store, pack_key(pid), self.o.part_size, self.io, window=self.window)
+            up = ParallelUploader(
+                self.repo.store, pack_key(pid), self.o.part_size, self.io, window=self.window,
+                buffers=self.repo._part_buffers(self.window),
+            )
             up.write(_pack.header())
             self.pack = (pid, _pack.PackBuilder(), up)
         pid, builder, up = self.pack
