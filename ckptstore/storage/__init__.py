@@ -1,7 +1,7 @@
 """Object stores: the :class:`ObjectStore` interface and its backends.
 
-:func:`open_store` turns a URL into a store. ``S3Store`` is imported on first
-use so that importing this package does not import s3fs.
+:func:`open_store` turns a URL into a store. ``S3Store`` and ``GCSStore`` are imported on first
+use so that importing this package does not import s3fs or gcsfs.
 """
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ __all__ = [
     "MemoryStore",
     "LocalStore",
     "S3Store",
+    "GCSStore",
     "open_store",
 ]
 
 #: Schemes we know about but have no backend for yet.
-_PLANNED = ("gs", "gcs", "az", "abfs", "abfss")
+_PLANNED = ("az", "abfs", "abfss")
 _LOCAL_OPTIONS = frozenset({"fsync"})
 
 
@@ -32,6 +33,10 @@ def __getattr__(name: str):
         from .s3 import S3Store
 
         return S3Store
+    if name == "GCSStore":
+        from .gcs import GCSStore
+
+        return GCSStore
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -75,10 +80,12 @@ def open_store(url: str, storage_options: dict | None = None) -> ObjectStore:
     url:
         ``memory://name`` (process-wide named in-memory store),
         ``file:///abs/path`` or a plain (relative or absolute) path,
-        ``s3://bucket/prefix``. Credentials never go in the URL.
+        ``s3://bucket/prefix``, ``gs://bucket/prefix`` (or ``gcs://``).
+        Credentials never go in the URL.
     storage_options:
         For S3, passed to :class:`s3fs.S3FileSystem` (``key``, ``secret``,
-        ``endpoint_url``, ``client_kwargs``...). For local stores only
+        ``endpoint_url``, ``client_kwargs``...); for GCS, to
+        :class:`gcsfs.GCSFileSystem` (``token``, ``project``, ``endpoint_url``...). For local stores only
         ``fsync`` is accepted; memory stores take none.
 
     Raises
@@ -114,6 +121,15 @@ def open_store(url: str, storage_options: dict | None = None) -> ObjectStore:
         from .s3 import S3Store
 
         return S3Store(location, storage_options)
+    if scheme in ("gs", "gcs"):
+        location = rest.rstrip("/")
+        if not location.split("/", 1)[0]:
+            raise ValueError(f"{scheme}:// URL needs a bucket, e.g. gs://bucket/prefix")
+        if "?" in location or "#" in location:
+            raise ValueError(f"{scheme}:// URL must not carry a query or fragment")
+        from .gcs import GCSStore
+
+        return GCSStore(location, storage_options)
     if scheme in _PLANNED:
-        raise ValueError(f"{scheme}:// stores are not supported yet (supported: s3://, file://, memory://, paths)")
-    raise ValueError(f"unsupported store URL scheme {scheme!r} (supported: s3://, file://, memory://, paths)")
+        raise ValueError(f"{scheme}:// stores are not supported yet (supported: s3://, gs://, file://, memory://, paths)")
+    raise ValueError(f"unsupported store URL scheme {scheme!r} (supported: s3://, gs://, file://, memory://, paths)")
