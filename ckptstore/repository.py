@@ -261,6 +261,26 @@ def parse_relocation(raw: bytes, pack_id: str) -> dict[str, ChunkRef]:
     return out
 
 
+class _ByteBudget:
+    """A counting limit on bytes in flight; one oversize request may pass alone."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.used = 0
+        self._cv = threading.Condition()
+
+    def acquire(self, n: int) -> None:
+        with self._cv:
+            while self.used and self.used + n > self.limit:
+                self._cv.wait()
+            self.used += n
+
+    def release(self, n: int) -> None:
+        with self._cv:
+            self.used -= n
+            self._cv.notify_all()
+
+
 class PackVanishedError(ObjectNotFoundError):
     """A pack this save uploaded is gone before the commit."""
 
@@ -284,6 +304,7 @@ class Repository:
         self._async_pool: cf.ThreadPoolExecutor | None = None
         self._tensor_pool: cf.ThreadPoolExecutor | None = None
         self._buffer_pool = None
+        self._budget = None
         self._pool_lock = threading.Lock()
         self._manifest_cache: dict[int, Manifest] = {}
 
@@ -296,6 +317,12 @@ class Repository:
                 self._io_pool = cf.ThreadPoolExecutor(o.io_workers, thread_name_prefix="ckpt-io")
                 self._seal_pool = cf.ThreadPoolExecutor(o.packs_in_flight + 1, thread_name_prefix="ckpt-seal")
             return self._cpu_pool, self._io_pool, self._seal_pool
+
+    def _read_budget(self) -> "_ByteBudget":
+        with self._pool_lock:
+            if self._budget is None:
+                self._budget = _ByteBudget(max(self.options.max_request, self.options.max_inflight_bytes // 2))
+            return self._budget
 
     def _part_buffers(self, window: int):
         """The repository's pool of reusable multipart part buffers."""
@@ -1079,12 +1106,25 @@ class Checkpoint:
             raise
 
     def _run_request(self, key, req: _plan.RangeRequest, refs, sinks, hops: int) -> None:
+        # Bytes fetched and not yet decoded are bounded by the repository's
+        # read budget (half of max_inflight_bytes), shared by every read.
+        budget = self.repo._read_budget()
+        n = req.end - req.start
+        budget.acquire(n)
+        try:
+            moved = self._run_request_budgeted(key, req, refs, sinks)
+        finally:
+            budget.release(n)
+        if moved:  # outside the budget: the relocated reads acquire their own
+            self._relocated(key, req, refs, sinks, hops)
+
+    def _run_request_budgeted(self, key, req: _plan.RangeRequest, refs, sinks) -> bool:
+        """Fetch and decode one request; True when its pack is gone (see relocations)."""
         store = self.repo.store
         try:
             (data,) = store.get_ranges(pack_key(req.pack), [(req.start, req.end)])
         except ObjectNotFoundError:
-            self._relocated(key, req, refs, sinks, hops)
-            return
+            return True
         except ValueError as ex:
             r = refs[req.items[0]]
             raise IntegrityError(
@@ -1114,7 +1154,7 @@ class Checkpoint:
 
         if len(req.items) == 1:
             decode(req.items[0])
-            return
+            return False
         # Decoding and hashing release the GIL: spread one request's chunks
         # over the CPU pool (its tasks never wait on anything, so an I/O
         # thread waiting here cannot deadlock).
@@ -1122,6 +1162,7 @@ class Checkpoint:
         futures = [cpu.submit(decode, i) for i in req.items]
         for f in futures:
             f.result()
+        return False
 
     def _relocated(self, key, req: _plan.RangeRequest, refs, sinks, hops: int) -> None:
         """A pack is gone: follow its relocation record (written by repack), if any."""
