@@ -411,3 +411,26 @@ def test_missing_bucket_listing_is_not_a_missing_object(gcs):
     with pytest.raises(StorageError) as ei:
         s.list_multipart()
     assert not isinstance(ei.value, ObjectNotFoundError)
+
+
+def test_cp_s3_to_gcs_copies_unique_chunks_once_and_verifies(gcs, s3):
+    """``cp`` between clouds: S3 (moto) to GCS (emulator)."""
+    import ckptstore
+    from ckptstore.repository import Repository
+
+    src = ckptstore.open(s3.url, storage_options=s3.storage_options, **SMALL)
+    frozen = torch.randn(100_000)
+    for step in (1, 2, 3):
+        src.save({"frozen": frozen, "head": torch.randn(5_000) + step}, step=step)
+    dst = Repository(gcs(), **SMALL)
+    result = src.copy_to(dst)
+    assert result.copied == [1, 2, 3]
+    unique = {c.hash: c.stored_len for s in (1, 2, 3) for c in src.manifest(s).chunk_refs()}
+    assert result.chunks_copied == len(unique) and result.bytes_copied == sum(unique.values())
+    assert dst.verify(read_data=True).ok
+    for step in (1, 2, 3):
+        a, b = src.load(step), dst.load(step)
+        assert torch.equal(a["frozen"], b["frozen"]) and torch.equal(a["head"], b["head"])
+    again = src.copy_to(dst)
+    assert again.copied == [] and again.bytes_copied == 0
+    src.close()
