@@ -8,10 +8,17 @@ from .. import open as open_repo
 from ._format import emit_json, human_bytes, iso, table
 
 
-def _storage_options(args) -> dict | None:
+def _storage_options(args, url: str | None = None) -> dict | None:
+    """``-o KEY=VALUE`` pairs as the backend of ``url`` expects them.
+
+    s3fs takes the endpoint and region inside ``client_kwargs``; gcsfs takes
+    ``endpoint_url`` directly.
+    """
+    url = url if url is not None else getattr(args, "url", "") or ""
+    s3 = url.startswith("s3://")
     opts: dict = {}
     for k, v in getattr(args, "storage_option", []):
-        if k in ("endpoint_url", "region_name"):
+        if s3 and k in ("endpoint_url", "region_name"):
             opts.setdefault("client_kwargs", {})[k] = v
         else:
             opts[k] = v
@@ -281,17 +288,17 @@ def cmd_import(args) -> int:
     return 0
 
 
-def _options_from(pairs) -> dict | None:
+def _options_from(pairs, url: str) -> dict | None:
     class _A:
         storage_option = pairs
 
-    return _storage_options(_A)
+    return _storage_options(_A, url)
 
 
 def cmd_cp(args) -> int:
     common = list(args.storage_option)
-    src_opts = _options_from(common + list(args.src_option))
-    dst_opts = _options_from(common + list(args.dst_option))
+    src_opts = _options_from(common + list(args.src_option), args.src)
+    dst_opts = _options_from(common + list(args.dst_option), args.dst)
     progress = _Progress(not args.json)
     with open_repo(args.src, storage_options=src_opts) as src, open_repo(args.dst, storage_options=dst_opts) as dst:
         try:
