@@ -266,6 +266,7 @@ class _State:
     packs: dict[str, tuple[int, float]]  # id -> (size, mtime)
     relocations: set[str]  # pack ids with a relocation record
     res: float = 0.0  # the store's mtime resolution
+    listed_at: float = 0.0  # when the manifests were listed
 
     def age(self, mtime: float) -> float:
         """Lower bound of an object's age (truncated mtimes never make it look older)."""
@@ -286,8 +287,11 @@ def _read_state(repo: Repository, now: float) -> _State:
     st = repo.store
     leases = {o.key: o.mtime for o in st.list(LEASE_PREFIX)}
     tombstones = {}
+    cache = repo.__dict__.setdefault("_tombstone_cache", {})  # tombstones are write-once
     for o in st.list(TOMBSTONE_PREFIX):
-        tombstones[o.key] = (o.mtime, _read_tombstone(repo, o.key))
+        if o.key not in cache:
+            cache[o.key] = _read_tombstone(repo, o.key)
+        tombstones[o.key] = (o.mtime, cache[o.key])
     packs = {}
     for o in st.list(PACK_PREFIX):
         name = o.key.rsplit("/", 1)[-1]
@@ -298,7 +302,10 @@ def _read_state(repo: Repository, now: float) -> _State:
         name = o.key.rsplit("/", 1)[-1]
         if name.endswith(".json") and _m.is_pack_id(name[:-5]):
             relocs.add(name[:-5])
-    return _State(now, _read_manifests(repo), tombstones, leases, packs, relocs, st.mtime_resolution)
+    listed_at = time.time()  # manifests are listed last: deletions are timed from here (G3)
+    state = _State(now, _read_manifests(repo), tombstones, leases, packs, relocs, st.mtime_resolution)
+    state.listed_at = listed_at
+    return state
 
 
 def _read_tombstone(repo: Repository, key: str) -> Manifest | None:
@@ -459,7 +466,9 @@ def plan_gc(
         repack_list = tuple(sorted((u for u in partial if state.age(u.mtime) > g), key=lambda u: u.pack))
 
     uploads = []
-    for u in repo.store.list_multipart(PACK_PREFIX):
+    # Uploads of packs, and uploads whose target is unreadable (a saver
+    # killed while creating its local upload marker).
+    for u in (u for u in repo.store.list_multipart("") if u.key.startswith(PACK_PREFIX) or not u.key):
         if state.age(u.initiated) > g and not live_leases:
             uploads.append(u)
         elif state.age(u.initiated) > g and _older_than_all(u.initiated, state, g):
@@ -555,7 +564,7 @@ def _execute(plan: GCPlan, repo: Repository, progress) -> GCResult:
     state, live_refs, live_chunks, prot_refs = reread()
     todo = [pid for pid, _ in plan.delete_packs] + list(relocated)
     for i, pid in enumerate(todo):
-        if time.time() - state.now > safety_margin(g) / 2:
+        if time.time() - state.listed_at > safety_margin(g) / 2:
             state, live_refs, live_chunks, prot_refs = reread()
         now = state.now
         info = state.packs.get(pid)

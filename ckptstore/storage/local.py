@@ -188,8 +188,11 @@ class _LocalMultipart(MultipartUpload):
         tmpdir = os.path.join(store.root, _TMP)
         self._marker = os.path.join(tmpdir, self.upload_id + ".mpu")
         self._data = os.path.join(tmpdir, self.upload_id + ".part")
-        with open(self._marker, "w", encoding="utf-8") as f:
+        # Written to a temporary name and renamed, so a kill never leaves an
+        # empty marker naming no key.
+        with open(self._marker + ".new", "w", encoding="utf-8") as f:
             f.write(key)
+        os.replace(self._marker + ".new", self._marker)
         self._fd = os.open(self._data, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         self._sizes: dict[int, int] = {}
 
