@@ -165,9 +165,26 @@ def _unplanes(planes: list[np.ndarray], k: int, transform: int, n: int) -> bytes
     return out.tobytes()
 
 
+def _plane_compressor() -> zstandard.ZstdCompressor:
+    # Planes are near-memoryless byte streams (exponents): long matches are
+    # rare, so a fast strategy with min_match 7 leaves almost everything to
+    # the Huffman-coded literals; a tiny hash table keeps it fast. Measured
+    # on all-MiniLM-L6-v2's bf16 exponents in 2M-element chunks: 2.65
+    # bits/element at ~790 MB/s (order-0 entropy 2.65), against 2.90 bits at
+    # ~300 MB/s for level 1 (benchmarks/codec_real.py).
+    c = getattr(_tls, "plane", None)
+    if c is None:
+        params = zstandard.ZstdCompressionParameters(
+            strategy=zstandard.STRATEGY_FAST, min_match=7, window_log=20, hash_log=6, search_log=1,
+            target_length=0, write_content_size=True,
+        )
+        c = _tls.plane = zstandard.ZstdCompressor(compression_params=params)
+    return c
+
+
 def _bytegroup_encode(data, k: int, transform: int, level: int) -> bytes:
     arr = np.frombuffer(data, dtype=np.uint8)
-    c = _compressor(level)
+    c = _plane_compressor()
     heads, bodies = [], []
     for plane in _planes(arr, k, transform):
         raw = plane.data
