@@ -203,7 +203,7 @@ def plot_codec_real(plt, rows: list, out: str) -> str:
     b1 = ax.barh([y - h / 2 for y in ys], [r["zstd_ratio"] for r in rows], height=h, color=C_ZSTD,
                  label="zstd level 1 on the raw bytes")
     b2 = ax.barh([y + h / 2 for y in ys], [r["ckptstore_ratio"] for r in rows], height=h, color=C_CKPT,
-                 label="ckptstore codec (byte-grouped planes + zstd 1)")
+                 label="ckptstore codec (bgz: byte-grouped planes + zstd)")
     _label_bars(ax, b1, fmt="{:.3f}", suffix="x")
     _label_bars(ax, b2, fmt="{:.3f}", suffix="x")
     ax.set_yticks(ys)
@@ -213,7 +213,7 @@ def plot_codec_real(plt, rows: list, out: str) -> str:
     ax.set_xlim(1.0, max(max(r["zstd_ratio"], r["ckptstore_ratio"]) for r in rows) * 1.12)
     ax.set_xlabel("compression ratio (raw bytes / stored bytes; higher is better)")
     ax.set_title("Compression of real weights (all-MiniLM-L6-v2) and AdamW state, 4 MiB chunks")
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, fontsize=8)
     ax.grid(axis="x", alpha=0.3)
     fig.text(0.01, 0.01, "python -m benchmarks.codec_real; one thread", fontsize=7, color="#555555")
     fig.tight_layout(rect=(0, 0.03, 1, 1))
