@@ -261,6 +261,19 @@ def parse_relocation(raw: bytes, pack_id: str) -> dict[str, ChunkRef]:
     return out
 
 
+def _copy_sink(view: np.ndarray, start: int):
+    def sink(raw) -> None:
+        n = len(raw)
+        view[start : start + n] = np.frombuffer(raw, dtype=np.uint8, count=n)
+
+    return sink
+
+
+def _name(key, i: int) -> str:
+    """The tensor a fetched item belongs to (``key`` is one name, or one per item)."""
+    return key[i] if isinstance(key, list) else key
+
+
 class _ByteBudget:
     """A counting limit on bytes in flight; one oversize request may pass alone."""
 
@@ -700,13 +713,17 @@ class Repository:
         ckpt = self.checkpoint(step)
         if into is None:
             keys = ckpt.keys()
-            tensors = dict(zip(keys, self._map_tensors(ckpt.read, keys)))
+            tensors = {}
+            for k in keys:
+                e = ckpt.manifest.tensors[k]
+                tensors[k] = torch.empty(e.shape, dtype=_m.DTYPES[e.dtype])
+            ckpt.read_many_into(tensors)
             return unflatten(ckpt.manifest.tree, tensors.__getitem__)
         _, dest = flatten(into)
         missing = [k for k in dest if k not in ckpt.manifest.tensors]
         if missing:
             raise KeyError(f"step {step} has no tensor(s) {missing[:5]} present in `into`")
-        self._map_tensors(lambda k: ckpt.read_into(k, dest[k]), list(dest))
+        ckpt.read_many_into(dest)
         _replace_values(into, ckpt.manifest.tree)
         return into
 
@@ -1020,6 +1037,46 @@ class Checkpoint:
                 dest.copy_(tmp)
         return dest
 
+    def read_many_into(self, dests: dict[str, torch.Tensor]) -> None:
+        """Read whole tensors into ``dests`` (key -> tensor of the stored shape and dtype).
+
+        Tensors stored as one shard and read into contiguous CPU tensors are
+        fetched together: their chunks are coalesced across tensors into few
+        range requests (a state dict of many small tensors costs a handful
+        of GETs, not one per tensor). The rest go one tensor at a time.
+        """
+        keys, refs, sinks, rest = [], [], [], []
+        for key, dest in dests.items():
+            e = self._entry(key)
+            dtype = _m.DTYPES[e.dtype]
+            if tuple(dest.shape) != e.shape or dest.dtype != dtype:
+                raise ValueError(
+                    f"step {self.step}: tensor {key!r} is {e.dtype}{list(e.shape)}, "
+                    f"destination is {str(dest.dtype).removeprefix('torch.')}{list(dest.shape)}"
+                )
+            simple = (
+                len(e.shards) == 1
+                and e.shards[0].sizes == e.shape
+                and dest.device.type == "cpu"
+                and dest.is_contiguous()
+                and not dest.is_conj()
+                and not dest.is_neg()
+            )
+            if not simple:
+                rest.append(key)
+                continue
+            if dest.numel() == 0:
+                continue
+            view = _byte_view(dest.detach())
+            shard = e.shards[0]
+            for start, c in zip(shard.chunk_starts(), shard.chunks):
+                keys.append(key)
+                refs.append(c)
+                sinks.append(_copy_sink(view, start))
+        self._fetch(keys, refs, sinks)
+        if rest:
+            self.repo._map_tensors(lambda k: self.read_into(k, dests[k]), rest)
+
     # -- internals
     def _read_box(self, e: TensorEntry, box, out: torch.Tensor) -> None:
         """Fill ``out`` (contiguous CPU, shape of the box) from every shard it meets."""
@@ -1086,8 +1143,11 @@ class Checkpoint:
             with torch.no_grad():
                 target.copy_(sub)
 
-    def _fetch(self, key: str, refs: Sequence[ChunkRef], sinks: Sequence[Callable]) -> None:
-        """Fetch, verify and decode chunks; hand each one's raw bytes to its sink."""
+    def _fetch(self, key: str | list[str], refs: Sequence[ChunkRef], sinks: Sequence[Callable]) -> None:
+        """Fetch, verify and decode chunks; hand each one's raw bytes to its sink.
+
+        ``key`` names the tensor for error messages: one name, or one per ref.
+        """
         if not refs:
             return
         o = self.repo.options
@@ -1128,12 +1188,13 @@ class Checkpoint:
         except ValueError as ex:
             r = refs[req.items[0]]
             raise IntegrityError(
-                f"{self.repo.url}: step {self.step}: tensor {key!r}: pack {req.pack} is shorter than "
+                f"{self.repo.url}: step {self.step}: tensor {_name(key, req.items[0])!r}: pack {req.pack} is shorter than "
                 f"the manifest says (offset {r.offset}): {ex}"
             ) from None
         if len(data) != req.end - req.start:
             raise IntegrityError(
-                f"{self.repo.url}: step {self.step}: tensor {key!r}: pack {req.pack}: short read at {req.start}"
+                f"{self.repo.url}: step {self.step}: tensor {_name(key, req.items[0])!r}: pack {req.pack}: "
+                f"short read at {req.start}"
             )
         mv = memoryview(data)
 
@@ -1141,7 +1202,7 @@ class Checkpoint:
             r = refs[i]
             stored = mv[r.offset - req.start : r.offset - req.start + r.stored_len]
             where = (
-                f"{self.repo.url}: step {self.step}: tensor {key!r}: chunk {r.hash[:16]} "
+                f"{self.repo.url}: step {self.step}: tensor {_name(key, i)!r}: chunk {r.hash[:16]} "
                 f"in pack {r.pack} at offset {r.offset}"
             )
             try:
@@ -1168,7 +1229,7 @@ class Checkpoint:
         """A pack is gone: follow its relocation record (written by repack), if any."""
         r0 = refs[req.items[0]]
         missing = MissingDataError(
-            f"{self.repo.url}: step {self.step}: tensor {key!r}: pack {req.pack} is missing "
+            f"{self.repo.url}: step {self.step}: tensor {_name(key, req.items[0])!r}: pack {req.pack} is missing "
             f"(needed at offset {r0.offset}) and no relocation record names its chunks; "
             "the step cannot be restored"
         )
@@ -1178,6 +1239,7 @@ class Checkpoint:
         if table is None:
             raise missing
         new_refs, new_sinks = [], []
+        new_key = [_name(key, i) for i in req.items] if isinstance(key, list) else key
         for i in req.items:
             moved = table.get(refs[i].hash)
             if moved is None:
@@ -1189,4 +1251,4 @@ class Checkpoint:
             [(r.pack, r.offset, r.offset + r.stored_len) for r in new_refs], o.coalesce_gap, o.max_request
         )
         for q in sub:  # serially, on this I/O thread: no nested pool waits
-            self._run_request(key, q, new_refs, new_sinks, hops + 1)
+            self._run_request(new_key, q, new_refs, new_sinks, hops + 1)

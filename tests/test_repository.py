@@ -433,3 +433,19 @@ def test_moved_chunks_are_found_through_relocation_records():
     store.put(relocation_key(old), b"{not json")
     with pytest.raises(FormatError, match="relocation"):
         Repository(store).load(1)
+
+
+def test_loading_many_small_tensors_coalesces_requests_across_tensors():
+    store = CountingStore(MemoryStore())
+    repo = Repository(store, chunk_size=64 << 10, pack_size=8 << 20, part_size=5 << 20)
+    sd = {f"layer{i}.weight": torch.randn(100, 50) for i in range(200)}  # 200 tensors of 20 KB, one pack
+    repo.save(sd, step=1)
+    store.reset()
+    out = Repository(store).load(1)
+    assert_tree_equal(sd, out)
+    assert store.calls["get_ranges"] <= 2, store.calls  # not one request per tensor
+    store.reset()
+    into = {k: torch.zeros_like(v) for k, v in sd.items()}
+    Repository(store).load(1, into=into)
+    assert_tree_equal(sd, into)
+    assert store.calls["get_ranges"] <= 2, store.calls
