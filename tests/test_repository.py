@@ -449,3 +449,24 @@ def test_loading_many_small_tensors_coalesces_requests_across_tensors():
     Repository(store).load(1, into=into)
     assert_tree_equal(sd, into)
     assert store.calls["get_ranges"] <= 2, store.calls
+
+
+def test_async_saves_reuse_staging_buffers_safely():
+    repo = _mem_repo()
+    w = torch.randn(200_000)
+    snapshots = []
+    futures = []
+    for step in range(1, 5):
+        snapshots.append(w.clone())
+        futures.append(repo.save({"w": w, "b": torch.full((10,), float(step))}, step=step, blocking=False))
+        w.add_(1.0)  # the caller changes its tensor at once
+    for f in futures:
+        f.result(timeout=60)
+    for step, snap in enumerate(snapshots, start=1):
+        out = repo.load(step)
+        assert torch.equal(out["w"], snap) and torch.equal(out["b"], torch.full((10,), float(step)))
+    # once the last async save is done, the next one copies into the same buffers
+    first = repo._staging["w"].data_ptr()
+    repo.save({"w": w, "b": torch.zeros(10)}, step=9, blocking=False).result(timeout=60)
+    assert repo._staging["w"].data_ptr() == first
+    assert torch.equal(repo.load(9)["w"], w)
