@@ -123,21 +123,37 @@ def decode(codec: str, stored, raw_len: int) -> bytes | memoryview:
             raise IntegrityError(f"raw chunk is {len(stored)} bytes, expected {raw_len}")
         return stored
     if codec == "zstd":
-        try:
-            # The frame header states its content size; check it before the
-            # decompressor allocates that much (a crafted frame could claim TiBs).
-            declared = zstandard.frame_content_size(stored)
-            if declared not in (-1, raw_len):
-                raise IntegrityError(f"zstd frame declares {declared} bytes, expected {raw_len}")
-            out = _decompressor().decompress(stored, max_output_size=raw_len)
-        except zstandard.ZstdError as e:
-            raise IntegrityError(f"zstd frame does not decode: {e}") from None
-        if len(out) != raw_len:
-            raise IntegrityError(f"zstd chunk decodes to {len(out)} bytes, expected {raw_len}")
-        return out
+        return _unzstd(stored, raw_len, "zstd chunk")
     if codec == "bgz":
         return _bytegroup_decode(stored, raw_len)
     raise IntegrityError(f"unknown codec {codec!r}")
+
+
+def _unzstd(frame, n: int, what: str) -> bytes:
+    """Decode one zstd frame that must hold exactly ``n`` bytes."""
+    try:
+        # The frame header states its content size; check it before the
+        # decompressor allocates that much (a crafted frame could claim TiBs).
+        declared = zstandard.frame_content_size(frame)
+        if declared not in (-1, n):
+            raise IntegrityError(f"{what} declares {declared} bytes, expected {n}")
+        out = _decompressor().decompress(frame, max_output_size=n)
+    except zstandard.ZstdError as e:
+        raise IntegrityError(f"{what} does not decode: {e}") from None
+    if len(out) != n:
+        raise IntegrityError(f"{what} decodes to {len(out)} bytes, expected {n}")
+    return out
+
+
+def decode_verified(codec: str, stored, raw_len: int, hash_hex: str, where: str) -> bytes | memoryview:
+    """:func:`decode`, then check the BLAKE3 hash; errors are prefixed with ``where``."""
+    try:
+        raw = decode(codec, stored, raw_len)
+    except IntegrityError as ex:
+        raise IntegrityError(f"{where}: {ex}") from None
+    if hash_bytes(raw) != hash_hex:
+        raise IntegrityError(f"{where}: content hash mismatch (corrupted data)")
+    return raw
 
 
 _BG_HEAD = struct.Struct("<BBBB")
@@ -222,13 +238,7 @@ def _bytegroup_decode(stored, raw_len: int) -> bytes:
         if mode == 0:
             plane = body
         elif mode == 1:
-            try:
-                declared = zstandard.frame_content_size(body)
-                if declared not in (-1, n):
-                    raise IntegrityError(f"bgz plane declares {declared} bytes, expected {n}")
-                plane = _decompressor().decompress(body, max_output_size=n)
-            except zstandard.ZstdError as e:
-                raise IntegrityError(f"bgz plane does not decode: {e}") from None
+            plane = _unzstd(body, n, "bgz plane")
         else:
             raise IntegrityError(f"bgz plane has unknown mode {mode}")
         if len(plane) != n:

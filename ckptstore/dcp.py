@@ -215,13 +215,7 @@ class CkptStoreWriter(StorageWriter):
         except BaseException:
             writer.abort()
             raise
-        stats = {
-            "logical_bytes": writer.logical,
-            "new_bytes": writer.new_raw,
-            "stored_bytes": writer.new_stored,
-            "reused_bytes": writer.reused,
-            "pack_bytes": sum(packs.values()),
-        }
+        stats = writer.stats(packs)
         self.last_rank_stats = dict(stats, rank=rank)
         results = []
         for n, (item, kind, sizes, dtype, nbytes, refs) in enumerate(pending):

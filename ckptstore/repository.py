@@ -261,6 +261,11 @@ def parse_relocation(raw: bytes, pack_id: str) -> dict[str, ChunkRef]:
     return out
 
 
+def _writable_in_place(t: torch.Tensor) -> bool:
+    """Chunks can be copied straight into ``t``'s memory."""
+    return t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+
+
 def _copy_sink(view: np.ndarray, start: int):
     def sink(raw) -> None:
         n = len(raw)
@@ -609,13 +614,7 @@ class Repository:
         for key, (t, refs) in entries.items():
             shape = tuple(t.shape)
             te[key] = TensorEntry(key, _m.dtype_name(t.dtype), shape, (Shard((0,) * len(shape), shape, tuple(refs)),))
-        stats = {
-            "logical_bytes": writer.logical,
-            "new_bytes": writer.new_raw,
-            "stored_bytes": writer.new_stored,
-            "reused_bytes": writer.reused,
-            "pack_bytes": sum(packs.values()),
-        }
+        stats = writer.stats(packs)
         man = Manifest(
             step=step,
             created=time.time(),
@@ -886,6 +885,16 @@ class _SaveWriter:
         self.logical = self.reused = self.new_raw = self.new_stored = 0
         self.new_chunks = self.reused_chunks = 0
 
+    def stats(self, packs: dict[str, int]) -> dict:
+        """Byte counts of this save, as manifests record them."""
+        return {
+            "logical_bytes": self.logical,
+            "new_bytes": self.new_raw,
+            "stored_bytes": self.new_stored,
+            "reused_bytes": self.reused,
+            "pack_bytes": sum(packs.values()),
+        }
+
     def add(self, t: torch.Tensor) -> list:
         mv = _tensor_bytes(t)
         dtype = str(t.dtype).removeprefix("torch.")
@@ -1051,19 +1060,13 @@ class Checkpoint:
 
     def read_into(self, key: str, dest: torch.Tensor) -> torch.Tensor:
         """Read a whole tensor into ``dest`` (same shape and dtype) in place."""
-        e = self._entry(key)
-        dtype = _m.DTYPES[e.dtype]
-        if tuple(dest.shape) != e.shape or dest.dtype != dtype:
-            raise ValueError(
-                f"step {self.step}: tensor {key!r} is {e.dtype}{list(e.shape)}, "
-                f"destination is {str(dest.dtype).removeprefix('torch.')}{list(dest.shape)}"
-            )
+        e = self._check_dest(key, dest)
         box = tuple((0, n, 1) for n in e.shape)
         with torch.no_grad():
-            if dest.device.type == "cpu" and dest.is_contiguous() and not dest.is_conj() and not dest.is_neg():
+            if _writable_in_place(dest):
                 self._read_box(e, box, dest.detach())
             else:
-                tmp = torch.empty(e.shape, dtype=dtype)
+                tmp = torch.empty(e.shape, dtype=dest.dtype)
                 self._read_box(e, box, tmp)
                 dest.copy_(tmp)
         return dest
@@ -1078,22 +1081,8 @@ class Checkpoint:
         """
         keys, refs, sinks, rest = [], [], [], []
         for key, dest in dests.items():
-            e = self._entry(key)
-            dtype = _m.DTYPES[e.dtype]
-            if tuple(dest.shape) != e.shape or dest.dtype != dtype:
-                raise ValueError(
-                    f"step {self.step}: tensor {key!r} is {e.dtype}{list(e.shape)}, "
-                    f"destination is {str(dest.dtype).removeprefix('torch.')}{list(dest.shape)}"
-                )
-            simple = (
-                len(e.shards) == 1
-                and e.shards[0].sizes == e.shape
-                and dest.device.type == "cpu"
-                and dest.is_contiguous()
-                and not dest.is_conj()
-                and not dest.is_neg()
-            )
-            if not simple:
+            e = self._check_dest(key, dest)
+            if not (len(e.shards) == 1 and e.shards[0].sizes == e.shape and _writable_in_place(dest)):
                 rest.append(key)
                 continue
             if dest.numel() == 0:
@@ -1109,6 +1098,16 @@ class Checkpoint:
             self.repo._map_tensors(lambda k: self.read_into(k, dests[k]), rest)
 
     # -- internals
+    def _check_dest(self, key: str, dest: torch.Tensor) -> TensorEntry:
+        """The entry of ``key``, after checking ``dest`` has its shape and dtype."""
+        e = self._entry(key)
+        if tuple(dest.shape) != e.shape or dest.dtype != _m.DTYPES[e.dtype]:
+            raise ValueError(
+                f"step {self.step}: tensor {key!r} is {e.dtype}{list(e.shape)}, "
+                f"destination is {str(dest.dtype).removeprefix('torch.')}{list(dest.shape)}"
+            )
+        return e
+
     def _read_box(self, e: TensorEntry, box, out: torch.Tensor) -> None:
         """Fill ``out`` (contiguous CPU, shape of the box) from every shard it meets."""
         if out.numel() == 0:
@@ -1236,13 +1235,7 @@ class Checkpoint:
                 f"{self.repo.url}: step {self.step}: tensor {_name(key, i)!r}: chunk {r.hash[:16]} "
                 f"in pack {r.pack} at offset {r.offset}"
             )
-            try:
-                raw = _codec.decode(r.codec, stored, r.raw_len)
-            except IntegrityError as ex:
-                raise IntegrityError(f"{where}: {ex}") from None
-            if _codec.hash_bytes(raw) != r.hash:
-                raise IntegrityError(f"{where}: content hash mismatch (corrupted data)")
-            sinks[i](raw)
+            sinks[i](_codec.decode_verified(r.codec, stored, r.raw_len, r.hash, where))
 
         if len(req.items) == 1:
             decode(req.items[0])

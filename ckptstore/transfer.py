@@ -444,12 +444,7 @@ def _fetch_stored(src: Repository, step: int, refs: Sequence[ChunkRef], hops: in
 
     def check(r: ChunkRef, stored: bytes) -> None:
         where = f"{src.url}: step {step}: chunk {r.hash[:16]} in pack {r.pack} at offset {r.offset}"
-        try:
-            raw = _codec.decode(r.codec, stored, r.raw_len)
-        except IntegrityError as ex:
-            raise IntegrityError(f"{where}: {ex}") from None
-        if _codec.hash_bytes(raw) != r.hash:
-            raise IntegrityError(f"{where}: content hash mismatch (corrupted data)")
+        _codec.decode_verified(r.codec, stored, r.raw_len, r.hash, where)
 
     def run(req):
         try:

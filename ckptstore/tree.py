@@ -126,23 +126,22 @@ def unflatten(tree: dict, get_tensor: Callable[[str], Any]) -> dict:
     return build(tree)
 
 
+def _leaves(node: dict, path: tuple = ()):
+    """Yield ``(kind, value, path)`` for every tensor (``"t"``) and value (``"v"``) leaf, in order."""
+    ((kind, val),) = node.items()
+    if kind in ("t", "v"):
+        yield kind, val, path
+    elif kind == "d":
+        for k, x in val:
+            yield from _leaves(x, path + (k,))
+    elif kind in ("l", "u"):
+        for i, x in enumerate(val):
+            yield from _leaves(x, path + (i,))
+
+
 def tree_keys(tree: dict) -> list[str]:
     """Tensor keys in state-dict order."""
-    out = []
-
-    def walk(node):
-        ((kind, val),) = node.items()
-        if kind == "t":
-            out.append(val)
-        elif kind == "d":
-            for _, x in val:
-                walk(x)
-        elif kind in ("l", "u"):
-            for x in val:
-                walk(x)
-
-    walk(tree)
-    return out
+    return [val for kind, val, _ in _leaves(tree) if kind == "t"]
 
 
 def encode_value(obj, depth: int = 0) -> dict:
@@ -179,42 +178,26 @@ def decode_value(node: dict):
 
 
 def leaf_values(tree: dict) -> dict[str, Any]:
-    """Plain (non-tensor) leaves of a state-dict tree by dotted key, with their paths."""
+    """Plain (non-tensor) leaves of a state-dict tree by dotted key, with their paths.
+
+    A plain dict value below the root is opened up into its own leaves, the
+    way DCP flattens nested dicts.
+    """
     out: dict[str, Any] = {}
 
-    def walk(node, path):
-        ((kind, val),) = node.items()
-        if kind == "v":
-            if isinstance(val, dict) and val and path:
-                for k, x in val.items():
-                    walk({"v": x}, path + [k])
-            else:
-                out[_path_str(path)] = (val, tuple(path))
-        elif kind == "d":
-            for k, x in val:
-                walk(x, path + [k])
-        elif kind in ("l", "u"):
-            for i, x in enumerate(val):
-                walk(x, path + [i])
+    def add(val, path: tuple):
+        if isinstance(val, dict) and val and path:
+            for k, x in val.items():
+                add(x, path + (k,))
+        else:
+            out[_path_str(path)] = (val, path)
 
-    walk(tree, [])
+    for kind, val, path in _leaves(tree):
+        if kind == "v":
+            add(val, path)
     return out
 
 
 def tensor_paths(tree: dict) -> dict[str, tuple]:
     """Tensor key -> path tuple in the state dict."""
-    out: dict[str, tuple] = {}
-
-    def walk(node, path):
-        ((kind, val),) = node.items()
-        if kind == "t":
-            out[val] = tuple(path)
-        elif kind == "d":
-            for k, x in val:
-                walk(x, path + [k])
-        elif kind in ("l", "u"):
-            for i, x in enumerate(val):
-                walk(x, path + [i])
-
-    walk(tree, [])
-    return out
+    return {val: path for kind, val, path in _leaves(tree) if kind == "t"}

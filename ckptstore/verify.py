@@ -157,9 +157,8 @@ def verify(repo: Repository, step: int | None = None, read_data: bool = False, p
                 p, off, sl, rl, codec, h = items[i]
                 s, key = users[items[i]]
                 try:
-                    raw = _codec.decode(codec, memoryview(data)[off - req.start: off - req.start + sl], rl)
-                    if _codec.hash_bytes(raw) != h:
-                        raise IntegrityError("content hash mismatch")
+                    stored = memoryview(data)[off - req.start: off - req.start + sl]
+                    _codec.decode_verified(codec, stored, rl, h, f"chunk {h[:16]}")
                 except IntegrityError as e:
                     out.append(Problem("chunk", str(e), step=s, tensor=key, pack=p, offset=off))
             return out
