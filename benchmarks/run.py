@@ -481,8 +481,14 @@ class CkptSystem(System):
     def url(self, wl):
         return self.location(wl) if self.server is None else f"s3://{BUCKET}/{self.location(wl)}"
 
-    def open(self, wl):
-        return ckptstore.open(self.url(wl), storage_options=self.so, **self.options)
+    def open(self, wl, count: bool = False):
+        if not count:
+            return ckptstore.open(self.url(wl), storage_options=self.so, **self.options)
+        from ckptstore.repository import Repository
+        from ckptstore.storage import open_store
+        from ckptstore.storage.wrappers import CountingStore
+
+        return Repository(CountingStore(open_store(self.url(wl), self.so)), **self.options)
 
     def save(self, sd, wl, step):
         if self.repo is None:
@@ -549,27 +555,132 @@ def ckpt_note(infos) -> str:
             f"compressed, reused {human(reused)}")
 
 
-def bench_save_load(run: Run, wl: str, sd: dict, like: dict, systems: list[System]) -> None:
+def _median_sample(samples: list):
+    """The sample with the median wall time (the lower one of an even count)."""
+    return sorted(samples, key=lambda x: x[0].seconds)[(len(samples) - 1) // 2]
+
+
+#: An operation whose first run took longer than this is not repeated.
+REPEAT_LIMIT_S = 30.0
+
+
+def bench_save_load(run: Run, wl: str, sd: dict, like: dict, systems: list[System], repeat: int = 1) -> None:
+    """Save then load with every system, ``repeat`` rounds interleaved; rows give the median round.
+
+    After each ckptstore save to an S3 server, raw parallel PUTs of the same
+    byte count measure what the server accepts from this client right then
+    (``raw_put``); the best of those is the yardstick of upload efficiency.
+    """
     logical = nbytes(sd)
+    saves: dict[str, list] = {}
+    loads: dict[str, list] = {}
+    raws: dict[str, list] = {}
+    ops: dict[str, str] = {}
+    for rnd in range(repeat):
+        for s in systems:
+            if rnd and saves.get(s.name) and saves[s.name][0][0].seconds > REPEAT_LIMIT_S:
+                continue
+            try:
+                with Timer(pid_of(s)) as tm:
+                    s.save(sd, wl, 1)
+                note, uploaded = "", None
+                if isinstance(s, CkptSystem):
+                    s.end_saves()
+                    note = ckpt_note(s.infos)
+                    uploaded = sum(i.uploaded_bytes for i in s.infos)
+                saves.setdefault(s.name, []).append((tm, s.stored(wl), note, uploaded))
+                with Timer(pid_of(s)) as tm:
+                    got = s.load(wl, 1, like)
+                op = "load (in place)" if got is like else "load (new tensors)"
+                if isinstance(s, SafetensorsSystem):
+                    op = "load (mmap + touch every page)"
+                ops[s.name] = op
+                loads.setdefault(s.name, []).append((tm,))
+                verify(sd, got, f"{wl} {s.name} load")
+                del got
+            finally:
+                s.cleanup(wl)
+            if isinstance(s, CkptSystem) and s.server is not None:
+                for conc in RAW_PUT_CONCURRENCY:
+                    raws.setdefault(f"{s.server.name}/{conc}", []).append(
+                        (raw_put(s.server, uploaded, conc), uploaded))
+    all_s = lambda samples: {"all_seconds": [x[0].seconds for x in samples]}  # noqa: E731
     for s in systems:
-        try:
-            with Timer(pid_of(s)) as tm:
-                s.save(sd, wl, 1)
-            note = ""
-            if isinstance(s, CkptSystem):
-                s.end_saves()
-                note = ckpt_note(s.infos)
-            run.add(wl, s, "save", "save", tm, logical, stored=s.stored(wl), note=note)
-            with Timer(pid_of(s)) as tm:
-                got = s.load(wl, 1, like)
-            op = "load (in place)" if got is like else "load (new tensors)"
-            if isinstance(s, SafetensorsSystem):
-                op = "load (mmap + touch every page)"
-            run.add(wl, s, "load", op, tm, logical)
-            verify(sd, got, f"{wl} {s.name} load")
-            del got
-        finally:
-            s.cleanup(wl)
+        if s.name not in saves:
+            continue
+        tm, stored, note, uploaded = _median_sample(saves[s.name])
+        extra = all_s(saves[s.name])
+        if uploaded is not None and s.server is not None:
+            best = None
+            for conc in RAW_PUT_CONCURRENCY:
+                rtm, rbytes = _median_sample(raws[f"{s.server.name}/{conc}"])
+                rate = rbytes / rtm.seconds
+                if best is None or rate > best[0]:
+                    best = (rate, conc)
+            ours = uploaded / tm.seconds
+            extra.update({"uploaded_bytes": uploaded, "upload_GBps": ours / 1e9, "raw_put_GBps": best[0] / 1e9,
+                          "raw_put_concurrency": best[1], "upload_efficiency": ours / best[0]})
+            run.notes.append(f"{wl} {s.name}: uploaded {human(uploaded)} at {ours / 1e9:.3f} GB/s during the save; "
+                             f"raw parallel PUTs of the same bytes {best[0] / 1e9:.3f} GB/s ({best[1]} threads): "
+                             f"upload efficiency {ours / best[0]:.2f}")
+        run.add(wl, s, "save", "save", tm, logical, stored=stored, note=note, extra=extra)
+        run.add(wl, s, "load", ops[s.name], _median_sample(loads[s.name])[0], logical, extra=all_s(loads[s.name]))
+        if isinstance(s, CkptSystem) and s.server is not None:
+            for conc in RAW_PUT_CONCURRENCY:
+                samples = raws[f"{s.server.name}/{conc}"]
+                rtm, rbytes = _median_sample(samples)
+                run.add(wl, RawPut(s.server), f"raw put x{conc}",
+                        f"raw PUTs x{conc} of {human(rbytes)} ({RAW_PUT_OBJECT >> 20} MiB objects)", rtm, rbytes,
+                        extra={**all_s(samples), "uploaded_bytes": rbytes})
+
+
+#: Threads for the raw-PUT yardstick (the best is taken; on a loopback
+#: server sharing two cores fewer threads are often faster).
+RAW_PUT_CONCURRENCY = (4, 16)
+RAW_PUT_OBJECT = 16 * MiB
+
+
+class RawPut:
+    """Row label for raw PUTs against one server."""
+
+    def __init__(self, server: S3Server):
+        self.server = server
+        self.name = f"raw-put-{server.name}"
+
+
+def raw_put(server: S3Server, nbytes: int, concurrency: int) -> Timer:
+    """PUT ``nbytes`` as 16 MiB objects from ``concurrency`` threads; returns the Timer.
+
+    One reused random buffer (no data preparation in the timed part); boto3
+    with the same integrity settings as ckptstore's S3 store (CRC32 header,
+    no SHA-256 payload signing), so the yardstick is as cheap as an upload
+    can be for this client.
+    """
+    import concurrent.futures as cf
+
+    import boto3
+    from botocore.config import Config
+
+    client = boto3.client("s3", endpoint_url=server.endpoint, region_name="us-east-1",
+                          aws_access_key_id=server.key, aws_secret_access_key=server.secret,
+                          config=Config(proxies={}, max_pool_connections=max(10, concurrency),
+                                        retries={"max_attempts": 1}, s3={"payload_signing_enabled": False}))
+    body = os.urandom(RAW_PUT_OBJECT)
+    sizes = [RAW_PUT_OBJECT] * (nbytes // RAW_PUT_OBJECT) + ([nbytes % RAW_PUT_OBJECT] if nbytes % RAW_PUT_OBJECT else [])
+    mv = memoryview(body)
+
+    def put(i):
+        client.put_object(Bucket=BUCKET, Key=f"rawput/{i}", Body=mv[: sizes[i]].tobytes()
+                          if sizes[i] != RAW_PUT_OBJECT else body)
+
+    try:
+        with Timer(server.pid) as tm:
+            with cf.ThreadPoolExecutor(concurrency) as ex:
+                list(ex.map(put, range(len(sizes))))
+    finally:
+        server.delete_prefix("rawput")
+        client.close()
+    return tm
 
 
 def bench_sequence(run: Run, wl: str, sd0: dict, train: list[str], like: dict, systems: list[System]) -> None:
@@ -624,11 +735,27 @@ def bench_slice(run: Run, wl: str, key: str, sd: dict, like: dict, systems: list
                 s.end_saves()
             stored = s.stored(wl)
             gc.collect()
+            extra = None
             if isinstance(s, CkptSystem):
+                # The whole tensor through the same path first (fresh handle
+                # each time, manifest read included): the partial read's yardstick.
                 with Timer(pid_of(s)) as tm:
-                    with s.open(wl) as repo:
+                    with s.open(wl, count=True) as repo:
+                        whole_t = repo.checkpoint(1).read(key)
+                        whole_fetched = repo.store.bytes_read
+                run.add(wl, s, "read whole", "checkpoint(1).read(whole tensor)", tm, t.numel() * t.element_size(),
+                        stored=stored, extra={"fetched_bytes": whole_fetched})
+                verify({key: t}, {key: whole_t}, f"{wl} {s.name} whole tensor")
+                whole_t = None
+                with Timer(pid_of(s)) as tm:
+                    with s.open(wl, count=True) as repo:
                         part = repo.checkpoint(1).read(key, (slice(0, rows), slice(None)))
+                        fetched = repo.store.bytes_read
+                        chunk = repo.options.chunk_size
                 op = f"checkpoint(1).read(rows 0:{rows})"
+                extra = {"fetched_bytes": fetched, "fetched_limit": logical + 2 * chunk}
+                run.notes.append(f"{wl} {s.name}: the 1/16 read fetched {human(fetched)} (manifest included) "
+                                 f"<= 1/16 + 2 chunks = {human(logical + 2 * chunk)}: {fetched <= logical + 2 * chunk}")
             else:
                 with Timer(pid_of(s)) as tm:
                     whole = s.load(wl, 1, like)
@@ -636,11 +763,48 @@ def bench_slice(run: Run, wl: str, key: str, sd: dict, like: dict, systems: list
                 op = f"load whole, slice rows 0:{rows}"
                 if isinstance(s, SafetensorsSystem):
                     op = f"load_file (mmap), slice 0:{rows}"
-            run.add(wl, s, "read 1/16", op, tm, logical, stored=stored)
+            run.add(wl, s, "read 1/16", op, tm, logical, stored=stored, extra=extra)
             verify({key: want}, {key: part}, f"{wl} {s.name} slice")
             part = whole = None
         finally:
             s.cleanup(wl)
+
+
+ASYNC_SAVES = 4
+
+
+def bench_async(run: Run, wl: str, sd: dict, tmp: str) -> None:
+    """ckptstore-local ``save(blocking=False)``: how long the call blocks.
+
+    ``ASYNC_SAVES`` saves through one handle, each waited for before the
+    next (a checkpoint every N training steps): the first stages into fresh
+    memory, later ones reuse the staging buffers. One element changes
+    between saves, so every save has a chunk to upload.
+    """
+    logical = nbytes(sd)
+    s = CkptSystem(tmp=tmp)
+    s.name = "ckptstore-local-async"
+    first = next(iter(sd.values()))
+    keep = first.view(-1)[0].item()
+    try:
+        with s.open(wl) as repo:
+            blocked, total = [], []
+            for step in range(1, ASYNC_SAVES + 1):
+                first.view(-1)[0] = keep + step
+                with Timer() as tm:
+                    fut = repo.save(sd, step=step, blocking=False)
+                fut.result()
+                total.append(time.perf_counter() - tm.t0)
+                blocked.append(tm)
+        first.view(-1)[0] = keep
+        later = sorted(blocked[1:], key=lambda t: t.seconds)[(len(blocked) - 2) // 2]
+        run.add(wl, s, "async first", "save(blocking=False) returns (1st: fresh staging)", blocked[0], logical,
+                extra={"total_seconds": total[0]})
+        run.add(wl, s, "async later", f"save(blocking=False) returns (median of saves 2-{ASYNC_SAVES}: staging reused)",
+                later, logical, extra={"all_seconds": [t.seconds for t in blocked[1:]], "total_seconds": total[1:]})
+    finally:
+        first.view(-1)[0] = keep
+        s.cleanup(wl)
 
 
 def warmup(sd: dict, tmp: str) -> float:
@@ -708,6 +872,65 @@ def table(rows: list[dict], peers: list[str]) -> str:
     return "\n".join(out)
 
 
+def target_checks(rows: list[dict], servers: list[str]) -> list[str]:
+    """Issue 5's targets, each a ratio of two rows of this run."""
+    idx = {(r["workload"], r["op_key"], r["system"]): r for r in rows}
+    out = []
+
+    def check(label, value, limit, le=True, detail=""):
+        if value is None:
+            return
+        ok = value <= limit if le else value >= limit
+        out.append(f"{'met   ' if ok else 'MISSED'} {label}: {value:.3f} ({'<=' if le else '>='} {limit}){detail}")
+
+    def ratio(wl, op, a, b, op_b=None):
+        ra, rb = idx.get((wl, op, a)), idx.get((wl, op_b or op, b))
+        if ra is None or rb is None or not rb["seconds"]:
+            return None
+        return ra["seconds"] / rb["seconds"]
+
+    for wl in ("a", "b"):
+        for srv in servers:
+            check(f"{wl} full save, ckptstore-s3-{srv} / dcp-fsspec-{srv}",
+                  ratio(wl, "save", f"ckptstore-s3-{srv}", f"dcp-fsspec-{srv}"), 0.5)
+        check(f"{wl} full save to local disk, ckptstore-local / dcp-fs",
+              ratio(wl, "save", "ckptstore-local", "dcp-fs"), 0.75)
+        for srv in servers:
+            r = idx.get((wl, "save", f"ckptstore-s3-{srv}"))
+            if r is not None and "upload_efficiency" in r:
+                check(f"{wl} upload efficiency on {srv} (uploaded bytes/s during the save / raw parallel PUTs)",
+                      r["upload_efficiency"], 0.9, le=False,
+                      detail=f"  [{r['upload_GBps']:.3f} vs {r['raw_put_GBps']:.3f} GB/s]")
+        for srv in servers:
+            check(f"{wl} full load, ckptstore-s3-{srv} / dcp-fsspec-{srv}",
+                  ratio(wl, "load", f"ckptstore-s3-{srv}", f"dcp-fsspec-{srv}"), 0.3)
+    for name in ["ckptstore-local"] + [f"ckptstore-s3-{s}" for s in servers]:
+        r = idx.get(("c", "save x10", name))
+        if r is None or "step_infos" not in r:
+            continue
+        infos, secs = r["step_infos"], r["step_seconds"]
+        logical = infos[0]["logical_bytes"]
+        worst_bytes = max(i["uploaded_bytes"] for i in infos[1:]) / logical
+        worst_time = max(secs[1:]) / secs[0]
+        check(f"c incremental step on {name}: uploaded bytes / logical (worst of steps 2-10)", worst_bytes, 0.12)
+        check(f"c incremental step on {name}: seconds / first full save (worst of steps 2-10)", worst_time, 0.2)
+    for name in ["ckptstore-local"] + [f"ckptstore-s3-{s}" for s in servers]:
+        r = idx.get(("d", "read 1/16", name))
+        if r is None:
+            continue
+        if "fetched_bytes" in r:
+            check(f"d partial restore on {name}: bytes fetched / (1/16 of the tensor + 2 chunks)",
+                  r["fetched_bytes"] / r["fetched_limit"], 1.0)
+        check(f"d partial restore on {name}: seconds / reading the whole tensor",
+              ratio("d", "read 1/16", name, name, op_b="read whole"), 0.15)
+    a = idx.get(("a", "save", "ckptstore-local"))
+    for op in ("async first", "async later"):
+        r = idx.get(("a", op, "ckptstore-local-async"))
+        if a is not None and r is not None:
+            check(f"a {r['operation']} / blocking save", r["seconds"] / a["seconds"], 0.1)
+    return out
+
+
 # ---------------------------------------------------------------- main
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0])
@@ -718,9 +941,17 @@ def main(argv=None) -> int:
     ap.add_argument("--json", metavar="OUT", help="write the results here")
     ap.add_argument("--servers", default="moto,seaweedfs", help="comma-separated subset of moto,seaweedfs "
                     "(default both; empty for local systems only)")
+    ap.add_argument("--repeat", type=int, default=None,
+                    help="rounds of a/b save+load per system, interleaved; rows give the median "
+                         "(default 3 with --full, 1 with --quick; an operation slower than "
+                         f"{REPEAT_LIMIT_S:.0f} s runs once)")
     ap.add_argument("--workloads", default=None, help="comma-separated subset of a,b,c,d (default: all of the mode)")
     args = ap.parse_args(argv)
     profile_name = "quick" if args.quick else "full"
+    if args.repeat is None:
+        args.repeat = 1 if args.quick else 3
+    if args.repeat < 1:
+        ap.error("--repeat must be at least 1")
     prof = PROFILES[profile_name]
     want_servers = [s.strip() for s in args.servers.split(",") if s.strip()]
     bad = [s for s in want_servers if s not in ("moto", "seaweedfs")]
@@ -808,7 +1039,9 @@ def main(argv=None) -> int:
                     print(f"warm-up (untimed torch.save + torch.load): {warmup(sd, tmp):.1f} s", flush=True)
                     warmed = True
                 if wl in ("a", "b"):
-                    bench_save_load(run, wl, sd, like, systems())
+                    bench_save_load(run, wl, sd, like, systems(), repeat=args.repeat)
+                    if wl == "a":
+                        bench_async(run, wl, sd, tmp)
                 elif wl == "c":
                     bench_sequence(run, wl, sd, train, like, systems())
                 else:
@@ -848,6 +1081,11 @@ def main(argv=None) -> int:
         print(f"  server {name}: " + ", ".join(f"{k}={v}" for k, v in info.items() if k != "command"))
     for p in problems:
         print(f"  PROBLEM: {p}")
+    checks = target_checks(run.rows, used_servers)
+    if checks:
+        print("targets (issue 5), from the rows above:")
+        for c in checks:
+            print(f"  {c}")
     print(f"wall time {total:.1f} s; load average at end {loadavg()}")
 
     if args.json:
@@ -857,7 +1095,7 @@ def main(argv=None) -> int:
             "env": {"python": platform.python_version(), "torch": torch.__version__,
                     "ckptstore": ckptstore.__version__, "cpus": os.cpu_count(), "platform": platform.platform()},
             "data": data_info, "servers": server_info, "problems": problems, "peers": peers,
-            "s3_pack_size": S3_PACK_SIZE, "rows": run.rows, "wall_seconds": total, "loadavg_end": loadavg(),
+            "s3_pack_size": S3_PACK_SIZE, "rows": run.rows, "targets": checks, "wall_seconds": total, "loadavg_end": loadavg(),
         }
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1, default=str)

@@ -96,20 +96,37 @@ def encode(data, codec: str = "zstd", level: int = DEFAULT_LEVEL, dtype: str | N
     (returning ``data`` itself, uncopied) when compression does not save at
     least ``MIN_SAVING``.
     """
+    name, pieces, _ = encode_pieces(data, codec, level, dtype)
+    return name, pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+
+def encode_pieces(data, codec: str = "zstd", level: int = DEFAULT_LEVEL,
+                  dtype: str | None = None, scratch=None) -> tuple[str, list, int]:
+    """:func:`encode` without joining: ``(codec_used, buffers, stored_len)``.
+
+    The stored chunk is the concatenation of ``buffers``; a writer that
+    copies them into its part buffers anyway saves one copy of the chunk.
+    ``scratch``, a writable buffer at least ``len(data)`` long, receives the
+    byte planes instead of a fresh allocation (whose page faults cost more
+    than the transposition itself); ``buffers`` may then point into it, so
+    it must not be reused before they are consumed.
+    """
     if codec == "raw" or len(data) == 0:
-        return "raw", data
+        return "raw", [data], len(data)
     if codec not in ("zstd", "bgz"):
         raise ValueError(f"unknown codec {codec!r}; known: {', '.join(CODECS)}")
+    limit = len(data) * (1.0 - MIN_SAVING)
     bg = BYTEGROUP_DTYPES.get(dtype or "")
     if bg is not None and len(data) % bg[0] == 0:
-        out = _bytegroup_encode(data, bg[0], bg[1], level)
-        if len(out) > len(data) * (1.0 - MIN_SAVING):
-            return "raw", data
-        return "bgz", out
+        pieces = _bytegroup_encode(data, bg[0], bg[1], level, scratch)
+        n = sum(len(p) for p in pieces)
+        if n > limit:
+            return "raw", [data], len(data)
+        return "bgz", pieces, n
     out = _compressor(level).compress(data)
-    if len(out) > len(data) * (1.0 - MIN_SAVING):
-        return "raw", data
-    return "zstd", out
+    if len(out) > limit:
+        return "raw", [data], len(data)
+    return "zstd", [out], len(out)
 
 
 def decode(codec: str, stored, raw_len: int) -> bytes | memoryview:
@@ -160,25 +177,31 @@ _BG_HEAD = struct.Struct("<BBBB")
 _BG_PLANE = struct.Struct("<BI")
 
 
-def _planes(arr: np.ndarray, k: int, transform: int) -> list[np.ndarray]:
+def _planes(arr: np.ndarray, k: int, transform: int, scratch=None) -> list[np.ndarray]:
     if transform == 1:  # bfloat16: exponent bits apart from sign + mantissa
         x = arr.view("<u2")
         exp = (x >> 7).astype(np.uint8)  # the cast drops the sign bit
         sm = ((x >> 8) & 0x80).astype(np.uint8) | (x & 0x7F).astype(np.uint8)
         return [exp, sm]
-    b = arr.view(np.uint8).reshape(-1, k)
-    return [np.ascontiguousarray(b[:, i]) for i in range(k - 1, -1, -1)]  # high bytes first
+    # One transposing copy (~3.5 GB/s here) instead of k strided gathers
+    # (~1.2 GB/s together); each row of the result is one plane.
+    if scratch is not None and len(scratch) >= arr.size:
+        t = np.frombuffer(scratch, dtype=np.uint8, count=arr.size).reshape(k, -1)
+        np.copyto(t, arr.reshape(-1, k).T)
+    else:
+        t = arr.reshape(-1, k).T.copy()
+    return [t[i] for i in range(k - 1, -1, -1)]  # high bytes first
 
 
-def _unplanes(planes: list[np.ndarray], k: int, transform: int, n: int) -> bytes:
+def _unplanes(planes: list[np.ndarray], k: int, transform: int, n: int) -> memoryview:
     if transform == 1:
         exp = planes[0].astype("<u2")
         sm = planes[1].astype("<u2")
-        return (((sm & 0x80) << 8) | (exp << 7) | (sm & 0x7F)).tobytes()
+        return memoryview((((sm & 0x80) << 8) | (exp << 7) | (sm & 0x7F))).cast("B")
     out = np.empty((n, k), dtype=np.uint8)
     for i, p in zip(range(k - 1, -1, -1), planes):
         out[:, i] = p
-    return out.tobytes()
+    return memoryview(out).cast("B")
 
 
 def _plane_compressor() -> zstandard.ZstdCompressor:
@@ -198,11 +221,11 @@ def _plane_compressor() -> zstandard.ZstdCompressor:
     return c
 
 
-def _bytegroup_encode(data, k: int, transform: int, level: int) -> bytes:
+def _bytegroup_encode(data, k: int, transform: int, level: int, scratch=None) -> list:
     arr = np.frombuffer(data, dtype=np.uint8)
     c = _plane_compressor()
     heads, bodies = [], []
-    for plane in _planes(arr, k, transform):
+    for plane in _planes(arr, k, transform, scratch):
         raw = plane.data
         mode, body = 0, raw
         sample = raw[:PLANE_SAMPLE]
@@ -212,7 +235,7 @@ def _bytegroup_encode(data, k: int, transform: int, level: int) -> bytes:
                 mode, body = 1, z
         heads.append(_BG_PLANE.pack(mode, len(body)))
         bodies.append(body)
-    return b"".join([_BG_HEAD.pack(1, k, transform, len(heads)), *heads, *bodies])
+    return [b"".join([_BG_HEAD.pack(1, k, transform, len(heads)), *heads]), *bodies]
 
 
 def _bytegroup_decode(stored, raw_len: int) -> bytes:

@@ -266,6 +266,14 @@ def _writable_in_place(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
 
 
+def _in_buffer(piece, buf: bytearray) -> bool:
+    """Whether ``piece`` (a buffer) points into ``buf``'s memory."""
+    if not isinstance(piece, (memoryview, np.ndarray)):
+        return False
+    a = np.frombuffer(buf, dtype=np.uint8)
+    return np.may_share_memory(np.asarray(piece), a)
+
+
 def _copy_sink(view: np.ndarray, start: int):
     def sink(raw) -> None:
         n = len(raw)
@@ -326,6 +334,7 @@ class Repository:
         self._staging: dict[str, torch.Tensor] = {}
         self._async_last: cf.Future | None = None
         self._pool_lock = threading.Lock()
+        self._scratch_pool = None
         self._manifest_cache: dict[int, Manifest] = {}
 
     # ------------------------------------------------------------ plumbing
@@ -353,6 +362,15 @@ class Repository:
 
                 self._buffer_pool = BufferPool(o.part_size, keep=(o.packs_in_flight + 1) * (window + 1))
             return self._buffer_pool
+
+    def _scratch_buffers(self, keep: int):
+        """The repository's pool of chunk-sized scratch buffers (byte planes)."""
+        with self._pool_lock:
+            if self._scratch_pool is None or self._scratch_pool.size != self.options.chunk_size:
+                from .storage.base import BufferPool
+
+                self._scratch_pool = BufferPool(self.options.chunk_size, keep=keep)
+            return self._scratch_pool
 
     def close(self) -> None:
         """Wait for async saves, stop worker threads and close the store."""
@@ -879,6 +897,7 @@ class _SaveWriter:
         self.lookahead = max(2 * o.chunk_size, min(o.max_inflight_bytes // 4, 4 * o.workers * o.chunk_size))
         per_pack = max(1, (o.max_inflight_bytes - self.lookahead) // (o.part_size * (o.packs_in_flight + 1)))
         self.window = max(1, min(8, per_pack - 1))
+        self.scratch = repo._scratch_buffers(self.lookahead // o.chunk_size + o.workers + 1)
         self.pack: tuple[str, _pack.PackBuilder, ParallelUploader] | None = None
         self.sealing: list[tuple[str, int, cf.Future]] = []
         self.done: dict[str, int] = {}
@@ -911,31 +930,44 @@ class _SaveWriter:
         return refs
 
     def _prepare(self, piece, dtype):
+        """Hash and encode one chunk (on a CPU worker).
+
+        Returns ``(hash, codec, pieces, scratch)``; ``scratch`` (or None)
+        backs ``pieces`` and goes back to the pool once they are copied out.
+        """
         h = _codec.hash_bytes(piece)
         if h in self.base or h in self.written:
-            return h, None, None
-        codec, stored = _codec.encode(piece, self.o.codec, self.o.level, dtype)
-        return h, codec, stored
+            return h, None, None, None
+        scratch = self.scratch.get() if len(piece) == self.scratch.size else None
+        codec, pieces, _ = _codec.encode_pieces(piece, self.o.codec, self.o.level, dtype, scratch)
+        if scratch is not None and not any(_in_buffer(p, scratch) for p in pieces):
+            self.scratch.put(scratch)
+            scratch = None
+        return h, codec, pieces, scratch
 
     def _drain_one(self) -> None:
         piece, fut, refs, dtype = self.pending.popleft()
         self.pending_bytes -= len(piece)
-        h, codec, stored = fut.result()
-        ref = self.written.get(h) or self.base.get(h)
-        if ref is not None:
-            self.reused += len(piece)
-            self.reused_chunks += 1
-        else:
-            if stored is None:  # raced with a chunk that was then not written
-                codec, stored = _codec.encode(piece, self.o.codec, self.o.level, dtype)
-            ref = self._append(h, codec, stored, len(piece))
-            self.written[h] = ref
-            self.new_raw += len(piece)
-            self.new_stored += len(stored)
-            self.new_chunks += 1
+        h, codec, stored, scratch = fut.result()
+        try:
+            ref = self.written.get(h) or self.base.get(h)
+            if ref is not None:
+                self.reused += len(piece)
+                self.reused_chunks += 1
+            else:
+                if stored is None:  # raced with a chunk that was then not written
+                    codec, stored = _codec.encode_pieces(piece, self.o.codec, self.o.level, dtype)[:2]
+                ref = self._append(h, codec, stored, len(piece))
+                self.written[h] = ref
+                self.new_raw += len(piece)
+                self.new_stored += ref.stored_len
+                self.new_chunks += 1
+        finally:
+            if scratch is not None:
+                self.scratch.put(scratch)
         refs.append(ref)
 
-    def _append(self, h, codec, stored, raw_len) -> ChunkRef:
+    def _append(self, h, codec, pieces: list, raw_len) -> ChunkRef:
         if self.pack is None:
             pid = uuid.uuid4().hex
             up = ParallelUploader(
@@ -945,11 +977,13 @@ class _SaveWriter:
             up.write(_pack.header())
             self.pack = (pid, _pack.PackBuilder(), up)
         pid, builder, up = self.pack
-        e = builder.add(h, codec, len(stored), raw_len)
-        up.write(stored)
+        stored_len = sum(len(p) for p in pieces)
+        e = builder.add(h, codec, stored_len, raw_len)
+        for p in pieces:
+            up.write(p)
         if builder.size >= self.o.pack_size:
             self._seal()
-        return ChunkRef(h, pid, e.offset, len(stored), raw_len, codec)
+        return ChunkRef(h, pid, e.offset, stored_len, raw_len, codec)
 
     def _seal(self) -> None:
         pid, builder, up = self.pack

@@ -121,6 +121,66 @@ class TestS3Store(StoreConformance):
         assert "s3://ckpt-test/repo/k" in str(ei.value)
         assert "testing" not in str(ei.value)
 
+    @staticmethod
+    def _capture(store, ops=("PutObject", "UploadPart")):
+        seen = []
+
+        def grab(request, **kw):
+            body = request.body
+            data = body.getvalue() if hasattr(body, "getvalue") else bytes(body)
+            seen.append((dict(request.headers), data))
+
+        for op in ops:
+            store._fs.s3.meta.events.register(f"before-send.s3.{op}", grab)
+        return seen
+
+    def test_uploads_carry_a_crc32_instead_of_a_signed_payload_hash(self, s3):
+        import base64
+        import zlib
+
+        store = s3.store()
+        store.put("warm", b"x")  # connects the client
+        seen = self._capture(store)
+        store.put("k", b"hello" * 1000)
+        mp = store.create_multipart("big", 5 << 20)
+        mp.upload_part(1, bytearray(b"\x01" * (5 << 20)))
+        mp.complete(1)
+        assert len(seen) == 2
+        for headers, data in seen:
+            h = {k.lower(): v.decode() if isinstance(v, bytes) else v for k, v in headers.items()}
+            # The server checks this CRC against the body (SeaweedFS and AWS
+            # answer BadDigest); the SHA-256 pass over the body is skipped.
+            assert h["x-amz-checksum-crc32"] == base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode()
+            assert h["x-amz-content-sha256"] == "UNSIGNED-PAYLOAD"
+        assert store.get("big") == b"\x01" * (5 << 20)
+
+    def test_payload_signing_stays_on_without_checksums_or_when_asked(self, s3):
+        import hashlib
+
+        for config in ({"request_checksum_calculation": "when_required"},
+                       {"s3": {"payload_signing_enabled": True}}):
+            opts = dict(s3.storage_options)
+            opts["config_kwargs"] = {**opts.get("config_kwargs", {}), **config}
+            store = s3.store()
+            store = type(store)(f"{s3.bucket}/repo", opts)
+            try:
+                store.put("warm", b"x")
+                seen = self._capture(store, ("PutObject",))
+                store.put("k", b"abc")
+                h = {k.lower(): v.decode() if isinstance(v, bytes) else v for k, v in seen[0][0].items()}
+                assert h["x-amz-content-sha256"] == hashlib.sha256(b"abc").hexdigest()
+            finally:
+                store.close()
+
+    def test_bad_digest_is_transient(self):
+        from botocore.exceptions import ClientError
+
+        from ckptstore.storage.s3 import classify_error
+
+        err = ClientError({"Error": {"Code": "BadDigest", "Message": "The Content-Md5 you specified did not match"}},
+                          "UploadPart")
+        assert isinstance(classify_error(err, "s3://b/k", "upload_part"), TransientStorageError)
+
     def test_close_then_reuse(self, s3):
         store = s3.store()
         store.put("k", b"v")
