@@ -467,16 +467,21 @@ class FsspecSystem(System):
 class CkptSystem(System):
     """ckptstore: one handle per save sequence; a fresh handle for every load."""
 
-    def __init__(self, tmp: str | None = None, server: S3Server | None = None):
+    def __init__(self, tmp: str | None = None, server: S3Server | None = None, codec: str | None = None):
         self.tmp, self.server = tmp, server
         self.name = "ckptstore-local" if server is None else f"ckptstore-s3-{server.name}"
         self.options = {} if server is None else {"pack_size": S3_PACK_SIZE}
+        self.suffix = ""
+        if codec is not None:
+            self.options["codec"] = codec
+            self.suffix = "-nocompress" if codec == "raw" else f"-{codec}"
+            self.name += self.suffix
         self.so = None if server is None else server.storage_options()
         self.repo = None
         self.infos: list = []
 
     def location(self, wl):
-        return os.path.join(self.tmp, f"{wl}-ckpt") if self.server is None else f"ckpt-{wl}"
+        return os.path.join(self.tmp, f"{wl}-ckpt{self.suffix}") if self.server is None else f"ckpt-{wl}{self.suffix}"
 
     def url(self, wl):
         return self.location(wl) if self.server is None else f"s3://{BUCKET}/{self.location(wl)}"
@@ -600,7 +605,7 @@ def bench_save_load(run: Run, wl: str, sd: dict, like: dict, systems: list[Syste
                 del got
             finally:
                 s.cleanup(wl)
-            if isinstance(s, CkptSystem) and s.server is not None:
+            if isinstance(s, CkptSystem) and s.server is not None and not s.suffix:
                 for conc in RAW_PUT_CONCURRENCY:
                     raws.setdefault(f"{s.server.name}/{conc}", []).append(
                         (raw_put(s.server, uploaded, conc), uploaded))
@@ -610,7 +615,7 @@ def bench_save_load(run: Run, wl: str, sd: dict, like: dict, systems: list[Syste
             continue
         tm, stored, note, uploaded = _median_sample(saves[s.name])
         extra = all_s(saves[s.name])
-        if uploaded is not None and s.server is not None:
+        if uploaded is not None and s.server is not None and f"{s.server.name}/{RAW_PUT_CONCURRENCY[0]}" in raws:
             best = None
             for conc in RAW_PUT_CONCURRENCY:
                 rtm, rbytes = _median_sample(raws[f"{s.server.name}/{conc}"])
@@ -625,7 +630,7 @@ def bench_save_load(run: Run, wl: str, sd: dict, like: dict, systems: list[Syste
                              f"upload efficiency {ours / best[0]:.2f}")
         run.add(wl, s, "save", "save", tm, logical, stored=stored, note=note, extra=extra)
         run.add(wl, s, "load", ops[s.name], _median_sample(loads[s.name])[0], logical, extra=all_s(loads[s.name]))
-        if isinstance(s, CkptSystem) and s.server is not None:
+        if isinstance(s, CkptSystem) and s.server is not None and not s.suffix:
             for conc in RAW_PUT_CONCURRENCY:
                 samples = raws[f"{s.server.name}/{conc}"]
                 rtm, rbytes = _median_sample(samples)
@@ -773,7 +778,7 @@ def bench_slice(run: Run, wl: str, key: str, sd: dict, like: dict, systems: list
 ASYNC_SAVES = 4
 
 
-def bench_async(run: Run, wl: str, sd: dict, tmp: str) -> None:
+def bench_async(run: Run, wl: str, sd: dict, tmp: str, server: S3Server | None = None) -> None:
     """ckptstore-local ``save(blocking=False)``: how long the call blocks.
 
     ``ASYNC_SAVES`` saves through one handle, each waited for before the
@@ -782,8 +787,8 @@ def bench_async(run: Run, wl: str, sd: dict, tmp: str) -> None:
     between saves, so every save has a chunk to upload.
     """
     logical = nbytes(sd)
-    s = CkptSystem(tmp=tmp)
-    s.name = "ckptstore-local-async"
+    s = CkptSystem(tmp=tmp, server=server)
+    s.name += "-async"
     first = next(iter(sd.values()))
     keep = first.view(-1)[0].item()
     try:
@@ -923,11 +928,17 @@ def target_checks(rows: list[dict], servers: list[str]) -> list[str]:
                   r["fetched_bytes"] / r["fetched_limit"], 1.0)
         check(f"d partial restore on {name}: seconds / reading the whole tensor",
               ratio("d", "read 1/16", name, name, op_b="read whole"), 0.15)
-    a = idx.get(("a", "save", "ckptstore-local"))
-    for op in ("async first", "async later"):
-        r = idx.get(("a", op, "ckptstore-local-async"))
-        if a is not None and r is not None:
-            check(f"a {r['operation']} / blocking save", r["seconds"] / a["seconds"], 0.1)
+    for name in ["ckptstore-local"] + [f"ckptstore-s3-{s}" for s in servers]:
+        a = idx.get(("a", "save", name))
+        for op in ("async first", "async later"):
+            r = idx.get(("a", op, f"{name}-async"))
+            if a is not None and r is not None:
+                check(f"a {name} {r['operation']} / blocking save", r["seconds"] / a["seconds"], 0.1)
+    for srv in servers:
+        r = idx.get(("a", "save", f"ckptstore-s3-{srv}-nocompress"))
+        if r is not None and "upload_efficiency" in r:
+            out.append(f"info   a upload efficiency on {srv} without compression (codec='raw'): "
+                       f"{r['upload_efficiency']:.3f}  [{r['upload_GBps']:.3f} vs {r['raw_put_GBps']:.3f} GB/s]")
     return out
 
 
@@ -992,6 +1003,11 @@ def main(argv=None) -> int:
                 server_info[name] = {**srv.info, "endpoint": srv.endpoint}
                 servers.append(srv)
             print("servers: " + (", ".join(f"{s.name} at {s.endpoint}" for s in servers) or "none"), flush=True)
+            for srv in servers:
+                # A fresh SeaweedFS grows its volumes on the first writes;
+                # whichever system wrote first would pay for it.
+                tm = raw_put(srv, 512 * MiB if args.full else 128 * MiB, 4)
+                print(f"warm-up of {srv.name} (untimed raw PUTs): {tm.seconds:.1f} s", flush=True)
 
             def systems():
                 out: list[System] = [TorchSystem("torch", tmp), SafetensorsSystem("safetensors", tmp),
@@ -1039,9 +1055,11 @@ def main(argv=None) -> int:
                     print(f"warm-up (untimed torch.save + torch.load): {warmup(sd, tmp):.1f} s", flush=True)
                     warmed = True
                 if wl in ("a", "b"):
-                    bench_save_load(run, wl, sd, like, systems(), repeat=args.repeat)
+                    extra = [CkptSystem(server=s, codec="raw") for s in servers] if wl == "a" else []
+                    bench_save_load(run, wl, sd, like, systems() + extra, repeat=args.repeat)
                     if wl == "a":
-                        bench_async(run, wl, sd, tmp)
+                        for srv in [None, *servers]:
+                            bench_async(run, wl, sd, tmp, srv)
                 elif wl == "c":
                     bench_sequence(run, wl, sd, train, like, systems())
                 else:

@@ -130,8 +130,9 @@ class TestS3Store(StoreConformance):
             data = body.getvalue() if hasattr(body, "getvalue") else bytes(body)
             seen.append((dict(request.headers), data))
 
+        client = store._upload_client() if store._upload_spec is not None else store._fs.s3
         for op in ops:
-            store._fs.s3.meta.events.register(f"before-send.s3.{op}", grab)
+            client.meta.events.register(f"before-send.s3.{op}", grab)
         return seen
 
     def test_uploads_carry_a_crc32_instead_of_a_signed_payload_hash(self, s3):
@@ -181,12 +182,68 @@ class TestS3Store(StoreConformance):
                           "UploadPart")
         assert isinstance(classify_error(err, "s3://b/k", "upload_part"), TransientStorageError)
 
+    def test_additional_kwargs_reach_uploads(self, s3):
+        opts = {**s3.storage_options, "s3_additional_kwargs": {"ContentType": "application/x-ckpt-test"}}
+        store = type(s3.store())(f"{s3.bucket}/repo", opts)
+        try:
+            assert store._upload_spec is not None
+            store.put("k", b"x")
+            store.put_if_absent("k2", b"y")
+            client = s3.server.client()
+            for k in ("k", "k2"):
+                head = client.head_object(Bucket=s3.bucket, Key=f"repo/{k}")
+                assert head["ContentType"] == "application/x-ckpt-test"
+        finally:
+            store.close()
+
     def test_close_then_reuse(self, s3):
         store = s3.store()
         store.put("k", b"v")
         store.close()
         store.close()
         assert store.get("k") == b"v"
+
+
+class TestS3StoreS3fsUploads(StoreConformance):
+    """The same contract with bodies sent through s3fs (``upload_client=False``)."""
+
+    multipart_initiated_is_real = False
+    complete_after_abort_raises = (ObjectNotFoundError, TransientStorageError)
+
+    @pytest.fixture
+    def store(self, s3):
+        from ckptstore.storage.s3 import S3Store
+
+        s = S3Store(s3.url.removeprefix("s3://"), s3.storage_options, upload_client=False)
+        s3._stores.append(s)
+        assert s._upload_spec is None
+        return s
+
+    @pytest.fixture
+    def sibling_store(self, s3):
+        from ckptstore.storage.s3 import S3Store
+
+        s = S3Store(s3.url.removeprefix("s3://") + "2", s3.storage_options, upload_client=False)
+        s3._stores.append(s)
+        return s
+
+
+def test_upload_client_only_for_options_it_reproduces():
+    from ckptstore.storage.s3 import _upload_client_spec
+
+    base = {"key": "k", "secret": "s", "client_kwargs": {"endpoint_url": "http://127.0.0.1:1", "region_name": "r"},
+            "config_kwargs": {"proxies": {}}, "skip_instance_cache": True}
+    spec = _upload_client_spec(base)
+    assert spec["client"] == {"endpoint_url": "http://127.0.0.1:1", "region_name": "r",
+                              "aws_access_key_id": "k", "aws_secret_access_key": "s"}
+    spec = _upload_client_spec({**base, "requester_pays": True, "s3_additional_kwargs": {"SSECustomerKey": "x"},
+                                "read_timeout": 7})
+    assert spec["extra"] == {"SSECustomerKey": "x", "RequestPayer": "requester"}
+    assert spec["config"]["read_timeout"] == 7
+    # What it cannot reproduce stays on s3fs.
+    assert _upload_client_spec({**base, "session": object()}) is None
+    assert _upload_client_spec({**base, "some_future_s3fs_option": 1}) is None
+    assert _upload_client_spec({**base, "client_kwargs": {"endpoint_url": "x", "aws_account_id": "1"}}) is None
 
 
 def test_session_sharing_rules():
