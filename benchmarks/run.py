@@ -877,6 +877,12 @@ def table(rows: list[dict], peers: list[str]) -> str:
     return "\n".join(out)
 
 
+#: The server the performance issue's S3 targets are stated for; the same
+#: ratios on other servers (and locally, where the issue names no target)
+#: are printed as ``info``.
+TARGET_SERVER = "seaweedfs"
+
+
 def target_checks(rows: list[dict], servers: list[str]) -> list[str]:
     """Issue 5's targets, each a ratio of two rows of this run."""
     idx = {(r["workload"], r["op_key"], r["system"]): r for r in rows}
@@ -886,7 +892,9 @@ def target_checks(rows: list[dict], servers: list[str]) -> list[str]:
         if value is None:
             return
         ok = value <= limit if le else value >= limit
-        out.append(f"{'met   ' if ok else 'MISSED'} {label}: {value:.3f} ({'<=' if le else '>='} {limit}){detail}")
+        binding = TARGET_SERVER in label or "local disk" in label
+        verdict = ("met   " if ok else "MISSED") if binding else "info  "
+        out.append(f"{verdict} {label}: {value:.3f} ({'<=' if le else '>='} {limit}){detail}")
 
     def ratio(wl, op, a, b, op_b=None):
         ra, rb = idx.get((wl, op, a)), idx.get((wl, op_b or op, b))

@@ -19,17 +19,16 @@ from . import codec as _codec
 from . import manifest as _m
 from . import pack as _pack
 from .errors import FormatError, ObjectExistsError, ObjectNotFoundError, StepNotFoundError
-from .manifest import ChunkRef, Manifest
+from .manifest import Manifest
 from .repository import (
     LEASE_PREFIX,
-    MANIFEST_PREFIX,
     PACK_PREFIX,
     RELOCATION_FORMAT,
     RELOCATION_PREFIX,
     TOMBSTONE_FORMAT,
     TOMBSTONE_PREFIX,
+    RelocationTables,
     Repository,
-    manifest_key,
     pack_key,
     parse_relocation,
     relocation_key,
@@ -348,28 +347,13 @@ def _referenced(repo: Repository, manifests: Iterable[Manifest], existing: dict[
     """
     packs: set[str] = set()
     chunks: dict[str, set[tuple[int, int, str]]] = {}
-    todo: list[ChunkRef] = []
+    tables = RelocationTables(repo)
     for m in manifests:
         for c in m.chunk_refs():
-            todo.append(c)
-    seen_reloc: dict[str, dict[str, ChunkRef] | None] = {}
-    hops = 0
-    while todo and hops < 9:
-        nxt = []
-        for c in todo:
-            packs.add(c.pack)
-            chunks.setdefault(c.pack, set()).add((c.offset, c.stored_len, c.hash))
-            if c.pack not in existing and c.pack in relocs:
-                if c.pack not in seen_reloc:
-                    try:
-                        seen_reloc[c.pack] = repo._relocation(c.pack)
-                    except FormatError:
-                        seen_reloc[c.pack] = None
-                table = seen_reloc[c.pack]
-                if table and c.hash in table:
-                    nxt.append(table[c.hash])
-        todo = nxt
-        hops += 1
+            # Every hop's pack holds the chunk until the next one exists.
+            for r in tables.chain(c, existing, relocs):
+                packs.add(r.pack)
+                chunks.setdefault(r.pack, set()).add((r.offset, r.stored_len, r.hash))
     return packs, chunks
 
 
@@ -566,7 +550,6 @@ def _execute(plan: GCPlan, repo: Repository, progress) -> GCResult:
     for i, pid in enumerate(todo):
         if time.time() - state.listed_at > safety_margin(g) / 2:
             state, live_refs, live_chunks, prot_refs = reread()
-        now = state.now
         info = state.packs.get(pid)
         if info is None:
             res.skipped_packs.append((pid, "already gone"))
@@ -643,7 +626,7 @@ def _repack(repo: Repository, plan: GCPlan, res: GCResult, progress) -> dict[str
         uploader.write(_pack.header())
 
     def close_pack():
-        nonlocal builder, uploader, new_id
+        nonlocal builder, uploader
         if builder is None:
             return
         uploader.write(builder.tail())

@@ -13,7 +13,6 @@ run
 
 from __future__ import annotations
 
-import bisect
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence

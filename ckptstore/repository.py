@@ -28,8 +28,8 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -264,6 +264,50 @@ def parse_relocation(raw: bytes, pack_id: str) -> dict[str, ChunkRef]:
 def _writable_in_place(t: torch.Tensor) -> bool:
     """Chunks can be copied straight into ``t``'s memory."""
     return t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+
+
+#: Most relocation records followed from one chunk reference (a chunk moved
+#: by more repacks than this is reported missing).
+MAX_RELOCATION_HOPS = 8
+
+
+class RelocationTables:
+    """Relocation records of one repository, each read at most once.
+
+    Unreadable records count as absent (``verify`` and GC report what they
+    cannot find; they do not stop on a damaged record).
+    """
+
+    def __init__(self, repo: "Repository"):
+        self.repo = repo
+        self._tables: dict[str, dict[str, ChunkRef] | None] = {}
+
+    def table(self, pack_id: str) -> dict[str, ChunkRef] | None:
+        if pack_id not in self._tables:
+            try:
+                self._tables[pack_id] = self.repo._relocation(pack_id)
+            except FormatError:
+                self._tables[pack_id] = None
+        return self._tables[pack_id]
+
+    def chain(self, ref: ChunkRef, present, recorded=None) -> list[ChunkRef]:
+        """``ref`` and every location relocation records move it to, in order.
+
+        Stops at a pack in ``present``, at a pack without a record (only
+        packs in ``recorded`` are looked up, when given), or after
+        :data:`MAX_RELOCATION_HOPS`. The chunk is found when the last
+        element's pack is in ``present``.
+        """
+        out = [ref]
+        for _ in range(MAX_RELOCATION_HOPS):
+            if ref.pack in present or (recorded is not None and ref.pack not in recorded):
+                break
+            table = self.table(ref.pack)
+            if not table or ref.hash not in table:
+                break
+            ref = table[ref.hash]
+            out.append(ref)
+        return out
 
 
 def _in_buffer(piece, buf: bytearray) -> bool:

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 from . import codec as _codec
 from . import planner as _plan
-from .errors import CkptStoreError, FormatError, IntegrityError, ObjectNotFoundError
+from .errors import CkptStoreError, IntegrityError, ObjectNotFoundError
 from .manifest import ChunkRef
-from .repository import MANIFEST_PREFIX, PACK_PREFIX, Repository, manifest_key, pack_key
+from .repository import MANIFEST_PREFIX, PACK_PREFIX, RelocationTables, Repository, pack_key
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ def verify(repo: Repository, step: int | None = None, read_data: bool = False, p
 
     # Unique chunks, with the first (step, tensor) that uses each.
     users: dict[tuple, tuple[int, str]] = {}
-    reloc_cache: dict[str, dict | None] = {}
+    tables = RelocationTables(repo)
     packs_seen: set[str] = set()
     for s, m in manifests.items():
         reported: set[str] = set()
@@ -121,7 +121,7 @@ def verify(repo: Repository, step: int | None = None, read_data: bool = False, p
                 for c in shard.chunks:
                     ref = c
                     if c.pack not in stored:
-                        ref = _relocate(repo, c, stored, reloc_cache)
+                        ref = _relocate(tables, c, stored)
                         if ref is None:
                             if c.pack not in reported:
                                 problems.append(
@@ -178,18 +178,7 @@ def verify(repo: Repository, step: int | None = None, read_data: bool = False, p
     )
 
 
-def _relocate(repo: Repository, c: ChunkRef, stored: dict, cache: dict) -> ChunkRef | None:
-    ref = c
-    for _ in range(8):
-        if ref.pack in stored:
-            return ref
-        if ref.pack not in cache:
-            try:
-                cache[ref.pack] = repo._relocation(ref.pack)
-            except FormatError:
-                cache[ref.pack] = None
-        table = cache[ref.pack]
-        if not table or ref.hash not in table:
-            return None
-        ref = table[ref.hash]
-    return None
+def _relocate(tables: RelocationTables, c: ChunkRef, stored: dict) -> ChunkRef | None:
+    """Where the chunk of a missing pack lives now, or None."""
+    last = tables.chain(c, stored)[-1]
+    return last if last.pack in stored else None

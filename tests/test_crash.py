@@ -22,8 +22,6 @@ import tempfile
 import threading
 import time
 
-import pytest
-
 import ckptstore
 from ckptstore.repository import PACK_PREFIX
 

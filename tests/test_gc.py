@@ -13,7 +13,7 @@ import torch
 
 import ckptstore
 from ckptstore.cli.main import main
-from ckptstore.errors import StaleBaseError, StepExistsError, StorageError
+from ckptstore.errors import StaleBaseError, StorageError
 from ckptstore.gc import RetentionPolicy, parse_duration, select_steps
 from ckptstore.repository import Repository, manifest_key, pack_key
 from ckptstore.storage import open_store

@@ -7,8 +7,6 @@ import os
 
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # before gcsfs is imported
 
-import uuid  # noqa: E402
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
 

@@ -22,12 +22,11 @@ from ckptstore import manifest as M, pack as P
 from ckptstore.errors import (
     FormatError,
     IntegrityError,
-    ObjectExistsError,
     StepExistsError,
     StorageError,
     TransientStorageError,
 )
-from ckptstore.repository import Repository, manifest_key, pack_key, parse_relocation
+from ckptstore.repository import Repository, manifest_key, parse_relocation
 from ckptstore.storage.faults import FaultStore, permanent, transient
 from ckptstore.storage.memory import MemoryStore
 from ckptstore.storage.retry import RetryPolicy, RetryStore

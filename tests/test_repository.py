@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
-import math
 
 import pytest
 import torch
@@ -23,7 +22,7 @@ from ckptstore.repository import Repository, manifest_key, pack_key
 from ckptstore.storage.memory import MemoryStore
 from ckptstore.storage.wrappers import CountingStore, FaultStore
 
-from .helpers import SMALL, all_dtypes, assert_tree_equal, bits_equal, random_tensor
+from .helpers import SMALL, all_dtypes, assert_tree_equal, random_tensor
 
 
 def _open(repo_url, **kw):

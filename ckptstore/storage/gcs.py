@@ -94,6 +94,7 @@ from ..errors import (  # noqa: E402
     StorageError,
     TransientStorageError,
 )
+from ._classify import MAX_MESSAGE, in_chain, is_network_error, optional_types, scrub  # noqa: E402
 from .base import (  # noqa: E402
     MultipartInfo,
     MultipartUpload,
@@ -108,7 +109,6 @@ UPLOADS = ".uploads"
 #: Most sources GCS accepts in one compose request.
 MAX_COMPOSE = 32
 _MARKER = "upload"
-_MAX_MESSAGE = 300
 _TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _UPLOAD_ID = re.compile(r"[0-9a-f]{32}")
 _TIMESTAMP = re.compile(r"(\d{4})-(\d\d)-(\d\d)T(\d\d):(\d\d):(\d\d)(?:\.(\d+))?(Z|[+-]\d\d:\d\d)?$")
@@ -131,46 +131,24 @@ def parse_timestamp(text: str) -> float:
 
 def _status(exc: BaseException) -> int | None:
     """HTTP status behind a gcsfs exception, where gcsfs kept one."""
-    e: BaseException | None = exc
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        code = getattr(e, "code", None)
-        if isinstance(code, int) and 100 <= code < 600:
-            return code
-        status = getattr(e, "status", None)  # aiohttp.ClientResponseError
-        if isinstance(status, int) and 100 <= status < 600:
-            return status
-        e = e.__cause__ or e.__context__
-    return None
+    def pick(e):
+        for attr in ("code", "status"):  # gcsfs HttpError, aiohttp.ClientResponseError
+            v = getattr(e, attr, None)
+            if isinstance(v, int) and 100 <= v < 600:
+                return v
+        return None
+
+    return in_chain(exc, pick)
 
 
 def _is_connection_error(exc: BaseException) -> bool:
-    if isinstance(exc, (ConnectionError, TimeoutError, asyncio.TimeoutError)):
-        return True
-    try:
-        import aiohttp
-
-        if isinstance(exc, aiohttp.ClientError) and not isinstance(exc, aiohttp.ClientResponseError):
-            return True
-    except ImportError:  # pragma: no cover
-        pass
-    try:
-        import requests.exceptions
-
-        # gcsfs raises ProxyError for a 502 response.
-        if isinstance(exc, (requests.exceptions.ConnectionError, requests.exceptions.Timeout)):
-            return True
-    except ImportError:  # pragma: no cover
-        pass
-    try:
-        from fsspec.exceptions import FSTimeoutError
-
-        if isinstance(exc, FSTimeoutError):
-            return True
-    except ImportError:  # pragma: no cover
-        pass
-    return False
+    # gcsfs raises requests' ProxyError for a 502 response; an aiohttp
+    # response error carries a status and is classified by it.
+    return is_network_error(
+        exc,
+        optional_types("aiohttp:ClientError", "requests.exceptions:ConnectionError", "requests.exceptions:Timeout"),
+        not_these=optional_types("aiohttp:ClientResponseError"),
+    )
 
 
 def classify_error(exc: BaseException, where: str, op: str, exists_on_412: bool = False) -> Exception:
@@ -191,7 +169,7 @@ def classify_error(exc: BaseException, where: str, op: str, exists_on_412: bool 
     if isinstance(exc, CkptStoreError):
         return exc
     status = _status(exc)
-    message = str(getattr(exc, "message", "") or exc)[:_MAX_MESSAGE]
+    message = str(getattr(exc, "message", "") or exc)[:MAX_MESSAGE]
     if isinstance(exc, FileExistsError) or status == 412:
         if exists_on_412:
             return ObjectExistsError(f"{where}: object already exists (GCS {op}: 412 precondition failed)")
@@ -209,26 +187,8 @@ def classify_error(exc: BaseException, where: str, op: str, exists_on_412: bool 
 
 
 def _errors_to_classify() -> tuple[type[BaseException], ...]:
-    types: list[type[BaseException]] = [OSError, ValueError, asyncio.TimeoutError]
-    try:
-        from gcsfs.retry import HttpError
-
-        types.append(HttpError)
-    except ImportError:  # pragma: no cover
-        pass
-    try:
-        import aiohttp
-
-        types.append(aiohttp.ClientError)
-    except ImportError:  # pragma: no cover
-        pass
-    try:
-        import google.auth.exceptions
-
-        types.append(google.auth.exceptions.GoogleAuthError)
-    except ImportError:  # pragma: no cover
-        pass
-    return tuple(types)
+    return (OSError, ValueError, asyncio.TimeoutError, *optional_types(
+        "gcsfs.retry:HttpError", "aiohttp:ClientError", "google.auth.exceptions:GoogleAuthError"))
 
 
 def _body(data) -> bytes:
@@ -322,14 +282,7 @@ class GCSStore(ObjectStore):
         return f"{self.url}/{key}" if key else self.url
 
     def _error(self, exc: BaseException, key: str | None, op: str, exists_on_412: bool = False) -> Exception:
-        err = classify_error(exc, self._where(key), op, exists_on_412)
-        if self._secrets and err is not exc:
-            msg = scrubbed = str(err)
-            for s in self._secrets:
-                scrubbed = scrubbed.replace(s, "***")
-            if scrubbed != msg:
-                err = type(err)(scrubbed)
-        return err
+        return scrub(classify_error(exc, self._where(key), op, exists_on_412), exc, self._secrets)
 
     def _run(self, key: str | None, op: str, coro_fn, *args, exists_on_412: bool = False, **kwargs):
         from fsspec.asyn import sync

@@ -11,7 +11,6 @@ final offsets into one temporary file.
 from __future__ import annotations
 
 import os
-import time
 import uuid
 from typing import Iterator, Sequence
 

@@ -1,9 +1,14 @@
 """Amazon S3 (and S3-compatible services) through s3fs.
 
-Every request goes through ``S3FileSystem._call_s3`` / ``call_s3``, s3fs's
-wrapper around one aiobotocore client running on fsspec's I/O loop; the sync
-form is safe to call from many threads at once, so pool threads uploading
-parts of one object share one connection pool.
+Requests go through ``S3FileSystem._call_s3`` / ``call_s3``, s3fs's wrapper
+around one aiobotocore client running on fsspec's I/O loop (safe to call
+from many threads at once), except those carrying a body (``PutObject``,
+``UploadPart``): they go through a threaded botocore client built from the
+same options (``_upload_client_spec``), because aiohttp on Python < 3.12.9
+copies every body into fresh memory two or three times, which made the
+S3 transport the largest client CPU cost of a save after the codec. Uploads
+send a CRC32 of the body that the server checks, and skip botocore's
+SHA-256 payload signature (see ``S3Store.__init__``).
 
 s3fs translates ``ClientError`` into built-in exceptions and keeps the
 original as ``__cause__``; :func:`classify_error` looks at that S3 error code
@@ -35,6 +40,7 @@ from ..errors import (
     StorageError,
     TransientStorageError,
 )
+from ._classify import MAX_MESSAGE, in_chain, is_network_error, optional_types, scrub
 from .base import MultipartInfo, MultipartUpload, ObjectInfo, ObjectStore, check_key, check_ranges
 
 #: S3 error codes that are worth retrying: throttling, server-side failures,
@@ -73,21 +79,11 @@ TRANSIENT_CODES = frozenset(
 #: missing object would make an empty repository out of it.
 NOT_FOUND_CODES = frozenset({"NoSuchKey", "NoSuchUpload", "404", "NotFound"})
 
-_MAX_MESSAGE = 300
-
-
 def _client_error(exc: BaseException):
     """The botocore ``ClientError`` behind ``exc`` (itself or a cause), or None."""
     from botocore.exceptions import ClientError
 
-    seen = set()
-    e: BaseException | None = exc
-    while e is not None and id(e) not in seen:
-        if isinstance(e, ClientError):
-            return e
-        seen.add(id(e))
-        e = e.__cause__ or e.__context__
-    return None
+    return in_chain(exc, lambda e: e if isinstance(e, ClientError) else None)
 
 
 def error_code(exc: BaseException) -> tuple[str, int | None, str]:
@@ -103,36 +99,10 @@ def error_code(exc: BaseException) -> tuple[str, int | None, str]:
 
 def _is_connection_error(exc: BaseException) -> bool:
     """Network-level failures (resets, timeouts, truncated bodies): retryable."""
-    if isinstance(exc, (ConnectionError, TimeoutError, asyncio.TimeoutError)):
-        return True
-    try:
-        from botocore.exceptions import (
-            ConnectionError as BotoConnectionError,
-            HTTPClientError,
-            IncompleteReadError,
-            ReadTimeoutError,
-            ResponseStreamingError,
-        )
-
-        if isinstance(exc, (BotoConnectionError, HTTPClientError, IncompleteReadError, ReadTimeoutError, ResponseStreamingError)):
-            return True
-    except ImportError:  # pragma: no cover - botocore always has these today
-        pass
-    try:
-        import aiohttp
-
-        if isinstance(exc, aiohttp.ClientError):
-            return True
-    except ImportError:  # pragma: no cover
-        pass
-    try:
-        from fsspec.exceptions import FSTimeoutError
-
-        if isinstance(exc, FSTimeoutError):
-            return True
-    except ImportError:  # pragma: no cover
-        pass
-    return False
+    return is_network_error(exc, optional_types(
+        "botocore.exceptions:ConnectionError", "botocore.exceptions:HTTPClientError",
+        "botocore.exceptions:IncompleteReadError", "botocore.exceptions:ReadTimeoutError",
+        "botocore.exceptions:ResponseStreamingError", "aiohttp:ClientError"))
 
 
 def classify_error(exc: BaseException, where: str, op: str, exists_on_412: bool = False) -> Exception:
@@ -160,7 +130,7 @@ def classify_error(exc: BaseException, where: str, op: str, exists_on_412: bool 
     if isinstance(exc, CkptStoreError):
         return exc
     code, status, message = error_code(exc)
-    message = message[:_MAX_MESSAGE]
+    message = message[:MAX_MESSAGE]
     if code or status:
         label = code or str(status)
         text = f"{where}: S3 {op} failed ({label})" + (f": {message}" if message else "")
@@ -174,7 +144,7 @@ def classify_error(exc: BaseException, where: str, op: str, exists_on_412: bool 
             return TransientStorageError(text)
         return StorageError(text)
     # No S3 response: s3fs's own translation or a network failure.
-    detail = f"{type(exc).__name__}: {str(exc)[:_MAX_MESSAGE]}"
+    detail = f"{type(exc).__name__}: {str(exc)[:MAX_MESSAGE]}"
     if exists_on_412 and isinstance(exc, FileExistsError):
         return ObjectExistsError(f"{where}: object already exists (S3 {op})")
     if isinstance(exc, FileNotFoundError):
@@ -185,20 +155,8 @@ def classify_error(exc: BaseException, where: str, op: str, exists_on_412: bool 
 
 
 def _errors_to_classify() -> tuple[type[BaseException], ...]:
-    types: list[type[BaseException]] = [OSError, asyncio.TimeoutError]
-    try:
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        types += [BotoCoreError, ClientError]
-    except ImportError:  # pragma: no cover
-        pass
-    try:
-        import aiohttp
-
-        types.append(aiohttp.ClientError)
-    except ImportError:  # pragma: no cover
-        pass
-    return tuple(types)
+    return (OSError, asyncio.TimeoutError, *optional_types(
+        "botocore.exceptions:BotoCoreError", "botocore.exceptions:ClientError", "aiohttp:ClientError"))
 
 
 _CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)")
@@ -419,15 +377,7 @@ class S3Store(ObjectStore):
         return f"{self.url}/{key}" if key else self.url
 
     def _error(self, exc: BaseException, key: str | None, op: str, exists_on_412: bool = False) -> Exception:
-        err = classify_error(exc, self._where(key), op, exists_on_412)
-        if self._secrets and err is not exc:
-            msg = str(err)
-            scrubbed = msg
-            for s in self._secrets:
-                scrubbed = scrubbed.replace(s, "***")
-            if scrubbed != msg:
-                err = type(err)(scrubbed)
-        return err
+        return scrub(classify_error(exc, self._where(key), op, exists_on_412), exc, self._secrets)
 
     def _raise(self, exc: BaseException, key: str | None, op: str, exists_on_412: bool = False):
         err = self._error(exc, key, op, exists_on_412)

@@ -8,11 +8,9 @@ calls fail (now in :mod:`ckptstore.storage.faults`).
 from __future__ import annotations
 
 import collections
-import fnmatch
 import threading
-from typing import Callable, Iterator, Sequence
 
-from .base import MultipartInfo, MultipartUpload, ObjectInfo, ObjectStore
+from .base import MultipartUpload, ObjectStore
 
 
 class WrapperStore(ObjectStore):

@@ -25,6 +25,7 @@ import pytest
 
 from ..errors import ObjectExistsError, ObjectNotFoundError
 from ..storage.base import MIN_PART_SIZE, MiB, MultipartUpload, ObjectStore, ParallelUploader
+from ..storage.wrappers import CountingStore
 
 PART = MIN_PART_SIZE
 INVALID_KEYS = ["", "../x", "/abs", "a//b", "a/./b", "x/..", "a/"]
@@ -54,60 +55,22 @@ class _FailingUpload(MultipartUpload):
         self.inner.complete(nparts)
 
     def abort(self) -> None:
-        self.outer.aborts += 1
         self.inner.abort()
 
 
-class FailingStore(ObjectStore):
-    """Delegates to ``inner``; counts calls; fails chosen multipart parts."""
+class FailingStore(CountingStore):
+    """A :class:`CountingStore` that also fails chosen multipart parts."""
 
     def __init__(self, inner: ObjectStore, fail_parts=()):
-        self.inner = inner
-        self.url = inner.url
+        super().__init__(inner)
         self.fail_parts = set(fail_parts)
-        self.calls: dict[str, int] = {}
-        self.aborts = 0
 
-    def _count(self, name: str) -> None:
-        self.calls[name] = self.calls.get(name, 0) + 1
-
-    def get(self, key):
-        self._count("get")
-        return self.inner.get(key)
-
-    def get_ranges(self, key, ranges):
-        self._count("get_ranges")
-        return self.inner.get_ranges(key, ranges)
-
-    def put(self, key, data):
-        self._count("put")
-        return self.inner.put(key, data)
-
-    def put_if_absent(self, key, data):
-        self._count("put_if_absent")
-        return self.inner.put_if_absent(key, data)
-
-    def head(self, key):
-        self._count("head")
-        return self.inner.head(key)
-
-    def list(self, prefix=""):
-        self._count("list")
-        return self.inner.list(prefix)
-
-    def delete(self, key):
-        self._count("delete")
-        return self.inner.delete(key)
+    @property
+    def aborts(self) -> int:
+        return self.calls["abort_multipart"]
 
     def create_multipart(self, key, part_size):
-        self._count("create_multipart")
-        return _FailingUpload(self, self.inner.create_multipart(key, part_size))
-
-    def list_multipart(self, prefix=""):
-        return self.inner.list_multipart(prefix)
-
-    def abort_multipart(self, key, upload_id):
-        return self.inner.abort_multipart(key, upload_id)
+        return _FailingUpload(self, super().create_multipart(key, part_size))
 
 
 class StoreConformance:
