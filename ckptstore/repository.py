@@ -132,6 +132,12 @@ class TensorMeta:
     chunks: int
 
 
+#: I/O threads and largest range request for stores that are not remote
+#: (unless given explicitly).
+LOCAL_IO_WORKERS = 4
+LOCAL_MAX_REQUEST = 8 * MiB
+
+
 @dataclass
 class RepoOptions:
     """Tunables of a repository handle; every limit is named here.
@@ -140,13 +146,15 @@ class RepoOptions:
     pack_size: target bytes per pack object.
     part_size: multipart part size (S3: at least 5 MiB).
     workers: threads hashing and compressing.
-    io_workers: concurrent requests (parts in flight, ranged GETs).
+    io_workers: concurrent requests (parts in flight, ranged GETs); at
+        most ``LOCAL_IO_WORKERS`` (4) on a local or memory store unless given.
     max_inflight_bytes: memory budget for chunks and parts in flight.
     packs_in_flight: sealed packs still uploading while the next fills.
     level: zstd level.
     codec: "zstd" or "raw".
     coalesce_gap: merge range reads of one pack separated by at most this.
-    max_request: largest single ranged GET.
+    max_request: largest single ranged GET (at most ``LOCAL_MAX_REQUEST``,
+        8 MiB, on a local or memory store unless given).
     tensor_workers: tensors loaded at once by ``load``.
     grace: GC grace period in seconds, recorded in the config of a new
         repository (the repository's recorded value wins otherwise).
@@ -266,11 +274,6 @@ def _writable_in_place(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
 
 
-#: Most relocation records followed from one chunk reference (a chunk moved
-#: by more repacks than this is reported missing).
-MAX_RELOCATION_HOPS = 8
-
-
 class RelocationTables:
     """Relocation records of one repository, each read at most once.
 
@@ -367,6 +370,16 @@ class Repository:
         self._explicit = set(options)
         self.options = RepoOptions(**options)
         self.options.check()
+        if not getattr(store, "remote", False):
+            # A local directory gains nothing from 16 threads and 32 MiB
+            # requests, and each thread's malloc arena keeps its freed
+            # request buffers: loading 4 GiB peaked at +627 MiB RSS with the
+            # remote defaults, +64 MiB with these (and ran faster); see
+            # docs/performance.md. Explicit options win.
+            if "io_workers" not in self._explicit:
+                self.options.io_workers = min(self.options.io_workers, LOCAL_IO_WORKERS)
+            if "max_request" not in self._explicit:
+                self.options.max_request = min(self.options.max_request, LOCAL_MAX_REQUEST)
         self._config: dict | None = None
         self._cpu_pool: cf.ThreadPoolExecutor | None = None
         self._io_pool: cf.ThreadPoolExecutor | None = None

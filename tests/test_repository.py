@@ -469,3 +469,23 @@ def test_async_saves_reuse_staging_buffers_safely():
     repo.save({"w": w, "b": torch.zeros(10)}, step=9, blocking=False).result(timeout=60)
     assert repo._staging["w"].data_ptr() == first
     assert torch.equal(repo.load(9)["w"], w)
+
+
+def test_local_stores_get_few_io_threads_and_small_requests_unless_asked(tmp_path):
+    from ckptstore.repository import LOCAL_IO_WORKERS, LOCAL_MAX_REQUEST, RepoOptions
+    from ckptstore.storage.local import LocalStore
+    from ckptstore.storage.memory import MemoryStore
+
+    class Remote(MemoryStore):
+        remote = True
+
+    defaults = RepoOptions()
+    local = Repository(LocalStore(str(tmp_path / "a")))
+    assert local.options.io_workers == min(defaults.io_workers, LOCAL_IO_WORKERS)
+    assert local.options.max_request == min(defaults.max_request, LOCAL_MAX_REQUEST)
+    asked = Repository(LocalStore(str(tmp_path / "b")), io_workers=12, max_request=16 << 20)
+    assert (asked.options.io_workers, asked.options.max_request) == (12, 16 << 20)
+    remote = Repository(Remote("remote-defaults-test"))
+    assert (remote.options.io_workers, remote.options.max_request) == (defaults.io_workers, defaults.max_request)
+    for r in (local, asked, remote):
+        r.close()
