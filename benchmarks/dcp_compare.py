@@ -45,7 +45,7 @@ import torch
 
 import ckptstore
 
-from .save_load import cpu_self, dir_bytes, human, loadavg, moto_subprocess
+from .save_load import cpu_self, dir_bytes, human, loadavg, moto_subprocess, proc_cpu, write_results
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -117,17 +117,6 @@ def _init(rank, world, port):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     return init_device_mesh("cpu", (world,))
-
-
-def _cpu_of(pid):
-    if pid is None:
-        return None
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 def s3_prefix_bytes(client, prefix: str) -> tuple[int, int]:
@@ -229,7 +218,7 @@ def _worker_body(rank, world, mesh, cfg):
         """Run ``fn`` on every rank after a barrier; rank 0 records the row."""
         gc.collect()
         dist.barrier()
-        srv0 = _cpu_of(server_pid) if rank == 0 else None
+        srv0 = proc_cpu(server_pid) if rank == 0 else None
         cpu0 = cpu_self()
         t0 = time.perf_counter()
         extra = fn()
@@ -239,7 +228,7 @@ def _worker_body(rank, world, mesh, cfg):
         dist.all_gather_object(per_rank, {"seconds": seconds, "cpu": cpu, "extra": extra})
         if rank != 0:
             return None
-        srv1 = _cpu_of(server_pid)
+        srv1 = proc_cpu(server_pid)
         secs = max(r["seconds"] for r in per_rank)
         row = {
             "backend": backend,
@@ -526,17 +515,7 @@ def main(argv=None) -> int:
           f"load average at end {loadavg()}.")
 
     if args.json:
-        doc = {
-            "command": command,
-            "argv": sys.argv,
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "env": {
-                "python": platform.python_version(),
-                "torch": torch.__version__,
-                "ckptstore": ckptstore.__version__,
-                "cpus": os.cpu_count(),
-                "platform": platform.platform(),
-            },
+        write_results(args.json, command, {
             "data": {"tensors": result["tensors"], "logical_bytes": logical, "rank_bytes": result["rank_bytes"],
                      "size_gib": args.size_gib, "ranks": args.ranks, "seed": args.seed},
             "s3_pack_size": S3_PACK_SIZE,
@@ -544,11 +523,7 @@ def main(argv=None) -> int:
             "rows": rows,
             "ckptstore_stats": result["ckptstore_stats"],
             "wall_seconds": total,
-            "loadavg_end": loadavg(),
-        }
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1, default=str)
-        print(f"results written to {args.json}")
+        })
     return 0
 
 

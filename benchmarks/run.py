@@ -53,7 +53,7 @@ import torch
 import ckptstore
 
 from . import save_load
-from .save_load import build_state_dict, cpu_self, dir_bytes, human, loadavg, moto_subprocess
+from .save_load import build_state_dict, cpu_self, dir_bytes, human, loadavg, moto_subprocess, proc_cpu, write_results
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -112,17 +112,6 @@ def fsync_path(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def proc_cpu(pid) -> float | None:
-    if pid is None:
-        return None
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 class Timer:
@@ -1119,17 +1108,11 @@ def main(argv=None) -> int:
     print(f"wall time {total:.1f} s; load average at end {loadavg()}")
 
     if args.json:
-        doc = {
-            "command": command, "argv": sys.argv, "mode": profile_name, "profile": prof,
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "env": {"python": platform.python_version(), "torch": torch.__version__,
-                    "ckptstore": ckptstore.__version__, "cpus": os.cpu_count(), "platform": platform.platform()},
+        write_results(args.json, command, {
+            "mode": profile_name, "profile": prof,
             "data": data_info, "servers": server_info, "problems": problems, "peers": peers,
-            "s3_pack_size": S3_PACK_SIZE, "rows": run.rows, "targets": checks, "wall_seconds": total, "loadavg_end": loadavg(),
-        }
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1, default=str)
-        print(f"results written to {args.json}")
+            "s3_pack_size": S3_PACK_SIZE, "rows": run.rows, "targets": checks, "wall_seconds": total,
+        })
     return 0
 
 

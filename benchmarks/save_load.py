@@ -159,15 +159,41 @@ def cpu_self() -> float:
 SERVER_PID: int | None = None
 
 
-def cpu_server() -> float | None:
-    if SERVER_PID is None:
+def proc_cpu(pid: int | None) -> float | None:
+    """User + system CPU seconds of process ``pid`` so far (from /proc), or None."""
+    if pid is None:
         return None
     try:
-        with open(f"/proc/{SERVER_PID}/stat") as f:
+        with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, IndexError, ValueError):
         return None
+
+
+def cpu_server() -> float | None:
+    return proc_cpu(SERVER_PID)
+
+
+def write_results(path: str, command: str, fields: dict) -> None:
+    """Write a benchmark's JSON: command, argv, time, env, ``fields``, load average at the end."""
+    doc = {"command": command, "argv": sys.argv, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "env": env_info(),
+           **fields, "loadavg_end": loadavg()}
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1, default=str)
+    print(f"results written to {path}")
+
+
+def env_info() -> dict:
+    """Versions and machine, as every benchmark's JSON records them."""
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "ckptstore": ckptstore.__version__,
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+    }
 
 
 class Timer:
@@ -541,18 +567,7 @@ def main(argv=None) -> int:
           f"(above ~1 at the start means something else was using the {os.cpu_count()} CPUs)")
 
     if args.json:
-        doc = {
-            "command": command,
-            "argv": sys.argv,
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "env": {
-                "python": platform.python_version(),
-                "torch": torch.__version__,
-                "ckptstore": ckptstore.__version__,
-                "cpus": os.cpu_count(),
-                "torch_threads": torch.get_num_threads(),
-                "platform": platform.platform(),
-            },
+        write_results(args.json, command, {
             "data": {"tensors": len(sd), "logical_bytes": logical, "seed": args.seed,
                      "size_gib": args.size_gib},
             "repeat": args.repeat,
@@ -563,11 +578,7 @@ def main(argv=None) -> int:
             "moto_peak_rss_bytes": moto_rss,
             "moto_in_process": bool(args.moto_in_process) and not args.skip_s3,
             "wall_seconds": total,
-            "loadavg_end": loadavg(),
-        }
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1, default=str)
-        print(f"results written to {args.json}")
+        })
     return 0
 
 
