@@ -96,13 +96,13 @@ def encode(data, codec: str = "zstd", level: int = DEFAULT_LEVEL, dtype: str | N
     (returning ``data`` itself, uncopied) when compression does not save at
     least ``MIN_SAVING``.
     """
-    name, pieces, _ = encode_pieces(data, codec, level, dtype)
+    name, pieces = encode_pieces(data, codec, level, dtype)
     return name, pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
 def encode_pieces(data, codec: str = "zstd", level: int = DEFAULT_LEVEL,
-                  dtype: str | None = None, scratch=None) -> tuple[str, list, int]:
-    """:func:`encode` without joining: ``(codec_used, buffers, stored_len)``.
+                  dtype: str | None = None, scratch=None) -> tuple[str, list]:
+    """:func:`encode` without joining: ``(codec_used, buffers)``.
 
     The stored chunk is the concatenation of ``buffers``; a writer that
     copies them into its part buffers anyway saves one copy of the chunk.
@@ -112,21 +112,20 @@ def encode_pieces(data, codec: str = "zstd", level: int = DEFAULT_LEVEL,
     it must not be reused before they are consumed.
     """
     if codec == "raw" or len(data) == 0:
-        return "raw", [data], len(data)
+        return "raw", [data]
     if codec not in ("zstd", "bgz"):
         raise ValueError(f"unknown codec {codec!r}; known: {', '.join(CODECS)}")
     limit = len(data) * (1.0 - MIN_SAVING)
     bg = BYTEGROUP_DTYPES.get(dtype or "")
     if bg is not None and len(data) % bg[0] == 0:
         pieces = _bytegroup_encode(data, bg[0], bg[1], level, scratch)
-        n = sum(len(p) for p in pieces)
-        if n > limit:
-            return "raw", [data], len(data)
-        return "bgz", pieces, n
+        if sum(len(p) for p in pieces) > limit:
+            return "raw", [data]
+        return "bgz", pieces
     out = _compressor(level).compress(data)
     if len(out) > limit:
-        return "raw", [data], len(data)
-    return "zstd", [out], len(out)
+        return "raw", [data]
+    return "zstd", [out]
 
 
 def decode(codec: str, stored, raw_len: int) -> bytes | memoryview:

@@ -50,7 +50,7 @@ from .errors import (
     StorageError,
 )
 from .manifest import ChunkRef, Manifest, Shard, TensorEntry
-from .storage.base import MIN_PART_SIZE, ObjectStore, ParallelUploader
+from .storage.base import MIN_PART_SIZE, BufferPool, ObjectStore, ParallelUploader
 from .tree import flatten, tree_keys, unflatten
 
 MiB = 1 << 20
@@ -386,12 +386,11 @@ class Repository:
         self._seal_pool: cf.ThreadPoolExecutor | None = None
         self._async_pool: cf.ThreadPoolExecutor | None = None
         self._tensor_pool: cf.ThreadPoolExecutor | None = None
-        self._buffer_pool = None
+        self._buffer_pools: dict[str, BufferPool] = {}
         self._budget = None
         self._staging: dict[str, torch.Tensor] = {}
         self._async_last: cf.Future | None = None
         self._pool_lock = threading.Lock()
-        self._scratch_pool = None
         self._manifest_cache: dict[int, Manifest] = {}
 
     # ------------------------------------------------------------ plumbing
@@ -410,24 +409,18 @@ class Repository:
                 self._budget = _ByteBudget(max(self.options.max_request, self.options.max_inflight_bytes // 2))
             return self._budget
 
-    def _part_buffers(self, window: int):
-        """The repository's pool of reusable multipart part buffers."""
+    def _buffers(self, name: str, size: int, keep: int) -> BufferPool:
+        """The repository's pool ``name`` of reusable ``size``-byte buffers.
+
+        Saves share them: ``"parts"`` (multipart part buffers) and
+        ``"scratch"`` (chunk-sized byte planes). A pool is rebuilt when its
+        size changes (the repository's config can set ``chunk_size``).
+        """
         with self._pool_lock:
-            o = self.options
-            if self._buffer_pool is None or self._buffer_pool.size != o.part_size:
-                from .storage.base import BufferPool
-
-                self._buffer_pool = BufferPool(o.part_size, keep=(o.packs_in_flight + 1) * (window + 1))
-            return self._buffer_pool
-
-    def _scratch_buffers(self, keep: int):
-        """The repository's pool of chunk-sized scratch buffers (byte planes)."""
-        with self._pool_lock:
-            if self._scratch_pool is None or self._scratch_pool.size != self.options.chunk_size:
-                from .storage.base import BufferPool
-
-                self._scratch_pool = BufferPool(self.options.chunk_size, keep=keep)
-            return self._scratch_pool
+            pool = self._buffer_pools.get(name)
+            if pool is None or pool.size != size:
+                pool = self._buffer_pools[name] = BufferPool(size, keep=keep)
+            return pool
 
     def close(self) -> None:
         """Wait for async saves, stop worker threads and close the store."""
@@ -954,7 +947,7 @@ class _SaveWriter:
         self.lookahead = max(2 * o.chunk_size, min(o.max_inflight_bytes // 4, 4 * o.workers * o.chunk_size))
         per_pack = max(1, (o.max_inflight_bytes - self.lookahead) // (o.part_size * (o.packs_in_flight + 1)))
         self.window = max(1, min(8, per_pack - 1))
-        self.scratch = repo._scratch_buffers(self.lookahead // o.chunk_size + o.workers + 1)
+        self.scratch = repo._buffers("scratch", o.chunk_size, self.lookahead // o.chunk_size + o.workers + 1)
         self.pack: tuple[str, _pack.PackBuilder, ParallelUploader] | None = None
         self.sealing: list[tuple[str, int, cf.Future]] = []
         self.done: dict[str, int] = {}
@@ -996,7 +989,7 @@ class _SaveWriter:
         if h in self.base or h in self.written:
             return h, None, None, None
         scratch = self.scratch.get() if len(piece) == self.scratch.size else None
-        codec, pieces, _ = _codec.encode_pieces(piece, self.o.codec, self.o.level, dtype, scratch)
+        codec, pieces = _codec.encode_pieces(piece, self.o.codec, self.o.level, dtype, scratch)
         if scratch is not None and not any(_in_buffer(p, scratch) for p in pieces):
             self.scratch.put(scratch)
             scratch = None
@@ -1013,7 +1006,7 @@ class _SaveWriter:
                 self.reused_chunks += 1
             else:
                 if stored is None:  # raced with a chunk that was then not written
-                    codec, stored = _codec.encode_pieces(piece, self.o.codec, self.o.level, dtype)[:2]
+                    codec, stored = _codec.encode_pieces(piece, self.o.codec, self.o.level, dtype)
                 ref = self._append(h, codec, stored, len(piece))
                 self.written[h] = ref
                 self.new_raw += len(piece)
@@ -1029,7 +1022,8 @@ class _SaveWriter:
             pid = uuid.uuid4().hex
             up = ParallelUploader(
                 self.repo.store, pack_key(pid), self.o.part_size, self.io, window=self.window,
-                buffers=self.repo._part_buffers(self.window),
+                buffers=self.repo._buffers(
+                    "parts", self.o.part_size, (self.o.packs_in_flight + 1) * (self.window + 1)),
             )
             up.write(_pack.header())
             self.pack = (pid, _pack.PackBuilder(), up)
