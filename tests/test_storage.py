@@ -236,6 +236,10 @@ def test_upload_client_only_for_options_it_reproduces():
     spec = _upload_client_spec(base)
     assert spec["client"] == {"endpoint_url": "http://127.0.0.1:1", "region_name": "r",
                               "aws_access_key_id": "k", "aws_secret_access_key": "s"}
+    # The process-wide session only for stores that bring their own credentials.
+    assert spec["share"]
+    assert not _upload_client_spec({"client_kwargs": base["client_kwargs"]})["share"]
+    assert not _upload_client_spec({**base, "profile": "p"})["share"]
     spec = _upload_client_spec({**base, "requester_pays": True, "s3_additional_kwargs": {"SSECustomerKey": "x"},
                                 "read_timeout": 7})
     assert spec["extra"] == {"SSECustomerKey": "x", "RequestPayer": "requester"}

@@ -177,7 +177,7 @@ def _body(data):
     return memoryview(data).cast("B").tobytes()
 
 
-_SESSION = None
+_SESSIONS: dict[str, object] = {}
 _SESSION_LOCK = threading.Lock()
 #: S3FileSystem arguments that do not reach the botocore session; any other
 #: key is forwarded to ``AioSession`` (``profile``...) and needs its own.
@@ -207,14 +207,21 @@ def _can_share_session(opts: dict) -> bool:
     return bool(explicit or opts.get("anon"))
 
 
-def _shared_session():
-    global _SESSION
+def _shared_session(kind: str = "aio"):
+    """The process-wide session: ``"aio"`` (aiobotocore, for s3fs) or ``"sync"`` (botocore, uploads)."""
     with _SESSION_LOCK:
-        if _SESSION is None:
-            import aiobotocore.session
+        session = _SESSIONS.get(kind)
+        if session is None:
+            if kind == "aio":
+                import aiobotocore.session
 
-            _SESSION = aiobotocore.session.AioSession()
-        return _SESSION
+                session = aiobotocore.session.AioSession()
+            else:
+                import botocore.session
+
+                session = botocore.session.Session()
+            _SESSIONS[kind] = session
+        return session
 
 
 #: ``client_kwargs`` keys botocore's ``create_client`` takes as they are.
@@ -224,7 +231,6 @@ _CLIENT_ARGS = frozenset({"region_name", "endpoint_url", "verify", "use_ssl", "a
 _CACHE_ARGS = frozenset({"skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths",
                          "default_block_size", "default_fill_cache", "default_cache_type", "version_aware",
                          "fixed_upload_size", "cache_regions", "max_concurrency"})
-_SYNC_SESSION = None
 
 
 def _upload_client_spec(opts: dict) -> dict | None:
@@ -262,12 +268,11 @@ def _upload_client_spec(opts: dict) -> dict | None:
     extra = dict(opts.get("s3_additional_kwargs") or {})
     if opts.get("requester_pays"):
         extra["RequestPayer"] = "requester"
-    return {"client": ck, "config": config, "anon": bool(opts.get("anon")),
-            "profile": opts.get("profile"), "extra": extra}
+    return {"client": ck, "config": config, "anon": bool(opts.get("anon")), "profile": opts.get("profile"),
+            "share": _can_share_session(opts), "extra": extra}
 
 
 def _make_upload_client(spec: dict):
-    global _SYNC_SESSION
     import botocore.session
     from botocore import UNSIGNED
     from botocore.config import Config
@@ -275,13 +280,14 @@ def _make_upload_client(spec: dict):
     config = dict(spec["config"])
     if spec["anon"]:
         config["signature_version"] = UNSIGNED
-    with _SESSION_LOCK:
-        if spec["profile"]:
-            session = botocore.session.Session(profile=spec["profile"])
-        else:
-            if _SYNC_SESSION is None:
-                _SYNC_SESSION = botocore.session.Session()
-            session = _SYNC_SESSION
+    # The same sharing rule as s3fs's session: a session caches credentials
+    # found through the environment chain, so only stores that bring their
+    # own (or none) share one.
+    if spec["share"]:
+        session = _shared_session("sync")
+    else:
+        session = botocore.session.Session(profile=spec["profile"])
+    with _SESSION_LOCK:  # botocore's create_client is not thread-safe on one session
         return session.create_client("s3", config=Config(**config), **spec["client"])
 
 
