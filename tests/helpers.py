@@ -53,3 +53,14 @@ def assert_tree_equal(a, b, path="") -> None:
         assert b != b, path
     else:
         assert a == b and type(a) is type(b), f"{path}: {a!r} != {b!r}"
+
+
+def flat_tensors(sd: dict, prefix: str = "") -> dict[str, torch.Tensor]:
+    """The tensors of a nested dict, keyed by dotted path (``{"a": {"b": t}}`` -> ``{"a.b": t}``)."""
+    out = {}
+    for k, v in sd.items():
+        if isinstance(v, dict):
+            out.update(flat_tensors(v, f"{prefix}{k}."))
+        elif isinstance(v, torch.Tensor):
+            out[prefix + k] = v
+    return out

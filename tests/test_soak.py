@@ -30,7 +30,7 @@ from ckptstore.repository import Repository
 from ckptstore.storage.faults import FaultStore, transient
 from ckptstore.storage.retry import RetryPolicy, RetryStore
 
-from .helpers import bits_equal
+from .helpers import bits_equal, flat_tensors
 
 # GC re-lists (and re-reads every tombstone, one GET each) whenever half the
 # safety margin (min(10% of grace, 5 min)) has passed while it deletes; with
@@ -100,16 +100,6 @@ def _state(rng: random.Random, pool: list[torch.Tensor], step: int) -> dict:
 def _big_state(rng: random.Random, step: int) -> dict:
     g = torch.Generator().manual_seed(rng.getrandbits(63))
     return {"big": torch.randint(0, 256, (11 << 20,), dtype=torch.uint8, generator=g), "step": step}
-
-
-def _tensors(sd: dict, prefix: str = "") -> dict[str, torch.Tensor]:
-    out = {}
-    for k, v in sd.items():
-        if isinstance(v, dict):
-            out.update(_tensors(v, f"{prefix}{k}."))
-        elif isinstance(v, torch.Tensor):
-            out[prefix + k] = v
-    return out
 
 
 def _same(expected: dict, got: dict) -> bool:
@@ -194,7 +184,7 @@ def test_fault_injection_soak(s3):
                     if not _same(exp, repo.load(s)):
                         wrong.append(f"op {n}: load of step {s} returned other data")
                 else:
-                    key, t = rng.choice(sorted(_tensors(exp).items()))
+                    key, t = rng.choice(sorted(flat_tensors(exp).items()))
                     if t.dim() == 0 or t.shape[0] == 0:
                         idx = None
                         want = t

@@ -15,7 +15,7 @@ from ckptstore.repository import MANIFEST_PREFIX, PACK_PREFIX, Repository
 from ckptstore.storage import MemoryStore, open_store
 from ckptstore.storage.wrappers import CountingStore
 
-from .helpers import SMALL, assert_tree_equal, bits_equal, random_tensor
+from .helpers import SMALL, assert_tree_equal, bits_equal, flat_tensors, random_tensor
 
 
 def _state(seed=0):
@@ -35,16 +35,6 @@ def _state(seed=0):
     }
 
 
-def _flat(sd, prefix=""):
-    out = {}
-    for k, v in sd.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        elif isinstance(v, torch.Tensor):
-            out[prefix + k] = v
-    return out
-
-
 @pytest.fixture
 def repo(tmp_path):
     with ckptstore.open(str(tmp_path / "repo"), **SMALL) as r:
@@ -62,7 +52,7 @@ def test_export_safetensors_loads_equal(repo, tmp_path):
     info = repo.export(5, out)
     assert info["tensors"] == 7
     got = load_file(str(out))
-    flat = _flat(sd)
+    flat = flat_tensors(sd)
     assert set(got) == set(flat)
     for k, t in flat.items():
         assert bits_equal(got[k], t), k
@@ -133,7 +123,7 @@ def test_import_round_trips_all_formats(repo, tmp_path):
     # a foreign safetensors file (no ckptstore metadata): flat tensors, string metadata kept
     from safetensors.torch import save_file
 
-    flat = _flat(sd)
+    flat = flat_tensors(sd)
     save_file(flat, str(tmp_path / "f.safetensors"), metadata={"source": "hf"})
     repo.import_(tmp_path / "f.safetensors", 5)
     got = repo.load(5)
