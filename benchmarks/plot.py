@@ -54,6 +54,16 @@ def _load(path: str):
         return json.load(f)
 
 
+def _save(plt, fig, doc: dict, note: str, out: str, name: str) -> str:
+    """Footer (versions, time, ``note``), layout, write ``out/name``; returns the path."""
+    _footer(fig, doc, note)
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    path = os.path.join(out, name)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _label_bars(ax, bars, fmt="{:.2f}", suffix=" s"):
     for b in bars:
         w = b.get_width()
@@ -116,12 +126,7 @@ def plot_save_load(plt, doc: dict, out: str) -> str:
     ax.grid(axis="x", which="both", alpha=0.3)
     xmin, xmax = ax.get_xlim()
     ax.set_xlim(xmin, xmax * 4)
-    _footer(fig, doc, "moto rows measure moto's CPU as much as ckptstore's")
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    path = os.path.join(out, "save_load_1gib.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, doc, "moto rows measure moto's CPU as much as ckptstore's", out, "save_load_1gib.png")
 
 
 def plot_dcp_compare(plt, doc: dict, out: str) -> str:
@@ -187,12 +192,8 @@ def plot_dcp_compare(plt, doc: dict, out: str) -> str:
     gib = d.get("logical_bytes", 0) / (1 << 30)
     fig.suptitle(f"torch.distributed.checkpoint, {d.get('ranks', '?')} ranks (gloo, CPU), "
                  f"{gib:.2f} GiB fp32 randn as Shard(0) DTensors")
-    _footer(fig, doc, "re-save of unchanged data stores only a manifest (~75 KiB); S3 = moto on loopback")
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    path = os.path.join(out, "dcp_compare_1gib.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, doc, "re-save of unchanged data stores only a manifest (~75 KiB); S3 = moto on loopback",
+                 out, "dcp_compare_1gib.png")
 
 
 def plot_codec_real(plt, rows: list, out: str) -> str:

@@ -552,9 +552,9 @@ def ckpt_note(infos) -> str:
             f"compressed, reused {human(reused)}")
 
 
-def _median_sample(samples: list):
-    """The sample with the median wall time (the lower one of an even count)."""
-    return sorted(samples, key=lambda x: x[0].seconds)[(len(samples) - 1) // 2]
+def _median_sample(samples: list, key=lambda x: x[0].seconds):
+    """The sample with the median ``key`` (default: its Timer's wall time; the lower one of an even count)."""
+    return sorted(samples, key=key)[(len(samples) - 1) // 2]
 
 
 #: An operation whose first run took longer than this is not repeated.
@@ -571,7 +571,7 @@ def bench_save_load(run: Run, wl: str, sd: dict, like: dict, systems: list[Syste
     logical = nbytes(sd)
     saves: dict[str, list] = {}
     loads: dict[str, list] = {}
-    raws: dict[str, list] = {}
+    raws: dict[tuple[str, int], list] = {}
     ops: dict[str, str] = {}
     for rnd in range(repeat):
         for s in systems:
@@ -599,21 +599,17 @@ def bench_save_load(run: Run, wl: str, sd: dict, like: dict, systems: list[Syste
                 s.cleanup(wl)
             if isinstance(s, CkptSystem) and s.server is not None and not s.suffix:
                 for conc in RAW_PUT_CONCURRENCY:
-                    raws.setdefault(f"{s.server.name}/{conc}", []).append(
-                        (raw_put(s.server, uploaded, conc), uploaded))
+                    raws.setdefault((s.server.name, conc), []).append((raw_put(s.server, uploaded, conc), uploaded))
     all_s = lambda samples: {"all_seconds": [x[0].seconds for x in samples]}  # noqa: E731
+    raw_median = {key: _median_sample(samples) for key, samples in raws.items()}
     for s in systems:
         if s.name not in saves:
             continue
         tm, stored, note, uploaded = _median_sample(saves[s.name])
         extra = all_s(saves[s.name])
-        if uploaded is not None and s.server is not None and f"{s.server.name}/{RAW_PUT_CONCURRENCY[0]}" in raws:
-            best = None
-            for conc in RAW_PUT_CONCURRENCY:
-                rtm, rbytes = _median_sample(raws[f"{s.server.name}/{conc}"])
-                rate = rbytes / rtm.seconds
-                if best is None or rate > best[0]:
-                    best = (rate, conc)
+        mine = {conc: m for (srv, conc), m in raw_median.items() if s.server is not None and srv == s.server.name}
+        if uploaded is not None and mine:
+            best = max(((rbytes / rtm.seconds, conc) for conc, (rtm, rbytes) in mine.items()), key=lambda b: b[0])
             ours = uploaded / tm.seconds
             extra.update({"uploaded_bytes": uploaded, "upload_GBps": ours / 1e9, "raw_put_GBps": best[0] / 1e9,
                           "raw_put_concurrency": best[1], "upload_efficiency": ours / best[0]})
@@ -622,13 +618,11 @@ def bench_save_load(run: Run, wl: str, sd: dict, like: dict, systems: list[Syste
                              f"upload efficiency {ours / best[0]:.2f}")
         run.add(wl, s, "save", "save", tm, logical, stored=stored, note=note, extra=extra)
         run.add(wl, s, "load", ops[s.name], _median_sample(loads[s.name])[0], logical, extra=all_s(loads[s.name]))
-        if isinstance(s, CkptSystem) and s.server is not None and not s.suffix:
-            for conc in RAW_PUT_CONCURRENCY:
-                samples = raws[f"{s.server.name}/{conc}"]
-                rtm, rbytes = _median_sample(samples)
+        if isinstance(s, CkptSystem) and not s.suffix:
+            for conc, (rtm, rbytes) in mine.items():
                 run.add(wl, RawPut(s.server), f"raw put x{conc}",
                         f"raw PUTs x{conc} of {human(rbytes)} ({RAW_PUT_OBJECT >> 20} MiB objects)", rtm, rbytes,
-                        extra={**all_s(samples), "uploaded_bytes": rbytes})
+                        extra={**all_s(raws[(s.server.name, conc)]), "uploaded_bytes": rbytes})
 
 
 #: Threads for the raw-PUT yardstick (the best is taken; on a loopback
@@ -793,8 +787,7 @@ def bench_async(run: Run, wl: str, sd: dict, tmp: str, server: S3Server | None =
                 fut.result()
                 total.append(time.perf_counter() - tm.t0)
                 blocked.append(tm)
-        first.view(-1)[0] = keep
-        later = sorted(blocked[1:], key=lambda t: t.seconds)[(len(blocked) - 2) // 2]
+        later = _median_sample(blocked[1:], key=lambda t: t.seconds)
         run.add(wl, s, "async first", "save(blocking=False) returns (1st: fresh staging)", blocked[0], logical,
                 extra={"total_seconds": total[0]})
         run.add(wl, s, "async later", f"save(blocking=False) returns (median of saves 2-{ASYNC_SAVES}: staging reused)",
@@ -916,10 +909,10 @@ def target_checks(rows: list[dict], servers: list[str]) -> list[str]:
         infos, secs = r["step_infos"], r["step_seconds"]
         logical = infos[0]["logical_bytes"]
         worst_bytes = max(i["uploaded_bytes"] for i in infos[1:]) / logical
-        later = sorted(secs[1:])
         check(f"c incremental step on {name}: uploaded bytes / logical (worst of steps 2-10)", worst_bytes, 0.12)
         check(f"c incremental step on {name}: seconds / first full save (median of steps 2-10)",
-              later[(len(later) - 1) // 2] / secs[0], 0.2, detail=f"  [worst step {later[-1] / secs[0]:.3f}]")
+              _median_sample(secs[1:], key=float) / secs[0], 0.2,
+              detail=f"  [worst step {max(secs[1:]) / secs[0]:.3f}]")
     for name in ["ckptstore-local"] + [f"ckptstore-s3-{s}" for s in servers]:
         r = idx.get(("d", "read 1/16", name))
         if r is None:
