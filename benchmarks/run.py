@@ -862,14 +862,14 @@ def table(rows: list[dict], peers: list[str]) -> str:
     return "\n".join(out)
 
 
-#: The server the performance issue's S3 targets are stated for; the same
-#: ratios on other servers (and locally, where the issue names no target)
-#: are printed as ``info``.
+#: The server the S3 performance targets (docs/performance.md) are stated
+#: for; the same ratios on other servers (and locally, where no target is
+#: set) are printed as ``info``.
 TARGET_SERVER = "seaweedfs"
 
 
 def target_checks(rows: list[dict], servers: list[str]) -> list[str]:
-    """Issue 5's targets, each a ratio of two rows of this run."""
+    """The performance targets of docs/performance.md, each a ratio of two rows of this run."""
     idx = {(r["workload"], r["op_key"], r["system"]): r for r in rows}
     out = []
 
@@ -1095,7 +1095,7 @@ def main(argv=None) -> int:
         print(f"  PROBLEM: {p}")
     checks = target_checks(run.rows, used_servers)
     if checks:
-        print("targets (issue 5), from the rows above:")
+        print("targets, from the rows above:")
         for c in checks:
             print(f"  {c}")
     print(f"wall time {total:.1f} s; load average at end {loadavg()}")

@@ -62,10 +62,12 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from . import manifest as _m
-from . import open as _open
 from .errors import CkptStoreError, FormatError, StepExistsError, StepNotFoundError
+from .layout import check_step as _check_step
 from .manifest import ChunkRef, Manifest, Shard, TensorEntry
-from .repository import Repository, _check_step, _SaveWriter, manifest_key
+from .repository import Repository
+from .repository import open as _open
+from .save import ChunkWriter, StepCommit, dedup_index
 from .tree import decode_value, encode_value, leaf_values, tensor_paths
 
 __all__ = ["CkptStoreWriter", "CkptStoreReader", "RankWriteError", "split_checkpoint_id"]
@@ -182,8 +184,7 @@ class CkptStoreWriter(StorageWriter):
         self.is_coordinator = True
         self._repo: Repository | None = None
         self._base_step: int | None = None
-        self._lease: str | None = None
-        self._t0 = time.perf_counter()
+        self._commit: StepCommit | None = None
         self.last_rank_stats: dict | None = None
 
     # -- DCP protocol -------------------------------------------------------
@@ -214,18 +215,19 @@ class CkptStoreWriter(StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         repo = self._get_repo()
         step = self._require_step()
-        if repo.store.exists(manifest_key(step)):
+        # The commit protocol every writer follows (ckptstore.save.StepCommit):
+        # the coordinator claims the step, writes the lease and picks the
+        # dedup base here, and commits in finish().
+        self._commit = StepCommit(repo, step, self.base)
+        try:
+            base_step = self._commit.begin()
+        except StepExistsError:
+            self._commit = None
             raise StepExistsError(
                 f"{repo.url}: step {step} already exists; nothing was written. Committed steps are "
                 f"never overwritten: save a new step (checkpoint_id={repo.url.rstrip('/')}/step-M, "
                 "or CkptStoreWriter(url, step=M))"
-            )
-        repo._ensure_config()
-        # GC protocol (docs/gc.md): lease first, then the clock starts, then
-        # the dedup base is chosen; finish() refuses to commit once too old.
-        self._lease = repo._write_lease(self.step)
-        self._t0 = time.perf_counter()
-        base_step = repo.latest() if self.base == "latest" else self.base
+            ) from None
         self._base_step = base_step
         return [
             dataclasses.replace(p, storage_data=_GlobalInfo(rank=i, base_step=base_step))
@@ -248,8 +250,7 @@ class CkptStoreWriter(StorageWriter):
     def _write_items(self, plan: SavePlan, planner: SavePlanner, rank: int, base_step) -> list[WriteResult]:
         repo = self._get_repo()
         repo.config()  # adopt the repository's chunk size (dedup needs the same cut)
-        _, base_refs = repo._dedup_base(base_step)
-        writer = _SaveWriter(repo, base_refs)
+        writer = ChunkWriter(repo, dedup_index(repo, base_step))
         pending = []
         try:
             for item in plan.items:
@@ -292,23 +293,23 @@ class CkptStoreWriter(StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         repo = self._get_repo()
-        man = build_manifest(
-            self.step, metadata, results, base_step=self._base_step, user_metadata=self.user_metadata
-        )
-        packs: dict[str, int] = {}
-        for rank_results in results:
-            for wr in rank_results:
-                if wr.storage_data.packs:
-                    packs.update(wr.storage_data.packs)
-        if man.base_step is not None:
-            repo.manifest(man.base_step)  # cached: pack sizes of reused chunks
-        man = repo._resolve_pack_sizes(man, packs)
+        commit, self._commit = self._commit, None
+        if commit is None:
+            raise CkptStoreError(f"{repo.url}: finish() without prepare_global_plan() on the coordinator")
         try:
-            repo._check_base_age(self.step, self._t0)
-            repo._commit(man)
+            man = build_manifest(
+                self.step, metadata, results, base_step=self._base_step, user_metadata=self.user_metadata
+            )
+            packs: dict[str, int] = {}
+            for rank_results in results:
+                for wr in rank_results:
+                    if wr.storage_data.packs:
+                        packs.update(wr.storage_data.packs)
+            if man.base_step is not None:
+                repo.manifest(man.base_step)  # cached: pack sizes of reused chunks
+            commit.commit(commit.pack_sizes(man, packs))
         finally:
-            repo._drop_lease(self._lease)
-            self._lease = None
+            commit.end()
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -323,7 +324,11 @@ class CkptStoreWriter(StorageWriter):
             self._repo = _open(self.url, storage_options=self.storage_options, **self.options)
         return self._repo
 
-    def _close(self) -> None:
+    def _close(self, drop_lease: bool = True) -> None:
+        if self._commit is not None:  # a save that never reached finish()
+            if drop_lease:
+                self._commit.end()
+            self._commit = None
         if self._repo is not None:
             self._repo.close()
             self._repo = None
@@ -333,8 +338,11 @@ class CkptStoreWriter(StorageWriter):
         self._close()
 
     def __del__(self):
+        # No requests from a finalizer (it may run on any thread, even one
+        # the store's event loop waits on): a lease left behind expires
+        # after the grace period.
         try:
-            self._close()
+            self._close(drop_lease=False)
         except Exception:
             pass
 
@@ -582,7 +590,7 @@ class CkptStoreReader(StorageReader):
 
         def run(job):
             _, entry, shard, local, target = job
-            ckpt._read_shard(entry, shard, local, target)
+            ckpt.read_shard(entry, shard, local, target)
 
         if tensor_jobs:
             with cf.ThreadPoolExecutor(min(self.item_workers, len(tensor_jobs)), thread_name_prefix="ckpt-dcp") as ex:

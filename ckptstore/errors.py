@@ -58,3 +58,11 @@ class MissingDataError(CkptStoreError, FileNotFoundError):
 
 class StaleBaseError(CkptStoreError, RuntimeError):
     """A save ran longer than the GC grace period allows; it did not commit."""
+
+
+class PackVanishedError(ObjectNotFoundError):
+    """A pack this save uploaded is gone before the commit (collected by GC?)."""
+
+
+class MissingStepError(CkptStoreError, LookupError):
+    """A step named for copying is not committed in the source."""

@@ -9,55 +9,21 @@ without a lock, is in ``docs/gc.md``.
 
 from __future__ import annotations
 
-import json
-import math
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from . import codec as _codec
-from . import manifest as _m
 from . import pack as _pack
+from .catalog import Catalog
 from .errors import FormatError, ObjectExistsError, ObjectNotFoundError, StepNotFoundError
-from .manifest import Manifest
-from .repository import (
-    LEASE_PREFIX,
-    PACK_PREFIX,
-    RELOCATION_FORMAT,
-    RELOCATION_PREFIX,
-    TOMBSTONE_FORMAT,
-    TOMBSTONE_PREFIX,
-    RelocationTables,
-    Repository,
-    pack_key,
-    parse_relocation,
-    relocation_key,
-    safety_margin,
-)
-from .storage.base import MultipartInfo, ParallelUploader
+from .layout import PACK_PREFIX, pack_key, parse_relocation, relocation_key, relocation_record, safety_margin
+from .manifest import ChunkRef, Manifest
+from .packs import PackWriter
+from .relocations import RelocationView
+from .storage.base import MultipartInfo
+from .units import human_bytes, parse_duration
 
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
-
-
-def parse_duration(text: str | float | int | None) -> float | None:
-    """``"90s"``, ``"15m"``, ``"2h"``, ``"7d"``, ``"1w"`` or a number of seconds."""
-    if text is None:
-        return None
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
-        if text < 0:
-            raise ValueError(f"duration must not be negative: {text}")
-        return float(text)
-    t = str(text).strip().lower()
-    try:
-        if t and t[-1] in _UNITS:
-            value = float(t[:-1]) * _UNITS[t[-1]]
-        else:
-            value = float(t)
-    except ValueError:
-        raise ValueError(f"invalid duration {text!r}; use e.g. 90s, 15m, 2h, 7d") from None
-    if value < 0 or not math.isfinite(value):
-        raise ValueError(f"invalid duration {text!r}")
-    return value
+__all__ = ["RetentionPolicy", "select_steps", "plan_gc", "GCPlan", "GCResult", "PackUse", "space_accounting",
+           "parse_duration"]
 
 
 # ====================================================================== retention
@@ -186,8 +152,6 @@ class GCPlan:
         }
 
     def __str__(self) -> str:
-        from .cli._format import human_bytes
-
         lines = [f"GC plan for {self.url} (grace {self.grace:.0f} s)"]
         lines.append(f"  keep {len(self.keep_steps)} step(s): " + ", ".join(
             f"{s} ({'; '.join(r)})" for s, r in sorted(self.keep_steps.items())))
@@ -272,50 +236,25 @@ class _State:
         return self.now - mtime - self.res
 
 
-def _read_manifests(repo: Repository) -> dict[int, Manifest]:
+def _read_manifests(cat: Catalog) -> dict[int, Manifest]:
     out = {}
-    for step in repo.steps():
+    for step in cat.steps():
         try:
-            out[step] = repo.manifest(step)
+            out[step] = cat.manifest(step)
         except StepNotFoundError:
             continue  # deleted meanwhile
     return out
 
 
-def _read_state(repo: Repository, now: float) -> _State:
-    st = repo.store
-    leases = {o.key: o.mtime for o in st.list(LEASE_PREFIX)}
-    tombstones = {}
-    cache = repo.__dict__.setdefault("_tombstone_cache", {})  # tombstones are write-once
-    for o in st.list(TOMBSTONE_PREFIX):
-        if o.key not in cache:
-            cache[o.key] = _read_tombstone(repo, o.key)
-        tombstones[o.key] = (o.mtime, cache[o.key])
-    packs = {}
-    for o in st.list(PACK_PREFIX):
-        name = o.key.rsplit("/", 1)[-1]
-        if name.endswith(".pack") and _m.is_pack_id(name[:-5]):
-            packs[name[:-5]] = (o.size, o.mtime)
-    relocs = set()
-    for o in st.list(RELOCATION_PREFIX):
-        name = o.key.rsplit("/", 1)[-1]
-        if name.endswith(".json") and _m.is_pack_id(name[:-5]):
-            relocs.add(name[:-5])
-    listed_at = time.time()  # manifests are listed last: deletions are timed from here (G3)
-    state = _State(now, _read_manifests(repo), tombstones, leases, packs, relocs, st.mtime_resolution)
+def _read_state(cat: Catalog, now: float) -> _State:
+    leases = cat.leases()
+    tombstones = cat.tombstones()
+    packs = {pid: (o.size, o.mtime) for pid, o in cat.packs().items()}
+    relocs = cat.relocated_packs()
+    listed_at = cat.clock.time()  # manifests are listed last: deletions are timed from here (G3)
+    state = _State(now, _read_manifests(cat), tombstones, leases, packs, relocs, cat.store.mtime_resolution)
     state.listed_at = listed_at
     return state
-
-
-def _read_tombstone(repo: Repository, key: str) -> Manifest | None:
-    try:
-        doc = json.loads(repo.store.get(key))
-        if doc.get("format") != TOMBSTONE_FORMAT:
-            return None
-        _m.check_version(doc.get("version"), key)
-        return _m.from_json(doc["manifest"].encode("utf-8"))
-    except (ObjectNotFoundError, ValueError, KeyError, TypeError, AttributeError):
-        return None
 
 
 def _protecting_tombstones(state: _State, grace: float) -> list[Manifest]:
@@ -339,26 +278,25 @@ def _protecting_tombstones(state: _State, grace: float) -> list[Manifest]:
     return out
 
 
-def _referenced(repo: Repository, manifests: Iterable[Manifest], existing: dict[str, Any], relocs: set[str]):
+def _referenced(view: RelocationView, manifests: Iterable[Manifest], existing: dict[str, Any], relocs: set[str]):
     """Pack ids referenced by these manifests, following relocation records.
 
     Returns ``(packs, chunks)``: referenced pack ids, and per pack the set of
-    ``(offset, stored_len)`` of referenced chunks (for live-byte accounting).
+    ``(offset, stored_len, hash)`` of referenced chunks (for live-byte accounting).
     """
     packs: set[str] = set()
     chunks: dict[str, set[tuple[int, int, str]]] = {}
-    tables = RelocationTables(repo)
     for m in manifests:
         for c in m.chunk_refs():
             # Every hop's pack holds the chunk until the next one exists.
-            for r in tables.chain(c, existing, relocs):
+            for r in view.chain(c, existing, relocs):
                 packs.add(r.pack)
                 chunks.setdefault(r.pack, set()).add((r.offset, r.stored_len, r.hash))
     return packs, chunks
 
 
 def plan_gc(
-    repo: Repository,
+    cat: Catalog,
     keep_last: int | None = None,
     keep_every: int | None = None,
     keep_within: str | float | None = None,
@@ -383,8 +321,11 @@ def plan_gc(
     repack:
         Rewrite the live chunks of partly used packs when dead bytes in such
         packs exceed ``repack_threshold`` of the stored bytes.
+    now:
+        The planning time (default: the repository's clock).
     """
-    now = time.time() if now is None else now
+    repo = cat
+    now = cat.clock.time() if now is None else now
     repo_grace = repo.grace()
     g = repo_grace if grace is None else parse_duration(grace)
     if g < repo_grace:
@@ -417,8 +358,9 @@ def plan_gc(
     # Steps deleted by this run will be tombstoned; while live leases exist
     # their packs stay protected (execute re-checks).
     pending = [state.manifests[s] for s in delete] if live_leases else []
-    live_refs, live_chunks = _referenced(repo, kept_manifests, state.packs, state.relocations)
-    prot_refs, _ = _referenced(repo, tomb_manifests + pending, state.packs, state.relocations)
+    view = repo.relocations.view()
+    live_refs, live_chunks = _referenced(view, kept_manifests, state.packs, state.relocations)
+    prot_refs, _ = _referenced(view, tomb_manifests + pending, state.packs, state.relocations)
 
     delete_packs, young, protected = [], [], []
     for pid, (size, mtime) in sorted(state.packs.items()):
@@ -509,14 +451,15 @@ def _overhead(nchunks: int) -> int:
 
 
 # ====================================================================== execute
-def _execute(plan: GCPlan, repo: Repository, progress) -> GCResult:
+def _execute(plan: GCPlan, cat: Catalog, progress) -> GCResult:
     res = GCResult()
-    store = repo.store
+    store = cat.store
+    clock = cat.clock
     g = plan.grace
 
     # 1. Steps: re-check tags and the newest step, tombstone, then delete.
-    tags = set(repo.tags().values())
-    latest = repo.latest()
+    tags = set(cat.tags().values())
+    latest = cat.latest()
     for i, step in enumerate(plan.delete_steps):
         if step in tags:
             res.skipped_steps.append((step, "tagged since planning"))
@@ -525,31 +468,32 @@ def _execute(plan: GCPlan, repo: Repository, progress) -> GCResult:
             res.skipped_steps.append((step, "newest step"))
             continue
         try:
-            repo.delete(step)
+            cat.delete(step)
             res.deleted_steps.append(step)
         except StepNotFoundError:
             res.skipped_steps.append((step, "already gone"))
         progress("steps", i + 1, len(plan.delete_steps))
 
     # 2. Repack partly used packs: copy live chunks, record relocations.
-    relocated: dict[str, dict[str, list]] = {}
+    relocated: dict[str, dict[str, ChunkRef]] = {}
     if plan.repack:
-        relocated = _repack(repo, plan, res, progress)
+        relocated = _repack(cat, plan, res, progress)
 
     # 3. Re-read everything just before deleting packs, and again whenever
     #    half the safety margin has passed: a deletion must follow the
     #    listing that cleared it by less than the margin (docs/gc.md, G3).
     def reread():
-        st = _read_state(repo, time.time())
-        live, chunks = _referenced(repo, st.manifests.values(), st.packs, st.relocations)
-        prot, _ = _referenced(repo, _protecting_tombstones(st, g), st.packs, st.relocations)
-        return st, live, chunks, prot
+        st = _read_state(cat, clock.time())
+        view = cat.relocations.view()
+        live, chunks = _referenced(view, st.manifests.values(), st.packs, st.relocations)
+        prot, pchunks = _referenced(view, _protecting_tombstones(st, g), st.packs, st.relocations)
+        return st, live, chunks, prot, pchunks
 
-    state, live_refs, live_chunks, prot_refs = reread()
+    state, live_refs, live_chunks, prot_refs, prot_chunks = reread()
     todo = [pid for pid, _ in plan.delete_packs] + list(relocated)
     for i, pid in enumerate(todo):
-        if time.time() - state.listed_at > safety_margin(g) / 2:
-            state, live_refs, live_chunks, prot_refs = reread()
+        if clock.time() - state.listed_at > safety_margin(g) / 2:
+            state, live_refs, live_chunks, prot_refs, prot_chunks = reread()
         info = state.packs.get(pid)
         if info is None:
             res.skipped_packs.append((pid, "already gone"))
@@ -561,9 +505,7 @@ def _execute(plan: GCPlan, repo: Repository, progress) -> GCResult:
         if pid in relocated:
             # Every chunk any manifest (or protecting tombstone) now uses must be relocated.
             needed = {h for _, _, h in live_chunks.get(pid, set())}
-            if pid in prot_refs:
-                _, pchunks = _referenced(repo, _protecting_tombstones(state, g), state.packs, state.relocations)
-                needed |= {h for _, _, h in pchunks.get(pid, set())}
+            needed |= {h for _, _, h in prot_chunks.get(pid, set())}
             if not needed <= set(relocated[pid]):
                 res.skipped_packs.append((pid, "gained references during repack"))
                 continue
@@ -589,9 +531,10 @@ def _execute(plan: GCPlan, repo: Repository, progress) -> GCResult:
         store.delete(key)
     for key in plan.stale_leases:
         store.delete(key)
-    state = _read_state(repo, time.time())
+    state = _read_state(cat, clock.time())
     needed_relocs, _ = _referenced(
-        repo, list(state.manifests.values()) + _protecting_tombstones(state, g), state.packs, state.relocations
+        cat.relocations.view(), list(state.manifests.values()) + _protecting_tombstones(state, g),
+        state.packs, state.relocations,
     )
     for pid in state.relocations:
         if pid not in needed_relocs and pid not in state.packs:
@@ -599,81 +542,52 @@ def _execute(plan: GCPlan, repo: Repository, progress) -> GCResult:
     return res
 
 
-def _repack(repo: Repository, plan: GCPlan, res: GCResult, progress) -> dict[str, dict[str, list]]:
+def _repack(cat: Catalog, plan: GCPlan, res: GCResult, progress) -> dict[str, dict[str, ChunkRef]]:
     """Copy the live chunks of ``plan.repack`` packs into new packs.
 
+    Chunks are read through the repository's chunk fetcher (verified
+    against their hashes) and written, as stored, through the pack writer.
     Returns old pack id -> {hash: new location} for packs whose relocation
     record was written.
     """
-    import uuid
-
-    store = repo.store
-    state = _read_state(repo, time.time())
+    store = cat.store
+    state = _read_state(cat, cat.clock.time())
     manifests = list(state.manifests.values()) + _protecting_tombstones(state, plan.grace)
-    _, live_chunks = _referenced(repo, manifests, state.packs, state.relocations)
-    _, io, _ = repo._pools()
-    out: dict[str, dict[str, list]] = {}
-    o = repo.options
-    new_id = None
-    builder = uploader = None
-    pending: list[tuple[str, str, int, _pack.PackEntry]] = []  # (old pack, hash, new offset...)
-
-    def open_pack():
-        nonlocal new_id, builder, uploader
-        new_id = uuid.uuid4().hex
-        builder = _pack.PackBuilder()
-        uploader = ParallelUploader(store, pack_key(new_id), o.part_size, io, window=4)
-        uploader.write(_pack.header())
-
-    def close_pack():
-        nonlocal builder, uploader
-        if builder is None:
-            return
-        uploader.write(builder.tail())
-        expected = builder.final_size()
-        size = uploader.close()
-        if size != expected or store.head(pack_key(new_id)).size != expected:
-            raise OSError(f"repack: new pack {new_id} has the wrong size")
-        res.new_packs.append(new_id)
-        for old, h, e in list(pending):
-            out.setdefault(old, {})[h] = [new_id, e.offset, e.stored_len, e.raw_len, e.codec]
-        pending.clear()
-        builder = uploader = None
-
+    _, live_chunks = _referenced(cat.relocations.view(), manifests, state.packs, state.relocations)
+    writer = PackWriter(store, cat.runtime, cat.options, window=4)
+    moved: dict[str, dict[str, ChunkRef]] = {}
     try:
         for i, use in enumerate(plan.repack):
             chunks = sorted(live_chunks.get(use.pack, set()))
             if not chunks:
                 continue
             entries = {e.hash: e for e in _pack.read_table(store, pack_key(use.pack))}
-            ranges = [(off, off + sl) for off, sl, _ in chunks]
-            datas = store.get_ranges(pack_key(use.pack), ranges)
-            for (off, sl, h), data in zip(chunks, datas):
+            refs = []
+            for off, sl, h in chunks:
                 e = entries.get(h)
-                if e is None or e.offset != off:
+                if e is None or e.offset != off or e.stored_len != sl:
                     raise FormatError(f"repack: pack {use.pack} has no chunk {h[:16]} at {off}")
-                raw = _codec.decode(e.codec, data, e.raw_len)
-                if _codec.hash_bytes(raw) != h:
-                    raise FormatError(f"repack: chunk {h[:16]} in pack {use.pack} at {off} is corrupted")
-                if builder is None:
-                    open_pack()
-                ne = builder.add(h, e.codec, len(data), e.raw_len)
-                uploader.write(data)
-                pending.append((use.pack, h, ne))
-                if builder.size >= o.pack_size:
-                    close_pack()
+                refs.append(ChunkRef(h, use.pack, off, sl, e.raw_len, e.codec))
+            stored: list = [None] * len(refs)
+
+            def keep(k: int, raw, data) -> None:
+                stored[k] = bytes(data)
+
+            cat.fetcher.fetch(refs, keep, lambda k, p=use.pack: f"{cat.url}: repack of pack {p}: ")
+            for r, data in zip(refs, stored):
+                moved.setdefault(use.pack, {})[r.hash] = writer.add(r.hash, r.codec, [data], r.raw_len)
             progress("repack", i + 1, len(plan.repack))
-        close_pack()
+        res.new_packs.extend(writer.finish())
     except BaseException:
-        if uploader is not None:
-            uploader.abort()
+        writer.abort()
         raise
     # Relocation records are written only once every new pack is complete;
     # like packs and manifests they are written once.
-    for old, table in out.items():
-        doc = {"format": RELOCATION_FORMAT, "version": list(_m.VERSION), "pack": old, "chunks": table}
+    out: dict[str, dict[str, ChunkRef]] = {}
+    for old, table in moved.items():
         try:
-            store.put_if_absent(relocation_key(old), json.dumps(doc).encode())
+            store.put_if_absent(relocation_key(old), relocation_record(old, table))
+            out[old] = table
         except ObjectExistsError:
             # An earlier, interrupted repack already moved this pack: its
             # record stands; the copies just made are unreferenced and go
@@ -681,16 +595,16 @@ def _repack(repo: Repository, plan: GCPlan, res: GCResult, progress) -> dict[str
             prev = parse_relocation(store.get(relocation_key(old)), old)
             if not set(table) <= set(prev):
                 raise FormatError(f"repack: relocation record of pack {old} exists and lacks chunks") from None
-            out[old] = {h: [c.pack, c.offset, c.stored_len, c.raw_len, c.codec] for h, c in prev.items()}
+            out[old] = prev
         res.repacked_packs.append(old)
     return out
 
 
-def space_accounting(repo: Repository) -> dict:
+def space_accounting(repo: Catalog) -> dict:
     """Bytes stored, referenced by committed steps, dead inside partly used packs; ratios."""
-    state = _read_state(repo, time.time())
+    state = _read_state(repo, repo.clock.time())
     manifests = list(state.manifests.values())
-    refs, chunks = _referenced(repo, manifests, state.packs, state.relocations)
+    refs, chunks = _referenced(repo.relocations.view(), manifests, state.packs, state.relocations)
     stored = sum(s for s, _ in state.packs.values())
     referenced = 0
     partial_packs = partial_dead = unreferenced = 0

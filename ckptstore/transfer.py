@@ -28,21 +28,16 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from . import codec as _codec
 from . import manifest as _m
-from . import pack as _pack
-from . import planner as _plan
-from .errors import CkptStoreError, FormatError, IntegrityError, MissingDataError, ObjectNotFoundError, StorageError
+from .catalog import Catalog
+from .errors import CkptStoreError, FormatError, IntegrityError, MissingStepError
+from .layout import check_step
 from .manifest import ChunkRef, Manifest, Shard, TensorEntry
-from .repository import (
-    MAX_RELOCATION_HOPS,
-    PACK_PREFIX,
-    Repository,
-    _check_step,
-    pack_key,
-)
-from .storage.base import ParallelUploader
+from .packs import PackWriter
+from .reader import load_step, open_checkpoint
+from .save import StepCommit, flatten_for_save, save_step
 from .tree import leaf_values, tree_keys, unflatten
+from .verify import verify
 
 MiB = 1 << 20
 #: safetensors metadata key holding the step's non-tensor values (JSON).
@@ -73,7 +68,7 @@ def _safetensors_dtypes() -> dict[torch.dtype, str]:
 
 
 def export_safetensors(
-    repo: Repository,
+    repo: Catalog,
     step: int,
     out_path: str | os.PathLike,
     keys_glob: str | Sequence[str] | None = None,
@@ -108,7 +103,7 @@ def export_safetensors(
     Returns ``{"path", "tensors", "bytes"}``.
     """
     progress = progress or _noop
-    ckpt = repo.checkpoint(step)
+    ckpt = open_checkpoint(repo, step)
     man = ckpt.manifest
     keys = all_keys = ckpt.keys()
     if keys_glob is not None:
@@ -194,7 +189,7 @@ def _row_blocks(e: TensorEntry):
 
 
 # ==================================================================== DCP export
-def export_dcp(repo: Repository, step: int, out_dir: str | os.PathLike) -> dict:
+def export_dcp(repo: Catalog, step: int, out_dir: str | os.PathLike) -> dict:
     """Write one step as a ``torch.distributed.checkpoint`` directory.
 
     The step is loaded into memory (``repo.load``: full tensors assembled
@@ -208,7 +203,7 @@ def export_dcp(repo: Repository, step: int, out_dir: str | os.PathLike) -> dict:
     """
     import torch.distributed.checkpoint as dcp
 
-    sd = repo.load(step)
+    sd = load_step(repo, step)
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise FileExistsError(f"{out_dir} exists and is not empty")
@@ -254,7 +249,7 @@ def read_file(path: str | os.PathLike, format: str | None = None) -> tuple[dict,
 
 
 def import_file(
-    repo: Repository,
+    repo: Catalog,
     path: str | os.PathLike,
     step: int,
     format: str | None = None,
@@ -290,7 +285,8 @@ def import_file(
     meta = dict(file_meta)
     if metadata:
         meta.update(metadata)
-    return repo.save(sd, step=step, metadata=meta, base=base)
+    tree, tensors, step, meta = flatten_for_save(sd, step, meta)
+    return save_step(repo, tree, tensors, step, meta, base)
 
 
 def _read_safetensors(path) -> tuple[dict, dict]:
@@ -421,13 +417,9 @@ class CopyResult:
         }
 
 
-def _dst_index(dst: Repository) -> tuple[dict[str, ChunkRef], dict[str, int]]:
+def _dst_index(dst: Catalog) -> tuple[dict[str, ChunkRef], dict[str, int]]:
     """Chunks of every committed destination manifest whose pack exists, by hash; pack sizes."""
-    sizes = {}
-    for info in dst.store.list(PACK_PREFIX):
-        name = info.key.rsplit("/", 1)[-1]
-        if name.endswith(".pack") and _m.is_pack_id(name[:-5]):
-            sizes[name[:-5]] = info.size
+    sizes = {pid: o.size for pid, o in dst.packs().items()}
     index: dict[str, ChunkRef] = {}
     for s in dst.steps():
         try:
@@ -440,100 +432,9 @@ def _dst_index(dst: Repository) -> tuple[dict[str, ChunkRef], dict[str, int]]:
     return index, sizes
 
 
-def _fetch_stored(src: Repository, step: int, refs: Sequence[ChunkRef], hops: int = 0) -> list[bytes]:
-    """Stored bytes of each chunk, each decoded and checked against its hash (order kept)."""
-    out: list = [None] * len(refs)
-    if not refs:
-        return out
-    o = src.options
-    reqs = _plan.coalesce([(r.pack, r.offset, r.offset + r.stored_len) for r in refs], o.coalesce_gap, o.max_request)
-    cpu, io, _ = src._pools()
-
-    def check(r: ChunkRef, stored: bytes) -> None:
-        where = f"{src.url}: step {step}: chunk {r.hash[:16]} in pack {r.pack} at offset {r.offset}"
-        _codec.decode_verified(r.codec, stored, r.raw_len, r.hash, where)
-
-    def run(req):
-        try:
-            (data,) = src.store.get_ranges(pack_key(req.pack), [(req.start, req.end)])
-        except ObjectNotFoundError:
-            return req, None
-        except ValueError as ex:
-            raise IntegrityError(f"{src.url}: step {step}: pack {req.pack} is shorter than the manifest says: {ex}") from None
-        if len(data) != req.end - req.start:
-            raise IntegrityError(f"{src.url}: step {step}: pack {req.pack}: short read at {req.start}")
-        mv = memoryview(data)
-        for i in req.items:
-            r = refs[i]
-            piece = bytes(mv[r.offset - req.start : r.offset - req.start + r.stored_len])
-            check(r, piece)
-            out[i] = piece
-        return req, True
-
-    moved: list[int] = []
-    for req, ok in io.map(run, reqs):
-        if ok is None:
-            moved.append(req)
-    for req in moved:  # a repacked pack: follow its relocation record
-        table = src._relocation(req.pack) if hops < MAX_RELOCATION_HOPS else None
-        new = [table.get(refs[i].hash) if table else None for i in req.items]
-        if any(n is None for n in new):
-            r0 = refs[req.items[0]]
-            raise MissingDataError(
-                f"{src.url}: step {step}: pack {req.pack} is missing (needed at offset {r0.offset}) and no "
-                "relocation record names its chunks"
-            )
-        for i, data in zip(req.items, _fetch_stored(src, step, new, hops + 1)):
-            out[i] = data
-    return out
-
-
-class _PackSink:
-    """Appends stored chunks to new destination packs (as gc's repack does)."""
-
-    def __init__(self, dst: Repository):
-        self.dst = dst
-        self.o = dst.options
-        _, self.io, _ = dst._pools()
-        self.pid = self.builder = self.up = None
-        self.sealed: dict[str, int] = {}
-
-    def add(self, ref: ChunkRef, stored: bytes) -> ChunkRef:
-        if self.builder is None:
-            self.pid = uuid.uuid4().hex
-            self.builder = _pack.PackBuilder()
-            self.up = ParallelUploader(self.dst.store, pack_key(self.pid), self.o.part_size, self.io, window=4)
-            self.up.write(_pack.header())
-        e = self.builder.add(ref.hash, ref.codec, len(stored), ref.raw_len)
-        self.up.write(stored)
-        new = ChunkRef(ref.hash, self.pid, e.offset, len(stored), ref.raw_len, ref.codec)
-        if self.builder.size >= self.o.pack_size:
-            self.seal()
-        return new
-
-    def seal(self) -> None:
-        if self.builder is None:
-            return
-        self.up.write(self.builder.tail())
-        expected = self.builder.final_size()
-        size = self.up.close()
-        pid = self.pid
-        self.builder = self.up = self.pid = None
-        # Invariant 3: complete, and the size we wrote, before any manifest names it.
-        got = self.dst.store.head(pack_key(pid)).size
-        if size != expected or got != expected:
-            raise StorageError(f"{self.dst.url}/{pack_key(pid)}: stored size {got}, expected {expected}")
-        self.sealed[pid] = expected
-
-    def abort(self) -> None:
-        if self.up is not None:
-            self.up.abort()
-            self.builder = self.up = self.pid = None
-
-
 def copy(
-    src: Repository,
-    dst: Repository,
+    src: Catalog,
+    dst: Catalog,
     steps: Iterable[int] | None = None,
     progress: Progress | None = None,
     verify_data: bool = False,
@@ -544,21 +445,19 @@ def copy(
     Chunk matching is by content hash: a chunk referenced by any committed
     destination manifest (and whose pack exists with the recorded size) is
     referenced again, not copied; so is a chunk this copy already wrote.
-    Missing chunks are read from the source as stored (range reads,
-    coalesced per pack, following relocation records of repacked packs),
-    decoded and checked against their hash, and written with their stored
-    bytes unchanged (no recompression) to new destination packs. Each
-    step's manifest is then committed with an exclusive create, with the
-    source's tensors, tree, metadata, DCP section and creation time, and
-    chunk locations in the destination.
+    Missing chunks are read from the source as stored (range reads through
+    the source's chunk fetcher: coalesced per pack, following relocation
+    records of repacked packs), decoded and checked against their hash, and
+    written with their stored bytes unchanged (no recompression) to new
+    destination packs. Each step is then committed with the commit protocol
+    every writer follows (:class:`~ckptstore.save.StepCommit`: lease, base-age
+    check, exclusive create), with the source's tensors, tree, metadata, DCP
+    section and creation time, and chunk locations in the destination.
 
     A step the destination already has is skipped with a note saying
-    whether its content is identical. A lease is held in the destination
-    while a step is copied and the commit is refused if the chunks it
-    reuses may have been collected by GC meanwhile (as ``save`` does).
-    After each commit the step is verified in the destination
-    (``dst.verify(step)``: manifest and packs; with ``verify_data`` every
-    chunk is read back and hashed too); a problem raises
+    whether its content is identical. After each commit the step is
+    verified in the destination (manifest and packs; with ``verify_data``
+    every chunk is read back and hashed too); a problem raises
     :class:`IntegrityError`.
 
     ``progress("copy bytes", done, total)`` counts stored bytes copied.
@@ -570,7 +469,7 @@ def copy(
     if steps is None:
         todo = src_steps
     else:
-        todo = sorted({_check_step(s) for s in steps})
+        todo = sorted({check_step(s) for s in steps})
         have = set(src_steps)
         missing = [s for s in todo if s not in have]
         if missing:
@@ -579,10 +478,8 @@ def copy(
     if not dst.config() and src_cfg:
         # A new destination inherits the source's write defaults, so later
         # saves into it cut chunks the same way and dedup against the copies.
-        for name in ("chunk_size", "pack_size", "codec", "level", "grace"):
-            if name in src_cfg and name not in dst._explicit:
-                setattr(dst.options, name, src_cfg[name])
-    dst._ensure_config()
+        dst.adopt_defaults(src_cfg)
+    dst.ensure_config()
     dst_steps = set(dst.steps())
 
     plans = []
@@ -594,6 +491,17 @@ def copy(
             continue
         plans.append(man)
 
+    # The chunks copies reuse are read under a lease held for the whole
+    # copy, and every commit's base-age check counts from that read.
+    outer = dst.write_lease(plans[0].step if plans else 0)
+    try:
+        return _copy_steps(src, dst, plans, res, progress, verify_data, batch_bytes, t0)
+    finally:
+        dst.drop_lease(outer)
+
+
+def _copy_steps(src, dst, plans, res, progress, verify_data, batch_bytes, t0) -> CopyResult:
+    index_read_at = dst.clock.monotonic()
     index, pack_sizes = _dst_index(dst)
     # Total bytes to move (upper bound for progress: chunks not yet in dst).
     seen = set(index)
@@ -608,52 +516,18 @@ def copy(
 
     for man in plans:
         step = man.step
-        lease = dst._write_lease(step)
-        tstep = time.perf_counter()
-        sink = _PackSink(dst)
+        commit = StepCommit(dst, step, base=None)
         try:
-            # Chunks to move, unique, in state-dict order (adjacent in packs).
-            need: list[ChunkRef] = []
-            need_set = set()
-            order = tree_keys(man.tree)
-            in_tree = set(order)
-            order += [k for k in man.tensors if k not in in_tree]  # DCP bytes items
-            for k in order:
-                for s in man.tensors[k].shards:
-                    for c in s.chunks:
-                        if c.hash not in index and c.hash not in need_set:
-                            need_set.add(c.hash)
-                            need.append(c)
-            new_refs: dict[str, ChunkRef] = {}
-            batch: list[ChunkRef] = []
-            bbytes = 0
-
-            def flush():
-                nonlocal done, bbytes
-                datas = _fetch_stored(src, step, batch)
-                for r, data in zip(batch, datas):
-                    new_refs[r.hash] = sink.add(r, data)
-                    res.chunks_copied += 1
-                    res.bytes_copied += len(data)
-                    res.raw_bytes_copied += r.raw_len
-                    done += len(data)
-                progress("copy bytes", done, total)
-                batch.clear()
-                bbytes = 0
-
-            for c in need:
-                batch.append(c)
-                bbytes += c.stored_len
-                if bbytes >= batch_bytes:
-                    flush()
-            if batch:
-                flush()
-            sink.seal()
-        except BaseException:
-            sink.abort()
-            dst._drop_lease(lease)
-            raise
-        try:
+            commit.begin(base_read_at=index_read_at)
+            writer = PackWriter(dst.store, dst.runtime, dst.options, window=4)
+            try:
+                new_refs = _copy_chunks(src, man, index, writer, batch_bytes, res, lambda n: progress(
+                    "copy bytes", done + n, total))
+                sealed = writer.finish()
+            except BaseException:
+                writer.abort()
+                raise
+            done += sum(r.stored_len for r in new_refs.values())
             tensors = {}
             reused = 0
             for k, e in man.tensors.items():
@@ -668,19 +542,13 @@ def copy(
                         refs.append(r)
                     shards.append(Shard(s.offsets, s.sizes, tuple(refs)))
                 tensors[k] = TensorEntry(e.key, e.dtype, e.shape, tuple(shards))
-            packs = {}
-            for t in tensors.values():
-                for s in t.shards:
-                    for c in s.chunks:
-                        if c.pack not in packs:
-                            packs[c.pack] = sink.sealed[c.pack] if c.pack in sink.sealed else pack_sizes[c.pack]
             res.chunks_reused += reused
             stats = dict(man.stats)
             stats.update(
                 {
                     "new_bytes": sum(r.raw_len for r in new_refs.values()),
                     "stored_bytes": sum(r.stored_len for r in new_refs.values()),
-                    "pack_bytes": sum(sink.sealed.values()),
+                    "pack_bytes": sum(sealed.values()),
                 }
             )
             stats["reused_bytes"] = max(0, stats.get("logical_bytes", 0) - stats["new_bytes"])
@@ -689,22 +557,21 @@ def copy(
                 created=man.created,
                 tensors=tensors,
                 tree=man.tree,
-                packs=packs,
+                packs={c.pack: 0 for t in tensors.values() for s in t.shards for c in s.chunks},
                 metadata=man.metadata,
                 base_step=None,
                 stats=stats,
                 dcp=man.dcp,
             )
+            new_man = commit.pack_sizes(new_man, sealed, known=pack_sizes)
             _m.from_json(_m.to_json(new_man), expect_step=step)  # strict validation before the commit
-            dst._check_base_age(step, tstep)
-            dst._commit(new_man)
+            commit.commit(new_man)
         finally:
-            dst._drop_lease(lease)
-        for h, r in new_refs.items():
-            index[h] = r
-        pack_sizes.update(sink.sealed)
-        res.packs.extend(sink.sealed)
-        report = dst.verify(step=step, read_data=verify_data)
+            commit.end()
+        index.update(new_refs)
+        pack_sizes.update(sealed)
+        res.packs.extend(sealed)
+        report = verify(dst, step=step, read_data=verify_data)
         if not report.ok:
             raise IntegrityError(f"{dst.url}: step {step} was copied but does not verify:\n{report}")
         res.copied.append(step)
@@ -713,8 +580,43 @@ def copy(
     return res
 
 
-class MissingStepError(CkptStoreError, LookupError):
-    """A step named for copying is not committed in the source."""
+def _copy_chunks(src: Catalog, man: Manifest, index, writer: PackWriter, batch_bytes: int, res: CopyResult,
+                 progress) -> dict[str, ChunkRef]:
+    """Copy the chunks of ``man`` that ``index`` lacks, unique, in state-dict order."""
+    need: list[ChunkRef] = []
+    need_set = set()
+    order = tree_keys(man.tree)
+    in_tree = set(order)
+    order += [k for k in man.tensors if k not in in_tree]  # DCP bytes items
+    for k in order:
+        for s in man.tensors[k].shards:
+            for c in s.chunks:
+                if c.hash not in index and c.hash not in need_set:
+                    need_set.add(c.hash)
+                    need.append(c)
+    new_refs: dict[str, ChunkRef] = {}
+    moved = 0
+    where = f"{src.url}: step {man.step}: "
+    batch: list[ChunkRef] = []
+    for n, c in enumerate(need):
+        batch.append(c)
+        if sum(r.stored_len for r in batch) < batch_bytes and n + 1 < len(need):
+            continue
+        stored: list = [None] * len(batch)
+
+        def keep(i: int, raw, data) -> None:
+            stored[i] = bytes(data)
+
+        src.fetcher.fetch(batch, keep, lambda i: where)
+        for r, data in zip(batch, stored):
+            new_refs[r.hash] = writer.add(r.hash, r.codec, [data], r.raw_len)
+            res.chunks_copied += 1
+            res.bytes_copied += len(data)
+            res.raw_bytes_copied += r.raw_len
+            moved += len(data)
+        progress(moved)
+        batch = []
+    return new_refs
 
 
 def _content_key(man: Manifest):
@@ -726,7 +628,7 @@ def _content_key(man: Manifest):
 
 
 # ==================================================================== diff
-def diff(repo: Repository, step_a: int, step_b: int) -> dict:
+def diff(repo: Catalog, step_a: int, step_b: int) -> dict:
     """Compare two steps from their manifests alone (chunk hashes; no tensor data is read).
 
     Returns ``{"a", "b", "added": [...], "removed": [...], "changed": [...],

@@ -3,20 +3,20 @@
 Checks that every manifest parses, every pack a step references exists with
 the size the manifest recorded (or was moved by a repack whose relocation
 record covers the chunks), and with ``read_data`` that every referenced
-chunk decodes to its hash. Each chunk is read once however many steps share
-it.
+chunk decodes to its hash (through the repository's one chunk fetcher,
+which reports each failed chunk instead of stopping). Each chunk is read
+once however many steps share it.
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
+import threading
 from dataclasses import dataclass, field
 
-from . import codec as _codec
-from . import planner as _plan
-from .errors import CkptStoreError, IntegrityError, ObjectNotFoundError
+from .catalog import Catalog
+from .errors import CkptStoreError
+from .layout import step_of_manifest_key
 from .manifest import ChunkRef
-from .repository import MANIFEST_PREFIX, PACK_PREFIX, RelocationTables, Repository, pack_key
 
 
 @dataclass(frozen=True)
@@ -77,22 +77,23 @@ class VerifyReport:
         return head + f": {len(self.problems)} problem(s)\n" + "\n".join(f"  {p}" for p in self.problems)
 
 
-def verify(repo: Repository, step: int | None = None, read_data: bool = False, progress=None) -> VerifyReport:
+def verify(cat: Catalog, step: int | None = None, read_data: bool = False, progress=None) -> VerifyReport:
+    """Check one step (or every step); see the module docstring."""
     problems: list[Problem] = []
     progress = progress or (lambda what, done, total: None)
     try:
-        repo.config()
+        cat.config()
     except CkptStoreError as e:
         problems.append(Problem("config", str(e)))
 
     if step is None:
         steps = []
-        for info in repo.store.list(MANIFEST_PREFIX):
-            name = info.key[len(MANIFEST_PREFIX):]
-            if name.endswith(".json") and name[:-5].isdigit():
-                steps.append(int(name[:-5]))
-            else:
+        for info in cat.manifest_objects():
+            s = step_of_manifest_key(info.key)
+            if s is None:
                 problems.append(Problem("manifest", f"unexpected object {info.key}"))
+            else:
+                steps.append(s)
     else:
         steps = [step]
     steps.sort()
@@ -100,19 +101,15 @@ def verify(repo: Repository, step: int | None = None, read_data: bool = False, p
     manifests = {}
     for s in steps:
         try:
-            manifests[s] = repo.manifest(s)
+            manifests[s] = cat.manifest(s)
         except CkptStoreError as e:
             problems.append(Problem("manifest", str(e), step=s))
 
-    stored = {}
-    for info in repo.store.list(PACK_PREFIX):
-        name = info.key.rsplit("/", 1)[-1]
-        if name.endswith(".pack"):
-            stored[name[:-5]] = info.size
+    stored = {pid: o.size for pid, o in cat.packs().items()}
 
     # Unique chunks, with the first (step, tensor) that uses each.
-    users: dict[tuple, tuple[int, str]] = {}
-    tables = RelocationTables(repo)
+    users: dict[ChunkRef, tuple[int, str]] = {}
+    relocs = cat.relocations.view()
     packs_seen: set[str] = set()
     for s, m in manifests.items():
         reported: set[str] = set()
@@ -121,7 +118,7 @@ def verify(repo: Repository, step: int | None = None, read_data: bool = False, p
                 for c in shard.chunks:
                     ref = c
                     if c.pack not in stored:
-                        ref = _relocate(tables, c, stored)
+                        ref = relocs.locate(c, stored)
                         if ref is None:
                             if c.pack not in reported:
                                 problems.append(
@@ -138,47 +135,37 @@ def verify(repo: Repository, step: int | None = None, read_data: bool = False, p
                         )
                         reported.add(c.pack)
                     packs_seen.add(ref.pack)
-                    users.setdefault((ref.pack, ref.offset, ref.stored_len, ref.raw_len, ref.codec, ref.hash), (s, key))
+                    users.setdefault(ref, (s, key))
 
     chunks_checked = 0
     if read_data and users:
         items = list(users)
-        reqs = _plan.coalesce([(p, off, off + sl) for p, off, sl, _, _, _ in items], max_gap=1 << 20, max_request=32 << 20)
-        _, io, _ = repo._pools()
+        total = len(items)
+        done = [0]
+        lock = threading.Lock()  # chunks are delivered from several threads
 
-        def check(req: _plan.RangeRequest) -> list[Problem]:
-            out = []
-            try:
-                (data,) = repo.store.get_ranges(pack_key(req.pack), [(req.start, req.end)])
-            except (ObjectNotFoundError, ValueError) as e:
-                s, key = users[items[req.items[0]]]
-                return [Problem("chunk", f"cannot read: {e}", step=s, tensor=key, pack=req.pack, offset=req.start)]
-            for i in req.items:
-                p, off, sl, rl, codec, h = items[i]
-                s, key = users[items[i]]
-                try:
-                    stored = memoryview(data)[off - req.start: off - req.start + sl]
-                    _codec.decode_verified(codec, stored, rl, h, f"chunk {h[:16]}")
-                except IntegrityError as e:
-                    out.append(Problem("chunk", str(e), step=s, tensor=key, pack=p, offset=off))
-            return out
+        def count() -> None:
+            with lock:
+                done[0] += 1
+                progress("chunks", done[0], total)
 
-        futures = [io.submit(check, r) for r in reqs]
-        for n, f in enumerate(cf.as_completed(futures)):
-            problems.extend(f.result())
-            progress("chunks", n + 1, len(futures))
-        chunks_checked = len(items)
+        def deliver(i: int, raw, stored) -> None:
+            count()
+
+        def on_error(i: int, err: Exception) -> None:
+            r = items[i]
+            s, key = users[r]
+            with lock:
+                problems.append(Problem("chunk", str(err), step=s, tensor=key, pack=r.pack, offset=r.offset))
+            count()
+
+        cat.fetcher.fetch(items, deliver, lambda i: "", on_error=on_error)
+        chunks_checked = total
     return VerifyReport(
-        url=repo.url,
+        url=cat.url,
         steps=tuple(steps),
         packs_checked=len(packs_seen),
         chunks_checked=chunks_checked,
         read_data=read_data,
         problems=tuple(sorted(problems, key=lambda p: (p.step if p.step is not None else -1, p.kind, p.tensor or "", p.offset or 0))),
     )
-
-
-def _relocate(tables: RelocationTables, c: ChunkRef, stored: dict) -> ChunkRef | None:
-    """Where the chunk of a missing pack lives now, or None."""
-    last = tables.chain(c, stored)[-1]
-    return last if last.pack in stored else None

@@ -1,7 +1,8 @@
-"""Shared fixtures: a moto S3 server per session, and store URLs per backend."""
+"""Shared fixtures: a moto S3 server and a GCS emulator per session, and store URLs per backend."""
 
 from __future__ import annotations
 
+import os
 import uuid
 from dataclasses import dataclass, field
 
@@ -10,6 +11,8 @@ import pytest
 from ckptstore.testing.moto import MotoServer
 
 S3_BUCKET = "ckpt-test"
+GCS_BUCKET = "ckpt-gcs"
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # before gcsfs is imported
 
 
 @pytest.fixture(scope="session")
@@ -70,12 +73,32 @@ def s3(moto_server):
         env.close()
 
 
-@pytest.fixture(params=["memory", "local", "s3"])
+@pytest.fixture(scope="session")
+def gcs_emulator():
+    """One GCS emulator on a free loopback port for the whole session."""
+    pytest.importorskip("gcsfs")
+    pytest.importorskip("gcp_storage_emulator")
+    from ckptstore.testing.gcs_emulator import GCSEmulator
+
+    with GCSEmulator() as em:
+        yield em
+
+
+@pytest.fixture
+def gcs_env(gcs_emulator):
+    """A wiped emulator with one empty bucket: ``(url, storage_options)`` of ``gs://ckpt-gcs/repo``."""
+    gcs_emulator.reset()
+    gcs_emulator.create_bucket(GCS_BUCKET)
+    return f"gs://{GCS_BUCKET}/repo", gcs_emulator.storage_options()
+
+
+@pytest.fixture(params=["memory", "local", "s3", "gcs"])
 def repo_url(request, tmp_path):
     """``(url, storage_options)`` of an empty repository root on each backend.
 
     memory: a unique ``memory://test-<uuid>`` name (dropped afterwards);
-    local: a plain path under ``tmp_path``; s3: ``s3://ckpt-test/repo`` on moto.
+    local: a plain path under ``tmp_path``; s3: ``s3://ckpt-test/repo`` on
+    moto; gcs: ``gs://ckpt-gcs/repo`` on the GCS emulator.
     """
     if request.param == "memory":
         from ckptstore.storage import MemoryStore
@@ -87,6 +110,8 @@ def repo_url(request, tmp_path):
             MemoryStore.clear(name)
     elif request.param == "local":
         yield str(tmp_path / "repo"), None
+    elif request.param == "gcs":
+        yield request.getfixturevalue("gcs_env")
     else:
         env = request.getfixturevalue("s3")
         yield env.url, env.storage_options

@@ -37,18 +37,36 @@ def all_dtypes() -> list[torch.dtype]:
     return [DTYPES[n] for n in sorted(DTYPES)]
 
 
-def assert_tree_equal(a, b, path="") -> None:
+def _full(t):
+    """A DTensor's full tensor (a collective: every rank must call it); other tensors as they are."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return t
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def assert_tree_equal(a, b, path="", key_order: bool = True) -> None:
+    """``b`` equals ``a`` leaf for leaf, tensors bit for bit (DTensors by their full tensor).
+
+    ``key_order=False`` accepts dicts with the same keys in another order
+    (a state dict rebuilt from a checkpoint's planner paths).
+    """
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor), path
-        assert bits_equal(a, b), f"tensor {path} differs"
+        assert bits_equal(_full(a), _full(b)), f"tensor {path} differs"
     elif isinstance(a, dict):
-        assert isinstance(b, dict) and list(a.keys()) == list(b.keys()), path
+        assert isinstance(b, dict), path
+        if key_order:
+            assert list(a.keys()) == list(b.keys()), path
+        else:
+            assert set(a.keys()) == set(b.keys()), f"{path}: keys {sorted(map(str, set(a) ^ set(b)))} differ"
         for k in a:
-            assert_tree_equal(a[k], b[k], f"{path}.{k}")
+            assert_tree_equal(a[k], b[k], f"{path}.{k}", key_order)
     elif isinstance(a, (list, tuple)):
         assert type(a) is type(b) and len(a) == len(b), path
         for i, (x, y) in enumerate(zip(a, b)):
-            assert_tree_equal(x, y, f"{path}[{i}]")
+            assert_tree_equal(x, y, f"{path}[{i}]", key_order)
     elif isinstance(a, float) and a != a:
         assert b != b, path
     else:

@@ -51,6 +51,24 @@ def test_human_output_and_errors(tmp_path, capsys):
     assert "step 9 is not committed" in err and "Traceback" not in err
 
 
+def test_demo_without_moto_says_what_to_install():
+    # As after a plain `pip install ckptstore`: moto cannot be imported.
+    hide = (
+        "import sys, importlib.abc\n"
+        "class Hide(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'moto' or name.startswith('moto.'):\n"
+        "            raise ModuleNotFoundError(name)\n"
+        "sys.meta_path.insert(0, Hide())\n"
+        "from ckptstore.cli.main import main\n"
+        "sys.exit(main(['demo']))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", hide], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "pip install 'ckptstore[demo]'" in lines[0], r.stderr
+
+
 def test_console_script_demo_runs():
     r = subprocess.run(
         [sys.executable, "-m", "ckptstore.cli.main", "demo", "--steps", "3", "--json"],

@@ -23,7 +23,8 @@ import threading
 import time
 
 import ckptstore
-from ckptstore.repository import PACK_PREFIX
+from ckptstore.clock import ManualClock
+from ckptstore.layout import PACK_PREFIX, pack_id_of_key
 
 from .crash_child import CHILD_OPTS, build_state
 from .helpers import assert_tree_equal
@@ -31,21 +32,18 @@ from .helpers import assert_tree_equal
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "crash_child.py")
 ROOT = os.path.dirname(os.path.dirname(CHILD))
 PHASES = ("pack", "multipart", "commit")
-# Long enough that a ~64 MiB in-process save on moto, on 2 busy cores, ends
-# well within grace - margin (the saver's stale-base deadline).
-GRACE = 3.0
+# GC's time is a ManualClock that the test advances once every saver is
+# dead (the killed children date their objects by the real clock, so the
+# clock must not move while they run). No test sleeps out a grace period,
+# and an in-process save on 2 busy cores never nears the deadline.
+GRACE = 600.0
 KILLS = 4
 BIG = 10**6  # keep_last: GC here reclaims garbage, it deletes no step
 
 
 def _pack_objects(store) -> dict[str, float]:
     """pack id -> mtime of every pack object."""
-    out = {}
-    for o in store.list(PACK_PREFIX):
-        name = o.key.rsplit("/", 1)[-1]
-        if name.endswith(".pack"):
-            out[name[:-5]] = o.mtime
-    return out
+    return {pid: o.mtime for o in store.list(PACK_PREFIX) if (pid := pack_id_of_key(o.key)) is not None}
 
 
 def _referenced(repo) -> set[str]:
@@ -86,7 +84,8 @@ def _crash_rounds(url, so, local: bool, seed: int) -> None:
     # fixed by default (reproducible); CKPTSTORE_CRASH_SEED explores others
     seed = int(os.environ.get("CKPTSTORE_CRASH_SEED", seed))
     rng = random.Random(seed)
-    repo = ckptstore.open(url, storage_options=so, grace=GRACE, **CHILD_OPTS)
+    clock = ManualClock()
+    repo = ckptstore.open(url, storage_options=so, grace=GRACE, clock=clock, **CHILD_OPTS)
     store = repo.store
     expected: dict[int, dict] = {}
     for s in (1, 2):  # committed normally first
@@ -104,7 +103,7 @@ def _crash_rounds(url, so, local: bool, seed: int) -> None:
         before_uploads = {u.upload_id for u in store.list_multipart()}
         child_seed = 1000 * seed + step
         _kill_at(url, so, step, child_seed, phase, rng.uniform(0.0, 0.03), log)
-        t_kill = time.time()
+        t_kill = clock.time()
 
         # GC right now: nothing this saver left may be reclaimed yet
         mtimes = _pack_objects(store)
@@ -161,7 +160,7 @@ def _crash_rounds(url, so, local: bool, seed: int) -> None:
     # dead savers' leases (the local per-kill GC already dropped expired ones)
     assert 1 <= len(leases) <= KILLS, leases
     assert uploads, "the last saver was killed mid-multipart"
-    time.sleep(GRACE + store.mtime_resolution + 0.5)
+    clock.advance(GRACE + store.mtime_resolution + 1.0)
     plan = repo.plan_gc(keep_last=BIG)
     assert not plan.live_leases and sorted(plan.stale_leases) == sorted(leases)
     left = orphans & set(_pack_objects(store))
@@ -200,12 +199,13 @@ def test_local_upload_marker_left_empty_by_a_kill_is_reclaimed(tmp_path):
     # creating the marker file and writing its key (markers are now renamed
     # into place whole); GC reclaims such a marker after the grace period.
     root = tmp_path / "repo"
-    repo = ckptstore.open(str(root), grace=0.5, **CHILD_OPTS)
+    clock = ManualClock()
+    repo = ckptstore.open(str(root), grace=GRACE, clock=clock, **CHILD_OPTS)
     repo.save({"w": build_state(1, mib=1)["model"]["layer.bias"]}, step=1)
     marker = root / ".tmp" / ("ab" * 16 + ".mpu")
     marker.write_bytes(b"")
     assert [u.upload_id for u in repo.store.list_multipart()] == ["ab" * 16]
-    time.sleep(0.5 + repo.store.mtime_resolution + 0.3)
+    clock.advance(GRACE + repo.store.mtime_resolution + 1.0)
     repo.plan_gc(keep_last=BIG).execute()
     assert not repo.store.list_multipart(), "a crashed saver's upload marker outlives GC"
     assert not marker.exists()

@@ -16,7 +16,6 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import ckptstore
 from ckptstore.dcp import CkptStoreReader, CkptStoreWriter, split_checkpoint_id
@@ -89,7 +88,7 @@ def test_sharded_step_loads_into_other_dtypes_across_shards(tmp_path):
         sd = {"bf16": torch.zeros(64, 24, dtype=torch.float16), "f32": torch.zeros(64, 24, dtype=torch.float64)}
         dcp.load(sd, storage_reader=CkptStoreReader(url, step=1))
         assert bits_equal(sd["bf16"], bf16.half()) and bits_equal(sd["f32"], f32.double())
-        repo.checkpoint(1)._read_box(repo.manifest(1).tensors["f32"], ((28, 36, 1), (0, 24, 1)), sub)
+        repo.checkpoint(1).read_box(repo.manifest(1).tensors["f32"], ((28, 36, 1), (0, 24, 1)), sub)
         assert bits_equal(sub, f32[28:36].double())
 
 

@@ -141,8 +141,8 @@ def test_manifest_version_checks():
 
 
 def test_manifest_size_bound(monkeypatch):
-    monkeypatch.setattr(M, "MAX_MANIFEST_BYTES", 100)
     _, doc = _manifest_doc()
+    monkeypatch.setattr(M, "MAX_MANIFEST_BYTES", 100)
     with pytest.raises(FormatError, match="limit"):
         M.from_json(json.dumps(doc).encode())
 

@@ -13,17 +13,27 @@ import torch
 
 import ckptstore
 from ckptstore.cli.main import main
+from ckptstore.clock import ManualClock
 from ckptstore.errors import StaleBaseError, StorageError
 from ckptstore.gc import RetentionPolicy, parse_duration, select_steps
-from ckptstore.repository import Repository, manifest_key, pack_key
+from ckptstore.layout import manifest_key, pack_key
+from ckptstore.repository import Repository
 from ckptstore.storage import open_store
 from ckptstore.storage.memory import MemoryStore
-from ckptstore.storage.wrappers import FaultStore
+from ckptstore.storage.faults import FaultStore
+from ckptstore.testing.clocked import ClockedStore, ClockOffsets
 
 from .helpers import assert_tree_equal
 
 OPTS = dict(chunk_size=64 << 10, pack_size=1 << 20, part_size=5 << 20)
-GRACE = 2.0  # long enough for a save on a loaded CI machine
+# Time passes on a ManualClock that the tests advance: no test sleeps out a
+# grace period, and no save on a slow machine outlives one by accident.
+GRACE = 3600.0
+
+
+def _past_grace(repo) -> float:
+    """Seconds to advance so that everything written so far is older than the grace period."""
+    return GRACE + repo.store.mtime_resolution + 1.0
 
 
 def _listing(store):
@@ -63,10 +73,11 @@ def _train_steps(repo, n=20):
 
 def test_retention_over_20_steps_with_repack(repo_url):
     url, so = repo_url
-    repo = ckptstore.open(url, storage_options=so, grace=GRACE, **OPTS)
+    clock = ManualClock()
+    repo = ckptstore.open(url, storage_options=so, grace=GRACE, clock=clock, **OPTS)
     states = _train_steps(repo)
     repo.tag(7, "best")
-    time.sleep(GRACE + repo.store.mtime_resolution + 0.2)
+    clock.advance(_past_grace(repo))
     before = _listing(repo.store)
     plan = repo.plan_gc(keep_last=3, keep_every=5, keep_steps=[2], repack=True, repack_threshold=0.05)
     assert _listing(repo.store) == before  # planning writes nothing
@@ -107,15 +118,26 @@ def test_gc_keeps_newest_and_tagged_and_rm_refuses_newest(tmp_path, capsys):
     assert ckptstore.open(url).steps() == [1]
 
 
-def test_dry_run_changes_nothing(repo_url, capsys):
+def _cli_options(so: dict | None) -> dict:
+    """The ``-o KEY=VALUE`` options reaching the test server a fixture's storage options name."""
+    if not so:
+        return {}
+    if "client_kwargs" in so:  # s3fs on moto
+        return {"endpoint_url": so["client_kwargs"]["endpoint_url"], "key": so["key"], "secret": so["secret"]}
+    return dict(so)  # gcsfs: endpoint_url, token, project
+
+
+def test_dry_run_changes_nothing(repo_url, capsys, monkeypatch):
     url, so = repo_url
     repo = ckptstore.open(url, storage_options=so, grace=GRACE, **OPTS)
     _train_steps(repo, 6)
-    time.sleep(GRACE + repo.store.mtime_resolution + 0.2)
     before = _listing(repo.store)
+    # the CLI's repositories run on the default clock: move it past the grace period
+    clock = ManualClock(_past_grace(repo))
+    monkeypatch.setattr("ckptstore.catalog.SYSTEM_CLOCK", clock)
     args = ["gc", url, "--keep-last", "1"]
-    if so:
-        args += ["-o", f"endpoint_url={so['client_kwargs']['endpoint_url']}", "-o", "key=testing", "-o", "secret=testing"]
+    for k, v in _cli_options(so).items():
+        args += ["-o", f"{k}={v}"]
     assert main(args + ["--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "delete 5 step(s)" in out and "dry run" in out
@@ -133,11 +155,13 @@ def test_gc_never_touches_objects_outside_its_prefix(s3):
     outside.put("manifests/x.json", b"{}")
     sibling = s3.store(f"s3://{s3.bucket}/repo-old")
     sibling.put("packs/bb/" + "b" * 32 + ".pack", b"sibling with a shared name prefix")
-    repo = ckptstore.open(s3.url, storage_options=s3.storage_options, grace=GRACE, **OPTS)
+    clock = ManualClock()
+    repo = ckptstore.open(s3.url, storage_options=s3.storage_options, grace=GRACE, clock=clock, **OPTS)
     for s in (1, 2, 3):
         repo.save({"w": torch.randn(50_000)}, step=s)
-    time.sleep(GRACE + repo.store.mtime_resolution + 0.2)
-    repo.plan_gc(keep_last=1).execute()
+    clock.advance(_past_grace(repo))
+    result = repo.plan_gc(keep_last=1).execute()
+    assert result.deleted_steps == [1, 2] and result.deleted_packs
     assert [o.key for o in outside.list()] == ["manifests/x.json", "packs/aa/" + "a" * 32 + ".pack"]
     assert len(list(sibling.list())) == 1
     repo.close()
@@ -145,8 +169,9 @@ def test_gc_never_touches_objects_outside_its_prefix(s3):
 
 # ------------------------------------------------------------------ crashed savers
 def test_crashed_saver_leftovers_reclaimed_only_after_grace(tmp_path):
+    clock = ManualClock()
     store = FaultStore(open_store(str(tmp_path / "repo")))
-    repo = Repository(store, grace=GRACE, **OPTS)
+    repo = Repository(store, grace=GRACE, clock=clock, **OPTS)
     repo.save({"w": torch.randn(50_000)}, step=1)
     # a saver "crashes" before its manifest: packs uploaded, no step
     store.add_rule("put_if_absent", "manifests/*", lambda op, k: StorageError("killed"), count=1)
@@ -166,7 +191,7 @@ def test_crashed_saver_leftovers_reclaimed_only_after_grace(tmp_path):
     assert orphan_packs <= {o.key for o in store.list("packs/")}
     assert store.list_multipart()
 
-    time.sleep(GRACE + repo.store.mtime_resolution + 0.3)
+    clock.advance(_past_grace(repo))
     plan = repo.plan_gc()
     assert {pack_key(p) for p, _ in plan.delete_packs} == orphan_packs
     assert len(plan.abort_uploads) == 1 and len(plan.stale_leases) == 1
@@ -178,31 +203,44 @@ def test_crashed_saver_leftovers_reclaimed_only_after_grace(tmp_path):
 
 
 def test_slow_saver_refuses_to_commit():
+    clock = ManualClock()
     store = FaultStore(MemoryStore())
-    repo = Repository(store, grace=GRACE, **OPTS)
+    repo = Repository(store, grace=GRACE, clock=clock, **OPTS)
     repo.save({"w": torch.randn(50_000)}, step=1)
-    store.add_rule("head", "packs/*", lambda op, k: time.sleep(GRACE), count=1)
+    # the save stalls for a grace period between its uploads and its commit
+    store.add_rule("head", "packs/*", lambda op, k: clock.advance(GRACE), count=1)
     with pytest.raises(StaleBaseError, match="grace period"):
         repo.save({"w": torch.randn(50_000)}, step=2)
     assert repo.steps() == [1]
 
 
 # ------------------------------------------------------------------ GC racing savers
-def _race(url, so, rounds, seed, grace=0.3):
+def _let_pass(clock: ManualClock, seconds: float, slices: int = 10) -> None:
+    """Let ``seconds`` pass on the clock in slices, yielding to other threads between them."""
+    for _ in range(slices):
+        clock.advance(seconds / slices)
+        time.sleep(0.002)  # a scheduling point for the racing thread, not a wait
+
+
+def _race(url, so, rounds, seed, grace=60.0):
     """A saver deduplicates against an older step while GC deletes that step.
 
     Each round commits step P holding a tensor ``u`` only P has, then a newer
-    step E without it, waits until P's packs are older than the grace
-    period, then races a save of step R = {u, x} with ``base=P`` (so R reuses
-    P's packs) against GC (keep only the newest step) run twice, a grace
-    period apart. Some saves are slowed past the grace period. Allowed
+    step E without it, lets P's packs age past the grace period, then races
+    a save of step R = {u, x} with ``base=P`` (so R reuses P's packs)
+    against GC (keep only the newest step) run three times, time passing
+    between the runs. Some saves stall past the grace period. Allowed
     outcomes: R commits and loads, or R refuses with StaleBaseError. Never
-    a committed step with a missing chunk.
+    a committed step with a missing chunk. Time is a shared ManualClock:
+    both threads see it move, whatever the machine's speed.
     """
+    seed = int(os.environ.get("CKPTSTORE_RACE_SEED", seed))
     rng = random.Random(seed)
-    fault = FaultStore(open_store(url, so))
-    saver = Repository(fault, grace=grace, **OPTS)
-    gc_repo = ckptstore.open(url, storage_options=so, **OPTS)
+    clock = ManualClock()
+    offsets = ClockOffsets()  # objects are dated by the clock they were written at
+    fault = FaultStore(ClockedStore(open_store(url, so), clock, offsets))
+    saver = Repository(fault, grace=grace, clock=clock, **OPTS)
+    gc_repo = Repository(ClockedStore(open_store(url, so), clock, offsets), clock=clock, **OPTS)
     expected: dict[int, dict] = {}
     outcomes = {"committed": 0, "refused": 0}
     unexpected: list[BaseException] = []
@@ -213,11 +251,11 @@ def _race(url, so, rounds, seed, grace=0.3):
         step = r
         saver.save({"u": u}, step=p, base=None)
         saver.save({"e": torch.randn(1000)}, step=e, base=None)
-        time.sleep(grace + fault.mtime_resolution + 0.05)  # P's packs are now "old" to GC
+        clock.advance(grace + fault.mtime_resolution + 1.0)  # P's packs are now "old" to GC
         sd = {"u": u, "x": torch.randn(1000)}
-        delay = rng.choice([0.0, 0.05, grace / 2, grace * 3])  # the last must refuse
+        delay = rng.choice([0.0, 3.0, grace / 2, grace * 3])  # the last must refuse
         fault.rules.clear()
-        fault.add_rule("head", "packs/*", lambda op, k, d=delay: time.sleep(d), count=1)
+        fault.add_rule("head", "packs/*", lambda op, k, d=delay: _let_pass(clock, d), count=1)
         err = []
 
         def save():
@@ -233,36 +271,39 @@ def _race(url, so, rounds, seed, grace=0.3):
             # run 1 deletes P (leaving a tombstone), run 2 comes while the
             # tombstone is young, run 3 after it expired.
             time.sleep(rng.random() * 0.05)
-            for pause in (grace / 3, grace + fault.mtime_resolution + 0.05, 0):
+            for pause in (grace / 3, grace + fault.mtime_resolution + 1.0, 0):
                 gc_repo.plan_gc(keep_last=1, keep_tags=False).execute()
-                time.sleep(pause)
+                _let_pass(clock, pause)
 
         t1, t2 = threading.Thread(target=save), threading.Thread(target=gc)
         t1.start(), t2.start()
         t1.join(), t2.join()
         if unexpected:
-            raise unexpected[0]
+            raise AssertionError(f"seed {seed}, round {r}: {unexpected[0]!r}") from unexpected[0]
         outcomes["refused" if err else "committed"] += 1
+        if delay > grace:
+            assert err, f"seed {seed}, round {r}: a save stalled {delay:.0f} s past a {grace:.0f} s grace committed"
         if os.environ.get("RACE_DEBUG"):
             print("round", r, "delay", delay, "refused" if err else "committed", fault.triggered[-1:])
         for s in gc_repo.steps():  # every committed step that exists loads bit-exact
             out = gc_repo.load(s)
             if s in expected:
-                assert torch.equal(out["u"], expected[s]["u"]) and torch.equal(out["x"], expected[s]["x"])
+                assert torch.equal(out["u"], expected[s]["u"]) and torch.equal(out["x"], expected[s]["x"]), (
+                    f"seed {seed}: step {s} does not load bit-exact")
     rep = gc_repo.verify(read_data=True)
-    assert rep.ok, str(rep)
-    assert outcomes["committed"] > 0
+    assert rep.ok, f"seed {seed}: {rep}"
+    assert outcomes["committed"] > 0, f"seed {seed}: {outcomes}"
     saver.close()
     gc_repo.close()
     return outcomes
 
 
 def test_gc_racing_savers_local(tmp_path):
-    _race(str(tmp_path / "repo"), None, rounds=20, seed=1, grace=0.5)
+    _race(str(tmp_path / "repo"), None, rounds=20, seed=1)
 
 
 def test_gc_racing_savers_s3(s3):
-    _race(s3.url, s3.storage_options, rounds=6, seed=2, grace=1.0)
+    _race(s3.url, s3.storage_options, rounds=6, seed=2)
 
 
 # ------------------------------------------------------------------ verify

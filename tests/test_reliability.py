@@ -26,7 +26,8 @@ from ckptstore.errors import (
     StorageError,
     TransientStorageError,
 )
-from ckptstore.repository import Repository, manifest_key, parse_relocation
+from ckptstore.layout import manifest_key, parse_relocation
+from ckptstore.repository import Repository
 from ckptstore.storage.faults import FaultStore, permanent, transient
 from ckptstore.storage.memory import MemoryStore
 from ckptstore.storage.retry import RetryPolicy, RetryStore

@@ -18,9 +18,11 @@ from ckptstore.errors import (
     StorageError,
     UnsupportedVersionError,
 )
-from ckptstore.repository import Repository, manifest_key, pack_key
+from ckptstore.layout import manifest_key, pack_key
+from ckptstore.repository import Repository
 from ckptstore.storage.memory import MemoryStore
-from ckptstore.storage.wrappers import CountingStore, FaultStore
+from ckptstore.storage.faults import FaultStore
+from ckptstore.storage.wrappers import CountingStore
 
 from .helpers import SMALL, all_dtypes, assert_tree_equal, random_tensor
 
@@ -402,7 +404,7 @@ def test_manifest_naming_a_bigger_pack_than_stored():
 def test_moved_chunks_are_found_through_relocation_records():
     """A repack (GC) may move chunks; committed manifests keep resolving."""
     from ckptstore import pack as P
-    from ckptstore.repository import relocation_key
+    from ckptstore.layout import relocation_key
 
     store, repo = _corrupt_setup()
     expected = repo.load(1)
@@ -465,14 +467,14 @@ def test_async_saves_reuse_staging_buffers_safely():
         out = repo.load(step)
         assert torch.equal(out["w"], snap) and torch.equal(out["b"], torch.full((10,), float(step)))
     # once the last async save is done, the next one copies into the same buffers
-    first = repo._staging["w"].data_ptr()
+    first = repo._async.staging["w"].data_ptr()
     repo.save({"w": w, "b": torch.zeros(10)}, step=9, blocking=False).result(timeout=60)
-    assert repo._staging["w"].data_ptr() == first
+    assert repo._async.staging["w"].data_ptr() == first
     assert torch.equal(repo.load(9)["w"], w)
 
 
 def test_local_stores_get_few_io_threads_and_small_requests_unless_asked(tmp_path):
-    from ckptstore.repository import LOCAL_IO_WORKERS, LOCAL_MAX_REQUEST, RepoOptions
+    from ckptstore.options import LOCAL_IO_WORKERS, LOCAL_MAX_REQUEST, RepoOptions
     from ckptstore.storage.local import LocalStore
     from ckptstore.storage.memory import MemoryStore
 

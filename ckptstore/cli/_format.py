@@ -6,13 +6,7 @@ import datetime as _dt
 import json
 import sys
 
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
+from ..units import human_bytes  # noqa: F401  (re-exported for the commands)
 
 
 def iso(ts: float) -> str:

@@ -246,6 +246,13 @@ def cmd_tag(args) -> int:
 
 
 def cmd_demo(args) -> int:
+    # The demo's embedded S3 server is moto's, an optional dependency.
+    try:
+        import moto.server  # noqa: F401
+    except ImportError:
+        print("ckptstore demo runs an embedded S3 server (moto), which is not installed: "
+              "pip install 'ckptstore[demo]'", file=sys.stderr)
+        return 2
     from .demo import run_demo
 
     return run_demo(steps=args.steps, as_json=args.json)

@@ -6,7 +6,8 @@ use so that importing this package does not import s3fs or gcsfs.
 
 from __future__ import annotations
 
-from .base import MultipartInfo, MultipartUpload, ObjectInfo, ObjectStore, ParallelUploader
+from .base import MultipartInfo, MultipartUpload, ObjectInfo, ObjectStore
+from .upload import BufferPool, ParallelUploader
 from .local import LocalStore
 from .memory import MemoryStore
 
@@ -16,6 +17,7 @@ __all__ = [
     "MultipartInfo",
     "MultipartUpload",
     "ParallelUploader",
+    "BufferPool",
     "MemoryStore",
     "LocalStore",
     "S3Store",

@@ -1,8 +1,9 @@
 """Wrapper stores adding cross-cutting behaviour around any backend.
 
+:class:`WrapperStore` forwards every call to an inner store;
 :class:`CountingStore` counts calls and bytes (tests assert on what a read
-fetched; the demo and benchmarks report it). :class:`FaultStore` makes chosen
-calls fail (now in :mod:`ckptstore.storage.faults`).
+fetched; the demo and benchmarks report it). Fault injection builds on
+these in :mod:`ckptstore.storage.faults`.
 """
 
 from __future__ import annotations
@@ -136,11 +137,3 @@ class _CountingMultipart(MultipartUpload):
         self.inner.abort()
         self.owner._count("abort_multipart")
 
-
-def __getattr__(name):
-    # FaultStore grew into its own module; keep the old import path working.
-    if name == "FaultStore":
-        from .faults import FaultStore
-
-        return FaultStore
-    raise AttributeError(name)

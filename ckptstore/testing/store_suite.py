@@ -24,7 +24,8 @@ import time
 import pytest
 
 from ..errors import ObjectExistsError, ObjectNotFoundError
-from ..storage.base import MIN_PART_SIZE, MiB, MultipartUpload, ObjectStore, ParallelUploader
+from ..storage.base import MIN_PART_SIZE, MiB, MultipartUpload, ObjectStore
+from ..storage.upload import ParallelUploader
 from ..storage.wrappers import CountingStore
 
 PART = MIN_PART_SIZE

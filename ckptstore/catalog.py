@@ -1,0 +1,266 @@
+"""The metadata plane of a repository: config, steps, manifests, tags, leases, tombstones.
+
+:class:`Catalog` is what every pipeline (save, load, verify, GC, transfer,
+DCP) works against: the store, the handle's options and runtime, the clock,
+and every small object that says what the repository holds. It reads and
+writes no chunk data. :class:`~ckptstore.repository.Repository` is the
+public facade built on it.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from . import manifest as _m
+from .clock import SYSTEM_CLOCK, Clock
+from .errors import FormatError, ObjectExistsError, ObjectNotFoundError, StepNotFoundError
+from .fetch import ChunkFetcher
+from .layout import (
+    CONFIG_KEY,
+    LEASE_PREFIX,
+    MANIFEST_PREFIX,
+    PACK_PREFIX,
+    RELOCATION_PREFIX,
+    TAG_PREFIX,
+    TOMBSTONE_PREFIX,
+    check_step,
+    config_record,
+    lease_key,
+    lease_record,
+    manifest_key,
+    pack_id_of_key,
+    pack_id_of_relocation_key,
+    parse_config,
+    parse_tag,
+    parse_tombstone,
+    step_of_manifest_key,
+    tag_key,
+    tag_of_key,
+    tag_record,
+    tombstone_key,
+    tombstone_record,
+)
+from .manifest import Manifest
+from .options import RepoOptions
+from .relocations import Relocations
+from .runtime import LRUCache, Runtime
+from .storage.base import ObjectInfo, ObjectStore
+
+#: Tombstones whose parsed manifests a handle keeps (they are write-once).
+TOMBSTONE_CACHE_BYTES = 64 << 20
+
+
+def manifest_weight(m: Manifest) -> int:
+    """Estimated bytes a parsed manifest holds in memory (about 700 a chunk)."""
+    chunks = sum(len(s.chunks) for t in m.tensors.values() for s in t.shards)
+    return 2048 + 400 * len(m.tensors) + 700 * chunks
+
+
+class Catalog:
+    """A repository's metadata on one object store; see the module docstring.
+
+    Parameters
+    ----------
+    store:
+        The object store holding the repository.
+    clock:
+        Wall and monotonic time for leases, tombstones, GC ages and the
+        saver's dedup-base age (tests pass a :class:`~ckptstore.clock.ManualClock`).
+    **options:
+        :class:`~ckptstore.options.RepoOptions` fields.
+    """
+
+    def __init__(self, store: ObjectStore, clock: Clock | None = None, **options):
+        self.store = store
+        self.url = store.url
+        self.options = RepoOptions.from_kwargs(bool(getattr(store, "remote", False)), **options)
+        self.clock = clock or SYSTEM_CLOCK
+        self.runtime = Runtime(self.options)
+        self.relocations = Relocations(store)
+        self.fetcher = ChunkFetcher(store, self.runtime, self.options, self.relocations)
+        self._config: dict | None = None
+        self._manifests: LRUCache[int, Manifest] = LRUCache(self.options.manifest_cache_bytes, manifest_weight)
+        self._tombstones: LRUCache[str, tuple[Manifest | None]] = LRUCache(
+            TOMBSTONE_CACHE_BYTES, lambda v: manifest_weight(v[0]) if v[0] is not None else 64
+        )
+
+    # ------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Wait for async saves, stop worker threads and close the store."""
+        self.runtime.close()
+        self.store.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+    # ------------------------------------------------------------ config
+    def config(self) -> dict:
+        """The repository's config object ({} until the first save)."""
+        if self._config is None:
+            try:
+                raw = self.store.get(CONFIG_KEY)
+            except ObjectNotFoundError:
+                return {}
+            self._config = parse_config(raw, self.url)
+            self.options.adopt(self._config)
+        return self._config
+
+    def ensure_config(self) -> dict:
+        """The config, created from this handle's options if the repository has none."""
+        if self.config():
+            return self._config
+        try:
+            self.store.put_if_absent(CONFIG_KEY, config_record(self.options, self.clock.time()))
+        except ObjectExistsError:
+            pass  # another writer created it first: use theirs
+        self._config = None
+        return self.config()
+
+    def adopt_defaults(self, cfg: dict) -> None:
+        """Take another repository's write defaults (chunking, codec, grace) where not given.
+
+        Used before the first write into a new repository that receives
+        copies, so later saves cut chunks the same way and dedup against them.
+        """
+        self.options.adopt(cfg, ("chunk_size", "pack_size", "codec", "level", "grace"))
+
+    def grace(self) -> float:
+        """Seconds an unreferenced object must age before GC may delete it."""
+        cfg = self.config()
+        if "grace" in self.options.explicit or "grace" not in cfg:
+            return float(self.options.grace)
+        return float(cfg["grace"])
+
+    # ------------------------------------------------------------ steps
+    def steps(self) -> list[int]:
+        """Committed steps, ascending."""
+        return sorted(s for s in (step_of_manifest_key(o.key) for o in self.store.list(MANIFEST_PREFIX)) if s is not None)
+
+    def latest(self) -> int | None:
+        """The newest committed step, or None in an empty repository."""
+        s = self.steps()
+        return s[-1] if s else None
+
+    def manifest(self, step: int) -> Manifest:
+        """Parse and return one step's manifest (cached by size; manifests are immutable)."""
+        step = check_step(step)
+        m = self._manifests.get(step)
+        if m is not None:
+            return m
+        key = manifest_key(step)
+        try:
+            info = self.store.head(key)
+            if info.size > _m.MAX_MANIFEST_BYTES:
+                raise FormatError(f"{self.url}: step {step}: manifest is {info.size} bytes, over the limit")
+            raw = self.store.get(key)
+        except ObjectNotFoundError:
+            raise StepNotFoundError(f"{self.url}: step {step} is not committed") from None
+        try:
+            m = _m.from_json(raw, expect_step=step)
+        except FormatError as e:
+            raise type(e)(f"{self.url}: step {step}: {e}") from None
+        self._manifests.put(step, m)
+        return m
+
+    def remember(self, m: Manifest) -> None:
+        """Cache a manifest this handle just committed."""
+        self._manifests.put(m.step, m)
+
+    def cached_manifest(self, step: int) -> Manifest | None:
+        return self._manifests.get(step)
+
+    def delete(self, step: int) -> None:
+        """Delete one step; its packs are reclaimed by GC.
+
+        A tombstone holding the manifest is written first, so packs the step
+        referenced stay protected from GC while a saver that read it as its
+        dedup base may still commit (``docs/gc.md``).
+        """
+        step = check_step(step)
+        key = manifest_key(step)
+        try:
+            raw = self.store.get(key)
+        except ObjectNotFoundError:
+            raise StepNotFoundError(f"{self.url}: step {step} is not committed") from None
+        self.store.put(tombstone_key(step), tombstone_record(step, raw, self.clock.time()))
+        self.store.delete(key)
+        self._manifests.pop(step)
+
+    # ------------------------------------------------------------ tags
+    def tag(self, step: int, name: str) -> None:
+        """Point tag ``name`` at a committed step (replacing an earlier target)."""
+        step = check_step(step)
+        key = tag_key(name)
+        if step not in self.steps():
+            raise StepNotFoundError(f"{self.url}: step {step} is not committed")
+        self.store.put(key, tag_record(step))
+
+    def tags(self) -> dict[str, int]:
+        """Tag name -> step (unreadable tags are skipped)."""
+        out = {}
+        for info in self.store.list(TAG_PREFIX):
+            name = tag_of_key(info.key)
+            if name is None:
+                continue
+            try:
+                out[name] = parse_tag(self.store.get(info.key))
+            except (ObjectNotFoundError, ValueError, KeyError, TypeError):
+                continue
+        return out
+
+    # ------------------------------------------------------------ leases (docs/gc.md)
+    def write_lease(self, step: int) -> str:
+        """Announce a saver in flight to GC; returns the lease's key."""
+        key = lease_key()
+        self.store.put(key, lease_record(step, self.clock.time()))
+        return key
+
+    def drop_lease(self, key: str | None) -> None:
+        if key is None:
+            return
+        try:
+            self.store.delete(key)
+        except Exception:
+            pass  # a stale lease only delays GC; it expires after the grace period
+
+    # ------------------------------------------------------------ listings
+    def leases(self) -> dict[str, float]:
+        """Lease key -> mtime."""
+        return {o.key: o.mtime for o in self.store.list(LEASE_PREFIX)}
+
+    def tombstones(self) -> dict[str, tuple[float, Manifest | None]]:
+        """Tombstone key -> (mtime, the deleted step's manifest or None if unreadable)."""
+        out = {}
+        for o in self.store.list(TOMBSTONE_PREFIX):
+            hit = self._tombstones.get(o.key)
+            if hit is None:
+                try:
+                    hit = (parse_tombstone(self.store.get(o.key), o.key),)
+                except ObjectNotFoundError:
+                    continue  # expired meanwhile
+                self._tombstones.put(o.key, hit)
+            out[o.key] = (o.mtime, hit[0])
+        return out
+
+    def packs(self) -> dict[str, ObjectInfo]:
+        """Pack id -> what the store lists for it."""
+        out = {}
+        for o in self.store.list(PACK_PREFIX):
+            pid = pack_id_of_key(o.key)
+            if pid is not None:
+                out[pid] = o
+        return out
+
+    def relocated_packs(self) -> set[str]:
+        """Ids of packs that have a relocation record."""
+        return {p for p in (pack_id_of_relocation_key(o.key) for o in self.store.list(RELOCATION_PREFIX)) if p}
+
+    def manifest_objects(self) -> Iterator[ObjectInfo]:
+        """Everything listed under ``manifests/`` (verify reports what does not parse)."""
+        return self.store.list(MANIFEST_PREFIX)

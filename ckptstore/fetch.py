@@ -1,0 +1,194 @@
+"""The one chunk fetcher: coalesced range reads, verified, following relocations.
+
+Every read of chunk bytes goes through :meth:`ChunkFetcher.fetch`: loads and
+slice reads (:mod:`ckptstore.reader`), export, ``cp`` (which needs the
+stored bytes), GC's repack and ``verify --read-data``. It
+
+1. coalesces the chunks of each pack into range requests
+   (:func:`ckptstore.planner.coalesce`: ``coalesce_gap``, ``max_request``);
+2. runs them on the I/O pool, each holding its bytes against the handle's
+   read budget (fetched-but-undecoded bytes are bounded);
+3. decodes every chunk and checks it against its hash (format invariant 4)
+   on the CPU pool, then hands ``(raw, stored)`` to the caller's ``deliver``;
+4. follows relocation records when a pack is gone (repacked by GC).
+
+Errors name the repository, the caller's context (step, tensor), the
+chunk, the pack and the offset; wrong bytes are never delivered.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+from typing import Callable, Sequence
+
+from . import codec as _codec
+from . import planner as _plan
+from .errors import FormatError, IntegrityError, MissingDataError, ObjectNotFoundError
+from .layout import MAX_RELOCATION_HOPS, pack_key
+from .manifest import ChunkRef
+from .options import RepoOptions
+from .relocations import Relocations
+from .runtime import Runtime
+from .storage.base import ObjectStore
+
+#: ``deliver(i, raw, stored)``: chunk ``i``'s decoded bytes and its stored
+#: bytes (both valid only during the call).
+Deliver = Callable[[int, memoryview, memoryview], None]
+#: ``on_error(i, error)``: instead of raising, report a chunk that could not
+#: be read or verified (``verify`` collects every problem).
+OnError = Callable[[int, Exception], None]
+
+
+class ChunkFetcher:
+    """Fetches chunks of one repository; see the module docstring."""
+
+    def __init__(self, store: ObjectStore, runtime: Runtime, options: RepoOptions, relocations: Relocations):
+        self.store = store
+        self.runtime = runtime
+        self.options = options
+        self.relocations = relocations
+
+    def fetch(
+        self,
+        refs: Sequence[ChunkRef],
+        deliver: Deliver,
+        where: Callable[[int], str],
+        on_error: OnError | None = None,
+    ) -> None:
+        """Fetch, verify and decode ``refs``; call ``deliver`` once per chunk.
+
+        ``where(i)`` is the start of every message about chunk ``i``: what
+        it belongs to, ending in ``": "`` (``"s3://b/run: step 5: tensor 'w': "``),
+        or ``""``. Without ``on_error`` the first failure
+        raises (:class:`IntegrityError` for bytes that do not verify or a
+        pack shorter than recorded, :class:`MissingDataError` for a pack
+        that is gone with no relocation record); with it, each failed chunk
+        is reported and the others are still delivered.
+        """
+        if not refs:
+            return
+        job = _Job(self, list(refs), deliver, where, on_error)
+        job.run(list(range(len(refs))), 0)
+
+
+class _Job:
+    def __init__(self, fetcher: ChunkFetcher, refs, deliver, where, on_error):
+        self.f = fetcher
+        self.refs = refs
+        self.deliver = deliver
+        self.where = where
+        self.on_error = on_error
+
+    def fail(self, i: int, err: Exception) -> None:
+        if self.on_error is None:
+            raise err
+        self.on_error(i, err)
+
+    def requests(self, items: list[int]) -> list[_plan.RangeRequest]:
+        o = self.f.options
+        reqs = _plan.coalesce(
+            [(self.refs[i].pack, self.refs[i].offset, self.refs[i].offset + self.refs[i].stored_len) for i in items],
+            o.coalesce_gap,
+            o.max_request,
+        )
+        # coalesce numbers items 0..n-1 of what it was given: map back
+        return [_plan.RangeRequest(q.pack, q.start, q.end, tuple(items[k] for k in q.items)) for q in reqs]
+
+    def run(self, items: list[int], hops: int) -> None:
+        io = self.f.runtime.io
+        futures = [io.submit(self.request, q, hops) for q in self.requests(items)]
+        try:
+            for fut in cf.as_completed(futures):
+                fut.result()
+        except BaseException:
+            for fut in futures:
+                fut.cancel()
+            cf.wait(futures)
+            raise
+
+    def request(self, req: _plan.RangeRequest, hops: int) -> None:
+        # Bytes fetched and not yet decoded are bounded by the handle's read
+        # budget (half of max_inflight_bytes), shared by every read.
+        budget = self.f.runtime.read_budget()
+        n = req.end - req.start
+        budget.acquire(n)
+        try:
+            gone = self.fetch_and_decode(req)
+        finally:
+            budget.release(n)
+        if gone:  # outside the budget: the relocated reads acquire their own
+            self.relocated(req, hops)
+
+    def fetch_and_decode(self, req: _plan.RangeRequest) -> bool:
+        """Fetch one request and deliver its chunks; True when its pack is gone."""
+        first = req.items[0]
+        try:
+            (data,) = self.f.store.get_ranges(pack_key(req.pack), [(req.start, req.end)])
+        except ObjectNotFoundError:
+            return True
+        except ValueError as ex:
+            err = IntegrityError(
+                f"{self.where(first)}pack {req.pack} is shorter than the manifest says "
+                f"(offset {self.refs[first].offset}): {ex}"
+            )
+            for i in req.items:
+                self.fail(i, err)
+            return False
+        if len(data) != req.end - req.start:
+            err = IntegrityError(f"{self.where(first)}pack {req.pack}: short read at {req.start}")
+            for i in req.items:
+                self.fail(i, err)
+            return False
+        mv = memoryview(data)
+
+        def decode(i: int) -> None:
+            r = self.refs[i]
+            stored = mv[r.offset - req.start : r.offset - req.start + r.stored_len]
+            where = f"{self.where(i)}chunk {r.hash[:16]} in pack {r.pack} at offset {r.offset}"
+            try:
+                raw = _codec.decode_verified(r.codec, stored, r.raw_len, r.hash, where)
+            except IntegrityError as e:
+                self.fail(i, e)
+                return
+            self.deliver(i, memoryview(raw), stored)
+
+        if len(req.items) == 1:
+            decode(first)
+            return False
+        # Decoding and hashing release the GIL: spread one request's chunks
+        # over the CPU pool (its tasks never wait on anything, so an I/O
+        # thread waiting here cannot deadlock).
+        cpu = self.f.runtime.cpu
+        futures = [cpu.submit(decode, i) for i in req.items]
+        for fut in futures:
+            fut.result()
+        return False
+
+    def relocated(self, req: _plan.RangeRequest, hops: int) -> None:
+        """A pack is gone: follow its relocation record (written by repack), if any."""
+        first = req.items[0]
+        missing = MissingDataError(
+            f"{self.where(first)}pack {req.pack} is missing (needed at offset "
+            f"{self.refs[first].offset}) and no relocation record names its chunks; the step cannot be restored"
+        )
+        try:
+            table = self.f.relocations.table(req.pack) if hops < MAX_RELOCATION_HOPS else None
+        except FormatError as e:
+            err = FormatError(f"{self.where(first)}pack {req.pack} is missing and its relocation record is unreadable: {e}")
+            for i in req.items:
+                self.fail(i, err)
+            return
+        moved, lost = [], []
+        for i in req.items:
+            new = table.get(self.refs[i].hash) if table else None
+            if new is None:
+                lost.append(i)
+            else:
+                self.refs[i] = new
+                moved.append(i)
+        for i in lost:
+            self.fail(i, missing)
+        if moved:
+            # Serially, on this I/O thread: no nested waits on the I/O pool.
+            for q in self.requests(moved):
+                self.request(q, hops + 1)

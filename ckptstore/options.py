@@ -1,0 +1,111 @@
+"""Repository tunables: every limit is named here, with its default."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+
+from . import codec as _codec
+from . import manifest as _m
+from .layout import DEFAULT_GRACE
+from .storage.base import MIN_PART_SIZE
+
+MiB = 1 << 20
+
+#: I/O threads and largest range request for stores that are not remote
+#: (unless given explicitly).
+LOCAL_IO_WORKERS = 4
+LOCAL_MAX_REQUEST = 8 * MiB
+
+#: Options a repository's config records; a handle adopts the recorded
+#: value of each unless the caller gave it explicitly.
+CONFIG_OPTIONS = ("chunk_size", "pack_size", "codec", "level")
+
+
+@dataclass
+class RepoOptions:
+    """Tunables of a repository handle.
+
+    chunk_size: raw bytes per chunk (dedup and range-read granularity).
+    pack_size: target bytes per pack object.
+    part_size: multipart part size (S3: at least 5 MiB).
+    workers: threads hashing and compressing.
+    io_workers: concurrent requests (parts in flight, ranged GETs); at
+        most ``LOCAL_IO_WORKERS`` (4) on a local or memory store unless given.
+    max_inflight_bytes: memory budget for chunks and parts in flight.
+    packs_in_flight: sealed packs still uploading while the next fills.
+    level: zstd level.
+    codec: "zstd" or "raw".
+    coalesce_gap: merge range reads of one pack separated by at most this.
+    max_request: largest single ranged GET (at most ``LOCAL_MAX_REQUEST``,
+        8 MiB, on a local or memory store unless given).
+    tensor_workers: tensors loaded at once by ``load``.
+    grace: GC grace period in seconds, recorded in the config of a new
+        repository (the repository's recorded value wins otherwise).
+    manifest_cache_bytes: parsed manifests kept in memory by a handle, by
+        their estimated size (least recently used ones are dropped).
+
+    ``explicit`` holds the names the caller gave (those win over the
+    repository's recorded config and over the local-store defaults).
+    """
+
+    chunk_size: int = 4 * MiB
+    pack_size: int = 256 * MiB
+    part_size: int = 16 * MiB
+    workers: int = max(2, min(8, os.cpu_count() or 2))
+    io_workers: int = 16
+    max_inflight_bytes: int = 512 * MiB
+    packs_in_flight: int = 2
+    level: int = _codec.DEFAULT_LEVEL
+    codec: str = "zstd"
+    coalesce_gap: int = 1 * MiB
+    max_request: int = 32 * MiB
+    tensor_workers: int = 4
+    grace: float = DEFAULT_GRACE
+    manifest_cache_bytes: int = 256 * MiB
+    explicit: frozenset = field(default=frozenset(), repr=False, compare=False)
+
+    @classmethod
+    def from_kwargs(cls, remote: bool, **kwargs) -> "RepoOptions":
+        """Options a caller gave, with the defaults for a local or remote store."""
+        names = {f.name for f in fields(cls)} - {"explicit"}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown repository option(s) {unknown}; known: {sorted(names)}")
+        o = cls(**kwargs, explicit=frozenset(kwargs))
+        o.check()
+        if not remote:
+            # A local directory gains nothing from 16 threads and 32 MiB
+            # requests, and each thread's malloc arena keeps its freed
+            # request buffers: loading 4 GiB peaked at +627 MiB RSS with the
+            # remote defaults, +64 MiB with these (and ran faster); see
+            # docs/performance.md. Explicit options win.
+            if "io_workers" not in o.explicit:
+                o.io_workers = min(o.io_workers, LOCAL_IO_WORKERS)
+            if "max_request" not in o.explicit:
+                o.max_request = min(o.max_request, LOCAL_MAX_REQUEST)
+        return o
+
+    def adopt(self, values: dict, names=CONFIG_OPTIONS) -> None:
+        """Take ``values[name]`` for each of ``names`` the caller did not give."""
+        for name in names:
+            if name not in self.explicit and name in values:
+                setattr(self, name, values[name])
+        self.check()
+
+    def check(self) -> None:
+        if self.chunk_size < 4096 or self.chunk_size > _m.MAX_CHUNK_BYTES:
+            raise ValueError(f"chunk_size must be in [4096, {_m.MAX_CHUNK_BYTES}], got {self.chunk_size}")
+        if self.part_size < MIN_PART_SIZE:
+            raise ValueError(f"part_size must be at least {MIN_PART_SIZE} (S3's minimum), got {self.part_size}")
+        if not (self.grace >= 0):
+            raise ValueError("grace must be a non-negative number of seconds")
+        if self.pack_size < 1:
+            raise ValueError("pack_size must be positive")
+        if self.codec not in _codec.CODECS:
+            raise ValueError(f"codec must be one of {_codec.CODECS}, got {self.codec!r}")
+        for name in ("workers", "io_workers", "packs_in_flight", "tensor_workers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        if self.manifest_cache_bytes < 0:
+            raise ValueError("manifest_cache_bytes must not be negative")

@@ -1,0 +1,120 @@
+"""The one pack writer: chunks appended in order, packs streamed as multipart uploads.
+
+A pack is ``header | chunk bytes ... | table | footer`` (:mod:`ckptstore.pack`).
+:class:`PackWriter` appends encoded chunks to the current pack, whose
+:class:`~ckptstore.storage.upload.ParallelUploader` cuts ``part_size`` parts
+and uploads them on the I/O pool (at most ``window`` parts in flight per
+pack, part buffers from the handle's pool); a pack that reaches
+``pack_size`` is sealed (table and footer written, upload completed) on the
+seal pool while the next one fills, at most ``packs_in_flight`` at once.
+:meth:`PackWriter.finish` waits for every pack and checks that each one
+exists with the size written (format invariant 3) before the caller may
+name it in a manifest. Saves, DCP writes, ``cp``/``import`` and GC's repack
+all write packs through it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+from . import pack as _pack
+from .errors import ObjectNotFoundError, PackVanishedError, StorageError
+from .layout import new_pack_id, pack_key
+from .manifest import ChunkRef
+from .options import RepoOptions
+from .runtime import Runtime
+from .storage.base import ObjectStore
+from .storage.upload import ParallelUploader
+
+
+def part_window(options: RepoOptions, reserved: int) -> int:
+    """Parts in flight per pack, so that every pack in flight fits the memory budget.
+
+    ``reserved`` bytes of ``max_inflight_bytes`` are used elsewhere (chunks
+    being encoded); the rest holds ``(packs_in_flight + 1) x (window + 1)``
+    part buffers.
+    """
+    o = options
+    per_pack = max(1, (o.max_inflight_bytes - reserved) // (o.part_size * (o.packs_in_flight + 1)))
+    return max(1, min(8, per_pack - 1))
+
+
+class PackWriter:
+    """Writes chunks into new packs of one store; see the module docstring."""
+
+    def __init__(self, store: ObjectStore, runtime: Runtime, options: RepoOptions, window: int):
+        self.store = store
+        self.runtime = runtime
+        self.o = options
+        self.window = window
+        self._buffers = runtime.buffers("parts", options.part_size, (options.packs_in_flight + 1) * (window + 1))
+        self._open: tuple[str, _pack.PackBuilder, ParallelUploader] | None = None
+        self._sealing: list[tuple[str, int, cf.Future]] = []
+        self.sizes: dict[str, int] = {}  # packs verified complete, by finish()
+
+    def add(self, h: str, codec: str, pieces, raw_len: int) -> ChunkRef:
+        """Append one encoded chunk (``pieces``: buffers whose bytes are its stored form)."""
+        if self._open is None:
+            pid = new_pack_id()
+            up = ParallelUploader(self.store, pack_key(pid), self.o.part_size, self.runtime.io,
+                                  window=self.window, buffers=self._buffers)
+            up.write(_pack.header())
+            self._open = (pid, _pack.PackBuilder(), up)
+        pid, builder, up = self._open
+        stored_len = sum(len(p) for p in pieces)
+        e = builder.add(h, codec, stored_len, raw_len)
+        for p in pieces:
+            up.write(p)
+        if builder.size >= self.o.pack_size:
+            self.seal()
+        return ChunkRef(h, pid, e.offset, stored_len, raw_len, codec)
+
+    def seal(self) -> None:
+        """Finish the open pack (if any) in the background."""
+        if self._open is None:
+            return
+        pid, builder, up = self._open
+        self._open = None
+        up.write(builder.tail())
+        expected = builder.final_size()
+        while len(busy := [f for _, _, f in self._sealing if not f.done()]) >= self.o.packs_in_flight:
+            cf.wait(busy, return_when=cf.FIRST_COMPLETED)
+        self._sealing.append((pid, expected, self.runtime.seal.submit(up.close)))
+
+    def finish(self) -> dict[str, int]:
+        """Seal, wait for every pack, check each exists with its size: pack id -> size."""
+        self.seal()
+        for pid, expected, fut in self._sealing:
+            size = fut.result()
+            if size != expected:
+                raise StorageError(f"pack {pid}: wrote {size} bytes, expected {expected}")
+        store = self.store
+
+        def head(item):
+            pid, expected, _ = item
+            try:
+                return pid, expected, store.head(pack_key(pid)).size
+            except ObjectNotFoundError:
+                raise PackVanishedError(
+                    f"{store.url}/{pack_key(pid)}: pack vanished after its upload completed "
+                    "(collected by gc after the save outlived the grace period?)"
+                ) from None
+
+        for pid, expected, got in self.runtime.io.map(head, self._sealing):
+            if got != expected:
+                raise StorageError(f"{store.url}/{pack_key(pid)}: stored size {got}, expected {expected}")
+            self.sizes[pid] = got
+        self._sealing.clear()
+        return dict(self.sizes)
+
+    def abort(self) -> None:
+        """Abandon the open pack and wait for sealing ones (finished packs stay, unreferenced)."""
+        if self._open is not None:
+            self._open[2].abort()
+            self._open = None
+        for _, _, fut in self._sealing:
+            try:
+                fut.result()
+            except BaseException:
+                pass
+        self._sealing.clear()

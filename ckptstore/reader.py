@@ -1,0 +1,288 @@
+"""Reading steps: :class:`Checkpoint`, the read view of one committed step.
+
+A read maps the wanted slice to a box, intersects it with every stored
+shard, turns each shard's sub-box into byte runs and the runs into the
+chunks they touch (:mod:`ckptstore.planner`), and fetches those chunks
+through the repository's one :class:`~ckptstore.fetch.ChunkFetcher`
+(coalesced, concurrent, verified), writing straight into the destination
+tensor where it can.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from . import manifest as _m
+from . import planner as _plan
+from .catalog import Catalog
+from .errors import FormatError, StepNotFoundError
+from .manifest import Manifest, Shard, TensorEntry
+from .tensors import byte_view, castable, writable_in_place
+from .tree import flatten, tree_keys, unflatten
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Shape and placement of one stored tensor."""
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    shards: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]  # (offsets, sizes)
+    nbytes: int
+    stored_bytes: int
+    chunks: int
+
+
+def _cast_note(stored: str, dest: torch.dtype) -> str:
+    return (
+        f"cannot load {stored} values into {str(dest).removeprefix('torch.')} "
+        "(values are cast only between floating dtypes, or between complex dtypes)"
+    )
+
+
+class Checkpoint:
+    """Read view of one committed step."""
+
+    def __init__(self, cat: Catalog, manifest: Manifest):
+        self.repo = cat
+        self.manifest = manifest
+        self.step = manifest.step
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({self.repo.url!r}, step={self.step}, tensors={len(self.manifest.tensors)})"
+
+    @property
+    def metadata(self) -> dict:
+        return self.manifest.metadata
+
+    def keys(self) -> list[str]:
+        """Tensor keys in state-dict order."""
+        return tree_keys(self.manifest.tree)
+
+    def __contains__(self, key) -> bool:
+        return key in self.manifest.tensors
+
+    def entry(self, key: str) -> TensorEntry:
+        """The manifest entry of one tensor (``KeyError`` naming the step if absent)."""
+        try:
+            return self.manifest.tensors[key]
+        except KeyError:
+            raise KeyError(f"step {self.step} has no tensor {key!r}") from None
+
+    def tensor_meta(self, key: str) -> TensorMeta:
+        e = self.entry(key)
+        return TensorMeta(
+            key=key,
+            dtype=_m.DTYPES[e.dtype],
+            shape=e.shape,
+            shards=tuple((s.offsets, s.sizes) for s in e.shards),
+            nbytes=e.nbytes,
+            stored_bytes=sum(c.stored_len for s in e.shards for c in s.chunks),
+            chunks=sum(len(s.chunks) for s in e.shards),
+        )
+
+    def values(self) -> dict:
+        """The state dict with tensors replaced by their TensorMeta (no data read)."""
+        return unflatten(self.manifest.tree, self.tensor_meta)
+
+    def read(self, key: str, index: Any = None) -> torch.Tensor:
+        """Read a tensor, or the slice ``index`` of it, fetching only covering chunks."""
+        e = self.entry(key)
+        dtype = _m.DTYPES[e.dtype]
+        box, squeeze = _plan.normalize_index(index, e.shape)
+        out = torch.empty(_plan.box_shape(box), dtype=dtype)
+        self.read_box(e, box, out)
+        if squeeze:
+            out = out.reshape([n for d, n in enumerate(out.shape) if d not in squeeze])
+        return out
+
+    def read_into(self, key: str, dest: torch.Tensor) -> torch.Tensor:
+        """Read a whole tensor into ``dest`` (the stored shape) in place.
+
+        ``dest`` may have another floating (or complex) dtype than the one
+        stored: values are cast as ``Tensor.copy_`` casts them, like DCP's
+        own reader. Where the dtypes match and ``dest`` is a contiguous CPU
+        tensor, chunks are decoded straight into its memory.
+        """
+        e = self._check_dest(key, dest)
+        with torch.no_grad():
+            self.read_box(e, tuple((0, n, 1) for n in e.shape), dest.detach())
+        return dest
+
+    def read_many_into(self, dests: dict[str, torch.Tensor]) -> None:
+        """Read whole tensors into ``dests`` (key -> tensor of the stored shape).
+
+        Dtypes cast as in :meth:`read_into`. Tensors stored as one shard and
+        read into contiguous CPU tensors of the stored dtype are fetched
+        together: their chunks are coalesced across tensors into few range
+        requests (a state dict of many small tensors costs a handful of GETs,
+        not one per tensor). The rest go one tensor at a time.
+        """
+        keys, refs, targets, rest = [], [], [], []
+        for key, dest in dests.items():
+            e = self._check_dest(key, dest)
+            if not (
+                len(e.shards) == 1
+                and e.shards[0].sizes == e.shape
+                and writable_in_place(dest)
+                and dest.dtype == _m.DTYPES[e.dtype]
+            ):
+                rest.append(key)
+                continue
+            if dest.numel() == 0:
+                continue
+            view = byte_view(dest.detach())
+            shard = e.shards[0]
+            for start, c in zip(shard.chunk_starts(), shard.chunks):
+                keys.append(key)
+                refs.append(c)
+                targets.append((view, start))
+
+        def deliver(i: int, raw, stored) -> None:
+            view, start = targets[i]
+            n = len(raw)
+            view[start : start + n] = np.frombuffer(raw, dtype=np.uint8, count=n)
+
+        self.repo.fetcher.fetch(refs, deliver, lambda i: f"{self.repo.url}: step {self.step}: tensor {keys[i]!r}: ")
+        if rest:
+            self.repo.runtime.map_tensors(lambda k: self.read_into(k, dests[k]), rest)
+
+    # -- boxes and shards
+    def _check_dest(self, key: str, dest: torch.Tensor) -> TensorEntry:
+        """The entry of ``key``, after checking ``dest`` has its shape and a dtype it casts to."""
+        e = self.entry(key)
+        if tuple(dest.shape) != e.shape or not castable(_m.DTYPES[e.dtype], dest.dtype):
+            raise ValueError(
+                f"{self.repo.url}: step {self.step}: tensor {key!r} is {e.dtype}{list(e.shape)}, "
+                f"destination is {str(dest.dtype).removeprefix('torch.')}{list(dest.shape)}"
+                + ("" if tuple(dest.shape) != e.shape else
+                   " (values are cast only between floating dtypes, or between complex dtypes)")
+            )
+        return e
+
+    def read_box(self, e: TensorEntry, box, out: torch.Tensor) -> None:
+        """Fill ``out`` (the box's shape; any device, a dtype the stored one casts to)
+        from every shard the box meets."""
+        if out.numel() == 0:
+            return
+        covered = 0
+        jobs = []
+        for shard in e.shards:
+            hit = _plan.intersect(box, shard.offsets, shard.sizes)
+            if hit is None:
+                continue
+            local, outbox = hit
+            covered += math.prod(_plan.box_shape(outbox))
+            jobs.append((shard, local, outbox))
+        if covered < out.numel():
+            raise FormatError(f"step {self.step}: tensor {e.key!r}: shards do not cover the requested region")
+        for shard, local, outbox in jobs:
+            full_out = len(jobs) == 1 and all(b == (0, n, 1) for b, n in zip(outbox, out.shape))
+            target = out if full_out else out[tuple(slice(a, b) for a, b, _ in outbox)]
+            self.read_shard(e, shard, local, target)
+
+    def read_shard(self, e: TensorEntry, shard: Shard, local, target: torch.Tensor) -> None:
+        """Read box ``local`` of one shard into ``target`` (shape of the box).
+
+        ``target`` may be on any device and of any dtype the stored one casts
+        to (see :func:`~ckptstore.tensors.castable`); only a contiguous CPU
+        target of the stored dtype receives the decoded bytes directly, any
+        other gets them through a buffer of the box's rows and one ``copy_``.
+        """
+        isz = _m.itemsize(e.dtype)
+        stored_dtype = _m.DTYPES[e.dtype]
+        if not castable(stored_dtype, target.dtype):
+            raise ValueError(
+                f"{self.repo.url}: step {self.step}: tensor {e.key!r} is {e.dtype}; "
+                + _cast_note(e.dtype, target.dtype)
+            )
+        shape = shard.sizes
+        nd = len(shape)
+        row = isz * math.prod(shape[1:]) if nd else isz
+        if nd:
+            r0 = local[0][0]
+            r1 = local[0][0] + (_plan.box_len(local[0]) - 1) * local[0][2] + 1
+        else:
+            r0, r1 = 0, 1
+        span_lo, span_hi = r0 * row, r1 * row
+        direct = (
+            writable_in_place(target)
+            and target.dtype == stored_dtype
+            and (nd == 0 or all(b == (0, n, 1) for b, n in zip(local, shape)))
+        )
+        if direct:
+            buf = target.detach()
+        elif nd == 0:
+            buf = torch.empty((), dtype=stored_dtype)
+        else:
+            buf = torch.empty((r1 - r0,) + tuple(shape[1:]), dtype=stored_dtype)
+        view = byte_view(buf)
+        starts = shard.chunk_starts()
+        runs = _plan.byte_runs(shape, isz, local)
+        needed = _plan.chunks_for_runs(starts, shard.nbytes, runs)
+
+        def deliver(k: int, raw, stored) -> None:
+            i = needed[k]
+            cs, ce = starts[i], starts[i] + shard.chunks[i].raw_len
+            lo, hi = max(cs, span_lo), min(ce, span_hi)
+            if lo < hi:
+                view[lo - span_lo : hi - span_lo] = np.frombuffer(raw, dtype=np.uint8, count=hi - lo, offset=lo - cs)
+
+        self.repo.fetcher.fetch(
+            [shard.chunks[i] for i in needed], deliver, lambda k: f"{self.repo.url}: step {self.step}: tensor {e.key!r}: "
+        )
+        if not direct:
+            sub = buf
+            if nd:
+                sub = buf[
+                    (slice(local[0][0] - r0, local[0][1] - r0, local[0][2]),)
+                    + tuple(slice(a, b, s) for a, b, s in local[1:])
+                ]
+            with torch.no_grad():
+                target.copy_(sub)
+
+
+def open_checkpoint(cat: Catalog, step: int) -> Checkpoint:
+    return Checkpoint(cat, cat.manifest(step))
+
+
+def load_step(cat: Catalog, step: int | None = None, into: Mapping | None = None) -> dict:
+    """The body of ``Repository.load``; see there."""
+    if step is None:
+        step = cat.latest()
+        if step is None:
+            raise StepNotFoundError(f"{cat.url}: the repository has no committed step")
+    ckpt = open_checkpoint(cat, step)
+    if into is None:
+        tensors = {}
+        for k in ckpt.keys():
+            e = ckpt.manifest.tensors[k]
+            tensors[k] = torch.empty(e.shape, dtype=_m.DTYPES[e.dtype])
+        ckpt.read_many_into(tensors)
+        return unflatten(ckpt.manifest.tree, tensors.__getitem__)
+    _, dest = flatten(into)
+    missing = [k for k in dest if k not in ckpt.manifest.tensors]
+    if missing:
+        raise KeyError(f"step {step} has no tensor(s) {missing[:5]} present in `into`")
+    ckpt.read_many_into(dest)
+    _replace_values(into, ckpt.manifest.tree)
+    return into
+
+
+def _replace_values(into, tree) -> None:
+    """Copy plain values from the stored tree into ``into`` (tensors stay)."""
+    ((kind, val),) = tree.items()
+    if kind != "d" or not isinstance(into, dict):
+        return
+    for k, node in val:
+        ((nk, nv),) = node.items()
+        if nk == "v":
+            into[k] = nv
+        elif nk == "d" and isinstance(into.get(k), dict):
+            _replace_values(into[k], node)

@@ -1,0 +1,175 @@
+"""What one repository handle runs on: thread pools, byte budgets, reusable
+buffers and bounded caches. Created lazily, released by :meth:`Runtime.close`.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import threading
+from typing import Callable, Generic, Hashable, TypeVar
+
+from .options import RepoOptions
+from .storage.upload import BufferPool
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+
+class ByteBudget:
+    """A counting limit on bytes in flight; one oversize request may pass alone."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.used = 0
+        self._cv = threading.Condition()
+
+    def acquire(self, n: int) -> None:
+        with self._cv:
+            while self.used and self.used + n > self.limit:
+                self._cv.wait()
+            self.used += n
+
+    def release(self, n: int) -> None:
+        with self._cv:
+            self.used -= n
+            self._cv.notify_all()
+
+
+class LRUCache(Generic[K, V]):
+    """A thread-safe cache bounded by the total weight of its values.
+
+    ``weigh(value)`` estimates a value's size; the least recently used
+    entries are dropped once the total passes ``max_weight``. A value
+    heavier than the bound is not kept at all.
+    """
+
+    def __init__(self, max_weight: int, weigh: Callable[[V], int]):
+        self.max_weight = max_weight
+        self._weigh = weigh
+        self._items: collections.OrderedDict[K, tuple[V, int]] = collections.OrderedDict()
+        self._weight = 0
+        self._lock = threading.Lock()
+
+    def get(self, key: K) -> V | None:
+        with self._lock:
+            hit = self._items.get(key)
+            if hit is None:
+                return None
+            self._items.move_to_end(key)
+            return hit[0]
+
+    def put(self, key: K, value: V) -> None:
+        w = self._weigh(value)
+        with self._lock:
+            old = self._items.pop(key, None)
+            if old is not None:
+                self._weight -= old[1]
+            if w > self.max_weight:
+                return
+            self._items[key] = (value, w)
+            self._weight += w
+            while self._weight > self.max_weight:
+                _, (_, ow) = self._items.popitem(last=False)
+                self._weight -= ow
+
+    def pop(self, key: K) -> None:
+        with self._lock:
+            old = self._items.pop(key, None)
+            if old is not None:
+                self._weight -= old[1]
+
+    @property
+    def weight(self) -> int:
+        return self._weight
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class Runtime:
+    """Thread pools, the read budget and buffer pools of one repository handle.
+
+    - ``cpu``: ``workers`` threads hashing, compressing, decoding;
+    - ``io``: ``io_workers`` threads for requests (parts, ranged GETs);
+    - ``seal``: completes sealed packs (``packs_in_flight + 1``);
+    - ``tensors``: tensors loaded at once (``tensor_workers``);
+    - ``background``: one thread running async saves in order.
+    """
+
+    def __init__(self, options: RepoOptions):
+        self.options = options
+        self._lock = threading.Lock()
+        self._pools: dict[str, cf.ThreadPoolExecutor] = {}
+        self._buffer_pools: dict[str, BufferPool] = {}
+        self._budget: ByteBudget | None = None
+
+    def _pool(self, name: str, threads: int) -> cf.ThreadPoolExecutor:
+        with self._lock:
+            pool = self._pools.get(name)
+            if pool is None:
+                pool = self._pools[name] = cf.ThreadPoolExecutor(threads, thread_name_prefix=f"ckpt-{name}")
+            return pool
+
+    @property
+    def cpu(self) -> cf.ThreadPoolExecutor:
+        return self._pool("cpu", self.options.workers)
+
+    @property
+    def io(self) -> cf.ThreadPoolExecutor:
+        return self._pool("io", self.options.io_workers)
+
+    @property
+    def seal(self) -> cf.ThreadPoolExecutor:
+        return self._pool("seal", self.options.packs_in_flight + 1)
+
+    @property
+    def tensors(self) -> cf.ThreadPoolExecutor:
+        return self._pool("tensor", self.options.tensor_workers)
+
+    @property
+    def background(self) -> cf.ThreadPoolExecutor:
+        return self._pool("async", 1)
+
+    def read_budget(self) -> ByteBudget:
+        """Bytes fetched and not yet decoded, shared by every read of this handle."""
+        with self._lock:
+            if self._budget is None:
+                o = self.options
+                self._budget = ByteBudget(max(o.max_request, o.max_inflight_bytes // 2))
+            return self._budget
+
+    def buffers(self, name: str, size: int, keep: int) -> BufferPool:
+        """The pool ``name`` of reusable ``size``-byte buffers.
+
+        Saves share them: ``"parts"`` (multipart part buffers) and
+        ``"scratch"`` (chunk-sized byte planes). A pool is rebuilt when its
+        size changes (the repository's config can set ``chunk_size``).
+        """
+        with self._lock:
+            pool = self._buffer_pools.get(name)
+            if pool is None or pool.size != size:
+                pool = self._buffer_pools[name] = BufferPool(size, keep=keep)
+            return pool
+
+    def map_tensors(self, fn: Callable[[str], V], keys: list[str]) -> list[V]:
+        """Run ``fn(key)`` for several tensors at once (each fans out to the I/O pool)."""
+        pool = self.tensors
+        futures = [pool.submit(fn, k) for k in keys]
+        try:
+            return [f.result() for f in futures]
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
+
+    def close(self) -> None:
+        """Wait for queued work (async saves first) and stop every thread."""
+        with self._lock:
+            pools, self._pools = self._pools, {}
+        for name in ("async", "tensor", "seal", "cpu", "io"):
+            p = pools.pop(name, None)
+            if p is not None:
+                p.shutdown(wait=True)
+        for p in pools.values():
+            p.shutdown(wait=True)

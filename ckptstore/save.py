@@ -1,0 +1,422 @@
+"""Writing steps: the chunk pipeline and the commit protocol.
+
+- :class:`ChunkWriter` cuts tensors into chunks (byte views, no serialized
+  copy), hashes and compresses them on the CPU pool, and appends the new
+  ones in order to packs through the one :class:`~ckptstore.packs.PackWriter`;
+  chunks the dedup base or this save already holds are referenced instead.
+- :class:`StepCommit` is the commit protocol every writer follows
+  (``Repository.save``, the DCP writer, ``cp`` and ``import``)::
+
+      begin()   refuse an existing step, create config.json, write the lease,
+                start the clock, then choose the dedup base (in that order:
+                docs/gc.md)
+      ...       the caller writes chunks and finishes its packs
+      commit()  record pack sizes, refuse if the dedup base may have been
+                collected meanwhile (invariant 5), create the manifest with
+                put-if-absent (invariant 2)
+      end()     drop the lease (also on failure)
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import time
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+import torch
+
+from . import codec as _codec
+from . import manifest as _m
+from .catalog import Catalog
+from .errors import (
+    ObjectExistsError,
+    ObjectNotFoundError,
+    PackVanishedError,
+    StaleBaseError,
+    StepExistsError,
+    StorageError,
+)
+from .layout import check_step, manifest_key, pack_key, safety_margin
+from .manifest import ChunkRef, Manifest, Shard, TensorEntry
+from .packs import PackWriter, part_window
+from .tensors import stage, tensor_bytes
+from .tree import flatten, tree_keys
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What one save did.
+
+    Attributes
+    ----------
+    step: the step number committed.
+    logical_bytes: raw bytes of every tensor in the state dict.
+    uploaded_bytes: bytes written to the store (packs, manifest).
+    reused_bytes: raw bytes referenced from chunks already stored.
+    new_bytes: raw bytes of chunks stored for the first time.
+    stored_bytes: compressed size of those new chunks.
+    compression_ratio: ``new_bytes / stored_bytes`` (1.0 when nothing new).
+    seconds: wall time of the save.
+    """
+
+    step: int
+    logical_bytes: int
+    uploaded_bytes: int
+    reused_bytes: int
+    new_bytes: int
+    stored_bytes: int
+    compression_ratio: float
+    seconds: float
+    tensors: int
+    new_chunks: int
+    reused_chunks: int
+    packs: int
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+# ==================================================================== dedup base
+def dedup_index(cat: Catalog, base_step: int | None) -> dict[str, ChunkRef]:
+    """The chunks of the dedup base step, by hash ({} without a base)."""
+    refs: dict[str, ChunkRef] = {}
+    if base_step is not None:
+        for c in cat.manifest(base_step).chunk_refs():
+            refs.setdefault(c.hash, c)
+    return refs
+
+
+# ==================================================================== commit protocol
+class StepCommit:
+    """The commit protocol of one step; see the module docstring.
+
+    Parameters
+    ----------
+    cat:
+        The destination repository.
+    step:
+        The step to commit.
+    base:
+        Dedup base: ``"latest"``, a step number, or None.
+    """
+
+    def __init__(self, cat: Catalog, step: int, base: int | str | None = "latest"):
+        self.cat = cat
+        self.step = check_step(step)
+        self.base = base
+        self.base_step: int | None = None
+        self.lease: str | None = None
+        self.t0: float | None = None
+
+    def begin(self, base_read_at: float | None = None) -> int | None:
+        """Claim the step (not committed yet), write the lease; returns the dedup base step.
+
+        ``base_read_at`` (the clock's monotonic time) is for a writer that
+        read what it reuses earlier, under a lease of its own held since
+        then (``cp``): the base-age check counts from there.
+        """
+        cat = self.cat
+        if cat.store.exists(manifest_key(self.step)):
+            raise StepExistsError(f"{cat.url}: step {self.step} already exists; nothing was written")
+        cat.ensure_config()
+        # The lease goes up, and the clock starts, before the dedup base is read.
+        self.lease = cat.write_lease(self.step)
+        self.t0 = cat.clock.monotonic() if base_read_at is None else base_read_at
+        if self.base == "latest":
+            self.base_step = cat.latest()
+        else:
+            self.base_step = None if self.base is None else check_step(self.base)
+        return self.base_step
+
+    def check_base_age(self) -> None:
+        """Invariant 5: refuse to commit once the dedup base may have been collected.
+
+        GC keeps the packs of a deleted step for the grace period after the
+        deletion; a save that outlived ``grace - margin`` since reading its
+        base can no longer rely on that.
+        """
+        grace = self.cat.grace()
+        margin = safety_margin(grace)
+        age = self.cat.clock.monotonic() - self.t0
+        if age > grace - margin:
+            raise StaleBaseError(
+                f"{self.cat.url}: step {self.step}: this save read its dedup base {age:.3g} s ago, longer than the "
+                f"repository's GC grace period ({grace:.3g} s) less the safety margin ({margin:.3g} s); "
+                "chunks it reuses may have been collected, so it does not commit. Save again, or raise "
+                "the grace period (ckptstore.open(..., grace=SECONDS) on an empty repository)."
+            )
+
+    def pack_sizes(self, man: Manifest, new_packs: dict[str, int], known: dict[str, int] | None = None) -> Manifest:
+        """``man`` with the size of every pack it names (written here, known, or from the store)."""
+        sizes = {}
+        base = self.cat.cached_manifest(self.base_step) if self.base_step is not None else None
+        for pid in man.packs:
+            if pid in new_packs:
+                sizes[pid] = new_packs[pid]
+            elif known is not None and pid in known:
+                sizes[pid] = known[pid]
+            elif base is not None and pid in base.packs:
+                sizes[pid] = base.packs[pid]
+            else:
+                sizes[pid] = self.cat.store.head(pack_key(pid)).size
+        return Manifest(**{**man.__dict__, "packs": sizes})
+
+    def commit(self, man: Manifest) -> bytes:
+        """Create the step's manifest (exclusive create): the step now exists."""
+        cat = self.cat
+        self.check_base_age()
+        body = _m.to_json(man)
+        if len(body) > _m.MAX_MANIFEST_BYTES:
+            raise StorageError(
+                f"{cat.url}: step {man.step}: the manifest would be {len(body)} bytes, over the "
+                f"{_m.MAX_MANIFEST_BYTES}-byte limit readers accept; nothing was committed. Save with a "
+                "larger chunk_size, or fewer, larger shards"
+            )
+        try:
+            cat.store.put_if_absent(manifest_key(man.step), body)
+        except ObjectExistsError:
+            # A retried create whose first response was lost finds its own
+            # manifest: accept it if it is byte-identical, refuse otherwise.
+            try:
+                stored = cat.store.get(manifest_key(man.step))
+            except ObjectNotFoundError:
+                stored = None
+            if stored != body:
+                raise StepExistsError(
+                    f"{cat.url}: step {man.step} was committed by another writer during this save; "
+                    "this save's packs are unreferenced and will be reclaimed by gc"
+                ) from None
+        cat.remember(man)
+        return body
+
+    def end(self) -> None:
+        """Drop the lease (a stale one only delays GC)."""
+        self.cat.drop_lease(self.lease)
+        self.lease = None
+
+    def __enter__(self) -> "StepCommit":
+        self.begin()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.end()
+
+
+# ==================================================================== chunk pipeline
+def _in_buffer(piece, buf: bytearray) -> bool:
+    """Whether ``piece`` (a buffer) points into ``buf``'s memory."""
+    if not isinstance(piece, (memoryview, np.ndarray)):
+        return False
+    a = np.frombuffer(buf, dtype=np.uint8)
+    return np.may_share_memory(np.asarray(piece), a)
+
+
+class ChunkWriter:
+    """Ordered chunk pipeline: hash+compress in parallel, append in order.
+
+    ``add(tensor)`` returns the list that :meth:`finish` fills with the
+    tensor's chunk references. Memory: at most ``max_inflight_bytes / 4`` of
+    chunks are being hashed and encoded; the rest of the budget holds part
+    buffers (:func:`~ckptstore.packs.part_window`).
+    """
+
+    def __init__(self, cat: Catalog, base_refs: dict[str, ChunkRef]):
+        self.cat = cat
+        o = self.o = cat.options
+        self.cpu = cat.runtime.cpu
+        self.base = base_refs
+        self.written: dict[str, ChunkRef] = {}
+        self.pending: collections.deque = collections.deque()
+        self.pending_bytes = 0
+        self.lookahead = max(2 * o.chunk_size, min(o.max_inflight_bytes // 4, 4 * o.workers * o.chunk_size))
+        self.packs = PackWriter(cat.store, cat.runtime, o, part_window(o, self.lookahead))
+        self.scratch = cat.runtime.buffers("scratch", o.chunk_size, self.lookahead // o.chunk_size + o.workers + 1)
+        self.logical = self.reused = self.new_raw = self.new_stored = 0
+        self.new_chunks = self.reused_chunks = 0
+
+    def stats(self, packs: dict[str, int]) -> dict:
+        """Byte counts of this save, as manifests record them."""
+        return {
+            "logical_bytes": self.logical,
+            "new_bytes": self.new_raw,
+            "stored_bytes": self.new_stored,
+            "reused_bytes": self.reused,
+            "pack_bytes": sum(packs.values()),
+        }
+
+    def add(self, t: torch.Tensor) -> list:
+        mv = tensor_bytes(t)
+        dtype = str(t.dtype).removeprefix("torch.")
+        self.logical += len(mv)
+        refs: list = []
+        cs = self.o.chunk_size
+        for off in range(0, len(mv), cs):
+            piece = mv[off : off + cs]
+            while self.pending and self.pending_bytes + len(piece) > self.lookahead:
+                self._drain_one()
+            fut = self.cpu.submit(self._prepare, piece, dtype)
+            self.pending.append((piece, fut, refs, dtype))
+            self.pending_bytes += len(piece)
+        return refs
+
+    def _prepare(self, piece, dtype):
+        """Hash and encode one chunk (on a CPU worker).
+
+        Returns ``(hash, codec, pieces, scratch)``; ``scratch`` (or None)
+        backs ``pieces`` and goes back to the pool once they are copied out.
+        """
+        h = _codec.hash_bytes(piece)
+        if h in self.base or h in self.written:
+            return h, None, None, None
+        scratch = self.scratch.get() if len(piece) == self.scratch.size else None
+        codec, pieces = _codec.encode_pieces(piece, self.o.codec, self.o.level, dtype, scratch)
+        if scratch is not None and not any(_in_buffer(p, scratch) for p in pieces):
+            self.scratch.put(scratch)
+            scratch = None
+        return h, codec, pieces, scratch
+
+    def _drain_one(self) -> None:
+        piece, fut, refs, dtype = self.pending.popleft()
+        self.pending_bytes -= len(piece)
+        h, codec, stored, scratch = fut.result()
+        try:
+            ref = self.written.get(h) or self.base.get(h)
+            if ref is not None:
+                self.reused += len(piece)
+                self.reused_chunks += 1
+            else:
+                if stored is None:  # raced with a chunk that was then not written
+                    codec, stored = _codec.encode_pieces(piece, self.o.codec, self.o.level, dtype)
+                ref = self.packs.add(h, codec, stored, len(piece))
+                self.written[h] = ref
+                self.new_raw += len(piece)
+                self.new_stored += ref.stored_len
+                self.new_chunks += 1
+        finally:
+            if scratch is not None:
+                self.scratch.put(scratch)
+        refs.append(ref)
+
+    def finish(self) -> dict[str, int]:
+        """Write out every chunk; pack id -> size of each pack written, all verified complete."""
+        while self.pending:
+            self._drain_one()
+        return self.packs.finish()
+
+    def abort(self) -> None:
+        for _, fut, _, _ in self.pending:
+            fut.cancel()
+        self.pending.clear()
+        self.packs.abort()
+
+
+# ==================================================================== Repository.save
+def check_metadata(metadata) -> dict:
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict):
+        raise TypeError("metadata must be a dict of JSON values")
+    try:
+        json.dumps(metadata, allow_nan=True)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"metadata is not JSON-serializable: {e}") from None
+    return metadata
+
+
+def save_step(cat: Catalog, tree, tensors: dict[str, torch.Tensor], step: int, metadata: dict, base) -> StepInfo:
+    """Save one flattened state dict as a new step (the body of ``Repository.save``)."""
+    t0 = time.perf_counter()
+    commit = StepCommit(cat, step, base)
+    try:
+        base_step = commit.begin()
+        writer = ChunkWriter(cat, dedup_index(cat, base_step))
+        entries: dict[str, tuple[torch.Tensor, list]] = {}
+        try:
+            for key in tree_keys(tree):
+                t = tensors[key]
+                entries[key] = (t, writer.add(t))
+            packs = writer.finish()
+        except PackVanishedError as e:
+            writer.abort()
+            commit.check_base_age()  # a slow save: say so
+            raise StorageError(str(e)) from None
+        except BaseException:
+            writer.abort()
+            raise
+        te = {}
+        for key, (t, refs) in entries.items():
+            shape = tuple(t.shape)
+            te[key] = TensorEntry(key, _m.dtype_name(t.dtype), shape, (Shard((0,) * len(shape), shape, tuple(refs)),))
+        man = Manifest(
+            step=commit.step,
+            created=cat.clock.time(),
+            tensors=te,
+            tree=tree,
+            packs={c.pack: 0 for r in te.values() for s in r.shards for c in s.chunks},
+            metadata=metadata,
+            base_step=base_step,
+            stats=writer.stats(packs),
+        )
+        body = commit.commit(commit.pack_sizes(man, packs))
+    finally:
+        commit.end()
+    return StepInfo(
+        step=commit.step,
+        logical_bytes=writer.logical,
+        uploaded_bytes=sum(packs.values()) + len(body),
+        reused_bytes=writer.reused,
+        new_bytes=writer.new_raw,
+        stored_bytes=writer.new_stored,
+        compression_ratio=(writer.new_raw / writer.new_stored) if writer.new_stored else 1.0,
+        seconds=time.perf_counter() - t0,
+        tensors=len(te),
+        new_chunks=writer.new_chunks,
+        reused_chunks=writer.reused_chunks,
+        packs=len(packs),
+    )
+
+
+class AsyncSaver:
+    """``save(..., blocking=False)``: stage host copies, save in the background, in order.
+
+    A fresh allocation pays a page fault per page on first touch (about
+    2 s per GiB measured here); copying into buffers already touched runs
+    at memory speed. So staging buffers are reused, but only once the async
+    save that used them has finished; otherwise fresh ones are allocated.
+    """
+
+    def __init__(self, cat: Catalog):
+        self.cat = cat
+        self.staging: dict[str, torch.Tensor] = {}
+        self.last = None
+
+    def stage_all(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        last = self.last
+        pool = self.staging if (last is None or last.done()) else {}
+        staged = {}
+        for k, t in tensors.items():
+            buf = pool.get(k)
+            src = t.detach()
+            if buf is not None and src.device.type == "cpu" and buf.shape == src.shape and buf.dtype == src.dtype:
+                buf.copy_(src.resolve_conj().resolve_neg())
+                staged[k] = buf
+            else:
+                staged[k] = stage(t)
+        self.staging = staged
+        return staged
+
+    def submit(self, tree, tensors, step, metadata, base):
+        staged = self.stage_all(tensors)
+        fut = self.cat.runtime.background.submit(save_step, self.cat, tree, staged, step, metadata, base)
+        self.last = fut
+        return fut
+
+
+def flatten_for_save(state_dict: Mapping, step, metadata) -> tuple[dict, dict, int, dict]:
+    """Checked inputs of a save: ``(tree, tensors, step, metadata)``."""
+    step = check_step(step)
+    tree, tensors = flatten(state_dict)
+    return tree, tensors, step, check_metadata(metadata)

@@ -1,0 +1,177 @@
+"""Multipart uploads fed from a thread pool, and the part buffers they reuse."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+
+from .base import MAX_PARTS, MultipartUpload, ObjectStore
+
+
+class BufferPool:
+    """Reusable part buffers: the save path allocates no fresh large buffers.
+
+    A fresh allocation over 32 MiB costs page faults on every first touch
+    (measured here at about 2 s per GiB) while reusing a buffer copies at
+    memory speed. At most ``keep`` idle buffers are retained.
+    """
+
+    def __init__(self, size: int, keep: int = 8):
+        self.size = size
+        self.keep = keep
+        self._free: list[bytearray] = []
+        self._lock = threading.Lock()
+        self.allocated = 0
+
+    def get(self) -> bytearray:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+            self.allocated += 1
+        return bytearray(self.size)
+
+    def put(self, buf: bytearray) -> None:
+        if len(buf) != self.size:
+            return
+        with self._lock:
+            if len(self._free) < self.keep:
+                self._free.append(buf)
+
+
+class ParallelUploader:
+    """Feeds the parts of one multipart upload to a thread pool, window-bounded.
+
+    ``write`` accepts bytes of any size and copies them once into a part
+    buffer (from ``buffers``, reused across parts and uploads); a full part
+    is submitted at once, and at most ``window`` parts are in flight for this
+    upload (further writes block); the pool may be shared with other
+    uploads. ``close`` uploads the last part, waits, and completes; any
+    failure aborts the upload and re-raises. A small object (one short part)
+    becomes a plain PUT.
+    """
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        key: str,
+        part_size: int,
+        pool: cf.Executor,
+        window: int = 4,
+        budget: threading.Semaphore | None = None,
+        buffers: BufferPool | None = None,
+    ):
+        self.store = store
+        self.key = key
+        self.part_size = part_size
+        self.pool = pool
+        self._sem = threading.Semaphore(max(1, window))
+        self._budget = budget
+        self._buffers = buffers if buffers is not None and buffers.size == part_size else BufferPool(part_size, keep=0)
+        self._buf: bytearray | None = None
+        self._fill = 0
+        self._futures: list[cf.Future] = []
+        self._nparts = 0
+        self._size = 0
+        self._mpu: MultipartUpload | None = None
+        self._closed = False
+
+    @property
+    def size(self) -> int:
+        """Bytes written so far."""
+        return self._size
+
+    def write(self, data) -> None:
+        if self._closed:
+            raise ValueError("write to a closed uploader")
+        mv = memoryview(data).cast("B")
+        self._size += len(mv)
+        while len(mv):
+            if self._buf is None:
+                self._buf, self._fill = self._buffers.get(), 0
+            n = min(len(mv), self.part_size - self._fill)
+            self._buf[self._fill : self._fill + n] = mv[:n]
+            self._fill += n
+            mv = mv[n:]
+            if self._fill == self.part_size:
+                buf, self._buf = self._buf, None
+                self._submit(buf, self.part_size)
+        self._raise_failed()
+
+    def _raise_failed(self) -> None:
+        for f in self._futures:
+            if f.done() and f.exception() is not None:
+                self.abort()
+                raise f.exception()
+
+    def _submit(self, buf: bytearray, length: int) -> None:
+        if self._mpu is None:
+            self._mpu = self.store.create_multipart(self.key, self.part_size)
+        self._nparts += 1
+        if self._nparts > MAX_PARTS:
+            raise ValueError(f"{self.key}: more than {MAX_PARTS} parts; raise part_size")
+        number = self._nparts
+        self._sem.acquire()
+        if self._budget is not None:
+            self._budget.acquire()
+
+        def run():
+            try:
+                # A full part goes as the bytearray itself (S3 sends it uncopied).
+                self._mpu.upload_part(number, buf if length == len(buf) else memoryview(buf)[:length])
+            finally:
+                self._buffers.put(buf)
+                self._sem.release()
+                if self._budget is not None:
+                    self._budget.release()
+
+        try:
+            self._futures.append(self.pool.submit(run))
+        except BaseException:
+            self._buffers.put(buf)
+            self._sem.release()
+            if self._budget is not None:
+                self._budget.release()
+            raise
+
+    def close(self) -> int:
+        """Finish the object; returns its size."""
+        if self._closed:
+            return self._size
+        self._closed = True
+        try:
+            if self._mpu is None:
+                # Small object: one plain PUT is cheaper than a multipart upload.
+                data = bytes(memoryview(self._buf)[: self._fill]) if self._buf is not None else b""
+                self.store.put(self.key, data)
+            else:
+                if self._buf is not None and self._fill:
+                    self._closed = False
+                    buf, self._buf = self._buf, None
+                    self._submit(buf, self._fill)
+                    self._closed = True
+                for f in self._futures:
+                    f.result()
+                self._mpu.complete(self._nparts)
+        except BaseException:
+            self.abort()
+            raise
+        finally:
+            if self._buf is not None:
+                self._buffers.put(self._buf)
+                self._buf = None
+        return self._size
+
+    def abort(self) -> None:
+        self._closed = True
+        for f in self._futures:
+            f.cancel()
+        for f in self._futures:
+            try:
+                f.result()
+            except BaseException:
+                pass
+        if self._mpu is not None:
+            try:
+                self._mpu.abort()
+            except Exception:
+                pass
