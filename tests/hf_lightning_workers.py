@@ -212,7 +212,7 @@ def lightning_model_parallel(rank: int, world: int, port: int, url: str, tmp: st
     first = Sharded()
     trainer(strat(), 1, True).fit(first, loader())
     resumed = Sharded()
-    trainer(strat(), 2, True).fit(resumed, loader(), ckpt_path=os.path.join(tmp, "elsewhere", "epoch=0-step=4.ckpt"))
+    trainer(strat(), 2, True).fit(resumed, loader(), ckpt_path=os.path.join(tmp, "elsewhere", "epoch=0-step=2.ckpt"))
     straight = Sharded()
     plain = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1, process_group_backend="gloo")
     trainer(plain, 2, False).fit(straight, loader())

@@ -1,6 +1,7 @@
-"""Adapters for training stacks (DeepSpeed, Megatron-Core, Hugging Face, Lightning).
+"""Adapters for training stacks (see ``docs/integrations.md``).
 
-Each submodule imports its framework when it is imported and raises an
-``ImportError`` naming the extra (``pip install 'ckptstore[integrations]'``)
-when the framework is missing; importing this package imports none of them.
+Each submodule imports its framework when it is itself imported, and only
+then: ``import ckptstore`` and this package import none of them. A
+submodule whose framework is missing raises ``ImportError`` naming the
+extra to install (``pip install 'ckptstore[integrations]'``).
 """
