@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import enum
 import json
-import os
 import pathlib
 import subprocess
 import sys

@@ -42,7 +42,7 @@ import torch
 
 import ckptstore
 from ckptstore.errors import StepNotFoundError
-from ckptstore.repository import Checkpoint, Repository, TensorMeta
+from ckptstore import Checkpoint, Repository, TensorMeta
 
 #: Key of the step metadata written by :class:`CkptStoreCallback`.
 METADATA_KEY = "hf_trainer"
@@ -280,7 +280,7 @@ def _rng_for_trainer(saved: dict) -> dict:
 
 
 def _refuse_sharded(args) -> None:
-    if getattr(args, "fsdp", None) or getattr(args, "fsdp_config", None) and args.fsdp_config.get("fsdp_version"):
+    if getattr(args, "fsdp", None):  # [] / "" unless FSDP is on
         raise RuntimeError(
             "CkptStoreCallback saves a full state dict from one process; under FSDP use "
             "ckptstore.integrations.hf.route_fsdp_checkpoints (docs/integrations.md)"
@@ -445,7 +445,9 @@ def restore_checkpoint_dir(
 
     The ``.pt`` files are written with ``torch.save`` from tensors and JSON
     values ckptstore read; Trainer loads them with ``weights_only=True``.
-    The folder must not exist yet.
+    The folder must not exist yet. In a multi-process job, call it on one
+    process per machine (e.g. local rank 0, then a barrier) before
+    ``train``; only process 0's RNG state was saved.
     """
     repo, owned = _open(url, storage_options, open_options)
     try:

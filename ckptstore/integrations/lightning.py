@@ -50,7 +50,7 @@ import torch
 
 import ckptstore
 from ckptstore.errors import StepExistsError, StepNotFoundError
-from ckptstore.repository import Repository
+from ckptstore import Repository
 from ckptstore.tree import flatten, unflatten
 
 #: Metadata key of every step written here; ``path`` is the file name.
