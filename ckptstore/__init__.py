@@ -12,12 +12,14 @@ from .errors import (
     StorageError,
     UnsupportedVersionError,
 )
+from .loading import load_module
 from .repository import Checkpoint, Repository, StepInfo, TensorMeta, open
 
 __version__ = "0.1.0"
 
 __all__ = [
     "open",
+    "load_module",
     "Repository",
     "Checkpoint",
     "StepInfo",

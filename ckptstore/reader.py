@@ -191,9 +191,10 @@ class Checkpoint:
         """Read box ``local`` of one shard into ``target`` (shape of the box).
 
         ``target`` may be on any device and of any dtype the stored one casts
-        to (see :func:`~ckptstore.tensors.castable`); only a contiguous CPU
-        target of the stored dtype receives the decoded bytes directly, any
-        other gets them through a buffer of the box's rows and one ``copy_``.
+        to (see :func:`~ckptstore.tensors.castable`); a contiguous CPU target
+        of the stored dtype whose box is one contiguous byte run of the shard
+        receives the decoded bytes directly, any other gets them through a
+        buffer of the box's rows and one ``copy_``.
         """
         isz = _m.itemsize(e.dtype)
         stored_dtype = _m.DTYPES[e.dtype]
@@ -211,21 +212,27 @@ class Checkpoint:
         else:
             r0, r1 = 0, 1
         span_lo, span_hi = r0 * row, r1 * row
+        starts = shard.chunk_starts()
+        runs = _plan.byte_runs(shape, isz, local)
+        needed = _plan.chunks_for_runs(starts, shard.nbytes, runs)
+        # A box whose bytes are one contiguous run of the shard (the whole
+        # shard, a range of rows, or a range of one row's elements: the
+        # blocks ckptstore.loading stages) decodes straight into a
+        # contiguous target of the stored dtype.
         direct = (
             writable_in_place(target)
             and target.dtype == stored_dtype
-            and (nd == 0 or all(b == (0, n, 1) for b, n in zip(local, shape)))
+            and len(runs) == 1
+            and int(runs[0, 1] - runs[0, 0]) == target.numel() * isz
         )
         if direct:
             buf = target.detach()
+            span_lo, span_hi = int(runs[0, 0]), int(runs[0, 1])
         elif nd == 0:
             buf = torch.empty((), dtype=stored_dtype)
         else:
             buf = torch.empty((r1 - r0,) + tuple(shape[1:]), dtype=stored_dtype)
         view = byte_view(buf)
-        starts = shard.chunk_starts()
-        runs = _plan.byte_runs(shape, isz, local)
-        needed = _plan.chunks_for_runs(starts, shard.nbytes, runs)
 
         def deliver(k: int, raw, stored) -> None:
             i = needed[k]

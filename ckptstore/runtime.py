@@ -17,11 +17,16 @@ V = TypeVar("V")
 
 
 class ByteBudget:
-    """A counting limit on bytes in flight; one oversize request may pass alone."""
+    """A counting limit on bytes in flight; one oversize request may pass alone.
+
+    ``peak`` is the most bytes ever held at once (tests and benchmarks
+    read it).
+    """
 
     def __init__(self, limit: int):
         self.limit = limit
         self.used = 0
+        self.peak = 0
         self._cv = threading.Condition()
 
     def acquire(self, n: int) -> None:
@@ -29,6 +34,7 @@ class ByteBudget:
             while self.used and self.used + n > self.limit:
                 self._cv.wait()
             self.used += n
+            self.peak = max(self.peak, self.used)
 
     def release(self, n: int) -> None:
         with self._cv:

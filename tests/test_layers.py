@@ -32,9 +32,9 @@ LAYERS: list[list[str]] = [
     ["verify"],
     ["gc", "transfer"],
     ["repository"],
+    ["loading"],  # below the package, which exports load_module
     [""],  # the package itself: ckptstore/__init__.py
     ["dcp"],
-    ["loading"],
     ["integrations"],
     ["testing"],
     ["cli"],

@@ -43,6 +43,7 @@ import torch
 import ckptstore
 from ckptstore.errors import StepNotFoundError
 from ckptstore import Checkpoint, Repository, TensorMeta
+from ckptstore.loading import TensorReader, resolve_checkpoint
 
 #: Key of the step metadata written by :class:`CkptStoreCallback`.
 METADATA_KEY = "hf_trainer"
@@ -94,15 +95,17 @@ class LazyTensor:
     ``get_shape()``, ``get_dtype()``, ``dtype``, ``shape``,
     ``is_floating_point()``, and ``t[index]`` returning a ``torch.Tensor``
     for ints, slices and ``...`` (``t[...]`` is the whole tensor). Each
-    index reads only the chunks covering it (:meth:`Checkpoint.read`).
+    index reads only the chunks covering it, through
+    :class:`ckptstore.loading.TensorReader`, the reading path
+    :func:`ckptstore.load_module` uses too.
     """
 
-    __slots__ = ("_ckpt", "key", "_meta")
+    __slots__ = ("_reader", "key", "_meta")
 
-    def __init__(self, ckpt: Checkpoint, key: str, meta: TensorMeta | None = None):
-        self._ckpt = ckpt
+    def __init__(self, source: Checkpoint | TensorReader, key: str, meta: TensorMeta | None = None):
+        self._reader = source if isinstance(source, TensorReader) else TensorReader(source)
         self.key = key
-        self._meta = meta or ckpt.tensor_meta(key)
+        self._meta = meta or self._reader.checkpoint.tensor_meta(key)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -144,15 +147,15 @@ class LazyTensor:
         return self._meta.shape[0]
 
     def __getitem__(self, index: Any) -> torch.Tensor:
-        return self._ckpt.read(self.key, index)
+        return self._reader.read(self.key, index)
 
-    def materialize(self) -> torch.Tensor:
-        """The whole tensor (same as ``t[...]``)."""
-        return self._ckpt.read(self.key)
+    def materialize(self, device=None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The whole tensor (``t[...]``), optionally read straight onto ``device`` as ``dtype``."""
+        return self._reader.read(self.key, device=device, dtype=dtype)
 
     def __repr__(self) -> str:
         dt = str(self.dtype).removeprefix("torch.")
-        return f"LazyTensor({self.key!r}, {dt}{list(self._meta.shape)}, step={self._ckpt.step})"
+        return f"LazyTensor({self.key!r}, {dt}{list(self._meta.shape)}, step={self._reader.step})"
 
 
 class LazyStateDict(dict):
@@ -217,21 +220,17 @@ def lazy_state_dict(
     storage_options, **open_options:
         As for :func:`ckptstore.open`.
     """
-    repo, owned = _open(url, storage_options, open_options)
+    repo, ckpt, owned = resolve_checkpoint(url, step, storage_options, open_options)
     try:
-        if step is None:
-            step = repo.latest()
-            if step is None:
-                raise StepNotFoundError(f"{repo.url}: the repository has no committed step")
-        ckpt = repo.checkpoint(step)
         if prefix is None:
             prefix = MODEL + "." if METADATA_KEY in ckpt.metadata else ""
+        reader = TensorReader(ckpt)
         items = {}
         for key in ckpt.keys():
             if key.startswith(prefix):
-                items[key[len(prefix):]] = LazyTensor(ckpt, key)
+                items[key[len(prefix):]] = LazyTensor(reader, key)
         if not items:
-            raise KeyError(f"{repo.url}: step {step} has no tensor whose key starts with {prefix!r}")
+            raise KeyError(f"{repo.url}: step {ckpt.step} has no tensor whose key starts with {prefix!r}")
         return LazyStateDict(items, ckpt, prefix, owned)
     except BaseException:
         if owned:
