@@ -155,19 +155,22 @@ class StagingBuffers:
     pin:
         Allocate pinned (page-locked) memory, so copies to CUDA run
         asynchronously.
-    budget, charge:
-        A :class:`~ckptstore.runtime.ByteBudget` to hold ``charge`` bytes
-        of for as long as the buffers live (:meth:`close` gives them back):
-        the staging memory then comes out of the read budget instead of on
-        top of it.
+    budget, room:
+        A :class:`~ckptstore.runtime.ByteBudget` to reserve the buffers'
+        bytes in for as long as they live (:meth:`close` gives them back),
+        so the staging memory comes out of the read budget instead of on top
+        of it; ``room`` is the largest request the reads will make, which
+        the reservation leaves free (see :meth:`ByteBudget.reserve`; a
+        budget too small for both holds only what fits).
 
     Attributes
     ----------
     allocated_bytes: bytes of buffers allocated so far.
     max_in_use: the most buffers held at once.
+    charged: bytes reserved in ``budget``.
     """
 
-    def __init__(self, slot_bytes: int, slots: int, *, pin: bool = False, budget=None, charge: int = 0):
+    def __init__(self, slot_bytes: int, slots: int, *, pin: bool = False, budget=None, room: int = 0):
         if slot_bytes < 1 or slots < 1:
             raise ValueError("staging needs at least one buffer of at least one byte")
         self.slot_bytes = slot_bytes
@@ -180,9 +183,8 @@ class StagingBuffers:
         self._in_use = 0
         self._cv = threading.Condition()
         self._budget = budget
-        self._charge = max(0, charge) if budget is not None else 0
-        if self._charge:
-            budget.acquire(self._charge)
+        self._room = room
+        self.charged = budget.reserve(slot_bytes * slots, room) if budget is not None else 0
 
     @property
     def capacity(self) -> int:
@@ -260,9 +262,9 @@ class StagingBuffers:
         finally:
             self._free.clear()
             self._all.clear()
-            if self._charge:
-                charge, self._charge = self._charge, 0
-                self._budget.release(charge)
+            if self.charged:
+                charged, self.charged = self.charged, 0
+                self._budget.unreserve(charged, self._room)
 
     def __enter__(self):
         return self
@@ -272,29 +274,28 @@ class StagingBuffers:
 
 
 def staging_sizes(ckpt: Checkpoint, staging_bytes: int | None = None, room: int = 0) -> tuple[int, int, int]:
-    """``(slot_bytes, slots, charge)`` of the staging buffers for reads of ``ckpt``.
+    """``(slot_bytes, slots, room)`` of the staging buffers for reads of ``ckpt``.
 
     Total size: ``staging_bytes``, default :data:`STAGING_BYTES` but at most
     a quarter of the handle's read budget; cut into ``tensor_workers + 2``
     buffers (one per tensor being read, two more for copies in flight).
-    ``charge``, the part held against the read budget, leaves ``room`` (the
-    largest range request the reads may make, at least ``max_request``)
-    free, so a fetch never waits for staging memory that will not come back.
+    ``room``: the largest range request the reads may make (the largest
+    chunk given, or ``max_request``), which their reservation in the read
+    budget leaves free.
     """
     o = ckpt.repo.options
     limit = ckpt.repo.runtime.read_budget().limit
     slots = o.tensor_workers + 2
     total = staging_bytes if staging_bytes is not None else min(STAGING_BYTES, limit // 4)
     slot_bytes = max(STAGING_ALIGN, total // slots // STAGING_ALIGN * STAGING_ALIGN)
-    charge = max(0, min(slot_bytes * slots, limit - max(room, o.max_request)))
-    return slot_bytes, slots, charge
+    return slot_bytes, slots, max(room, o.max_request)
 
 
 def make_staging(ckpt: Checkpoint, *, pin: bool, staging_bytes: int | None = None, room: int = 0,
                  cls: type[StagingBuffers] = StagingBuffers) -> StagingBuffers:
-    """Staging buffers sized by :func:`staging_sizes`, charged to ``ckpt``'s read budget."""
-    slot_bytes, slots, charge = staging_sizes(ckpt, staging_bytes, room)
-    return cls(slot_bytes, slots, pin=pin, budget=ckpt.repo.runtime.read_budget(), charge=charge)
+    """Staging buffers sized by :func:`staging_sizes`, reserved in ``ckpt``'s read budget."""
+    slot_bytes, slots, room = staging_sizes(ckpt, staging_bytes, room)
+    return cls(slot_bytes, slots, pin=pin, budget=ckpt.repo.runtime.read_budget(), room=room)
 
 
 def _largest_chunk(entries) -> int:
@@ -376,8 +377,9 @@ class TensorReader:
     def _staged(self, e, box, target: torch.Tensor, on_bytes) -> None:
         staging, own = self.staging, False
         if staging is None:
+            limit = self.checkpoint.repo.runtime.read_budget().limit
             staging = make_staging(self.checkpoint, pin=target.device.type == "cuda" and torch.cuda.is_available(),
-                                   staging_bytes=16 * MiB, room=_largest_chunk([e]))
+                                   staging_bytes=min(16 * MiB, limit // 4), room=_largest_chunk([e]))
             own = True
         try:
             stored = _m.DTYPES[e.dtype]
@@ -766,7 +768,9 @@ def load_module(
         Show a ``tqdm`` bar of the bytes filled.
     staging_bytes:
         Total size of the staging buffers (default 64 MiB, at most a quarter
-        of the read budget).
+        of the read budget). They are reserved in the read budget, as much of
+        them as leaves room for the largest range request; a larger size
+        given here is allocated all the same, the excess on top of the budget.
 
     Returns
     -------

@@ -19,6 +19,14 @@ V = TypeVar("V")
 class ByteBudget:
     """A counting limit on bytes in flight; one oversize request may pass alone.
 
+    Requests (:meth:`acquire`/:meth:`release`) hold bytes briefly: a range
+    request from GET to decode. Reservations (:meth:`reserve`/:meth:`unreserve`)
+    hold bytes for as long as a set of buffers lives (the staging buffers
+    of :mod:`ckptstore.loading`); every reservation names the largest
+    request its owner will make (``room``), and the reservations together
+    always leave the largest of those rooms free, so a reservation holder's
+    request never waits on another holder's release (no deadlock).
+
     ``peak`` is the most bytes ever held at once (tests and benchmarks
     read it).
     """
@@ -26,7 +34,9 @@ class ByteBudget:
     def __init__(self, limit: int):
         self.limit = limit
         self.used = 0
+        self.reserved = 0
         self.peak = 0
+        self._rooms: list[int] = []
         self._cv = threading.Condition()
 
     def acquire(self, n: int) -> None:
@@ -39,6 +49,36 @@ class ByteBudget:
     def release(self, n: int) -> None:
         with self._cv:
             self.used -= n
+            self._cv.notify_all()
+
+    def reserve(self, n: int, room: int) -> int:
+        """Hold up to ``n`` bytes until :meth:`unreserve`; returns the bytes held.
+
+        At most ``limit - room`` is held (0 when the room takes the whole
+        budget, and then nothing is registered). Waits until the
+        reservations, this one included, leave every holder's room free.
+        """
+        n = min(n, self.limit - room)
+        if n <= 0:
+            return 0
+        with self._cv:
+            while (self.reserved + n > self.limit - max([room, *self._rooms])
+                   or self.used + n > self.limit):
+                self._cv.wait()
+            self.used += n
+            self.reserved += n
+            self._rooms.append(room)
+            self.peak = max(self.peak, self.used)
+        return n
+
+    def unreserve(self, n: int, room: int) -> None:
+        """Give back a reservation (``n`` as :meth:`reserve` returned it)."""
+        if n <= 0:
+            return
+        with self._cv:
+            self.used -= n
+            self.reserved -= n
+            self._rooms.remove(room)
             self._cv.notify_all()
 
 

@@ -7,7 +7,9 @@ read budget's high-water mark.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import random
+import threading
 
 import pytest
 import torch
@@ -277,6 +279,42 @@ def test_host_memory_stays_within_the_read_budget(tmp_path, monkeypatch):
         assert torch.equal(m.layers[i].weight, ref.layers[i].weight.to(torch.bfloat16).float())
 
 
+def test_budget_reservations_always_leave_every_holders_room():
+    from ckptstore.runtime import ByteBudget
+
+    b = ByteBudget(512)
+    assert b.reserve(1000, room=100) == 412, "clamped to what leaves the room free"
+    b.unreserve(412, 100)
+    assert b.reserve(600, room=600) == 0 and b.reserved == 0
+    assert b.reserve(300, room=100) == 300
+    got = []
+    t = threading.Thread(target=lambda: got.append(b.reserve(200, room=50)))
+    t.start()
+    # 300 + 200 would leave less than the first holder's 100 bytes: the second waits,
+    # while requests up to the first holder's room still pass
+    b.acquire(100)
+    b.release(100)
+    assert not got
+    b.unreserve(300, 100)
+    t.join()
+    assert got == [200] and b.reserved == b.used == 200
+
+
+def test_concurrent_staged_reads_on_one_handle_finish(tmp_path):
+    # Each read reserves staging in the one read budget; together they must still
+    # leave room for each other's requests (no deadlock).
+    _, repo = _repo(tmp_path, max_inflight_bytes=1 << 20, max_request=64 << 10)
+    w = {f"w{i}": torch.randn(256, 256, generator=torch.Generator().manual_seed(i)) for i in range(6)}
+    repo.save(w, step=1)
+    reader = TensorReader(repo.checkpoint(1))
+    with cf.ThreadPoolExecutor(6) as pool:
+        futs = {k: pool.submit(reader.read, k, dtype=torch.float64) for k in w}
+        for k, f in futs.items():
+            assert torch.equal(f.result(timeout=300), w[k].double()), k  # the timeout only guards a hang
+    budget = repo.runtime.read_budget()
+    assert budget.used == budget.reserved == 0 and budget.peak <= budget.limit
+
+
 # ---------------------------------------------------------------- device maps
 def test_device_map_longest_prefix_at_name_boundaries():
     dm = loading._DeviceMap({"": "cpu"})
@@ -347,6 +385,9 @@ def test_tensor_reader_reads_slices_onto_other_dtypes_and_strided_destinations(t
     dest = torch.empty(40, 300).t()  # non-contiguous: staged, then copied
     r.read_into("w", dest)
     assert torch.equal(dest, w)
+    repo.save({"s": torch.tensor(2.5)}, step=2)
+    s0 = TensorReader(repo.checkpoint(2)).read("s", dtype=torch.float16)  # 0-d, staged
+    assert s0.shape == () and s0.dtype == torch.float16 and s0.item() == 2.5
     with pytest.raises(ValueError, match=r"tensor 'w' is float32\[300, 40\]"):
         r.read_into("w", torch.empty(3, dtype=torch.int32), index=(0, slice(0, 3)))
     assert repo.runtime.read_budget().used == 0
