@@ -160,13 +160,13 @@ def save_load_worker(rank, world, port, stage, url, so, tmp, bf16=False):
     shutdown()
 
 
-def reshard_worker(rank, world, port, url, so, tmp):
+def reshard_worker(rank, world, port, url, so, tmp, bf16=False):
     """A fresh ZeRO-3 engine on ``world`` ranks loads a step saved on 2 and trains on."""
     from ckptstore.integrations import deepspeed as cds
 
     deepspeed = init(rank, world, port)
     exp = torch.load(os.path.join(tmp, "expect_3.pt"), weights_only=True)
-    fresh = engine(deepspeed, 3, seed=9)
+    fresh = engine(deepspeed, 3, seed=9, bf16=bf16)
     cds.attach(fresh, url, storage_options=so)
     # A load directory that never saw the checkpoint: the stubs are written from the repository.
     path, client = fresh.load_checkpoint(os.path.join(tmp, f"elsewhere{world}"), tag="global_step2")

@@ -577,3 +577,26 @@ def partition(full_reader: Callable[[int, int], torch.Tensor], numel: int, rank:
     if b > a:
         out[: b - a] = full_reader(a, b)
     return out
+
+
+def consolidated(ckpt) -> list[tuple[str, torch.dtype, tuple[int, ...], Callable[[], torch.Tensor]]]:
+    """(name, dtype, shape, read) of the model weights a DeepSpeed step makes up.
+
+    ZeRO-1/2/3: buffers, frozen parameters and every trainable parameter
+    assembled from the fp32 master partitions (full precision, as
+    ``zero_to_fp32.py`` gives them), tied names included. Without ZeRO:
+    the module state dict of the model-states file as saved.
+    """
+    stored = StoredStep(ckpt)
+    if int(stored.meta.get("zero_stage", 0)) in (1, 2, 3):
+        return ZeroLayout(stored).consolidated()
+    models = stored.model_files()
+    if 0 not in models:
+        raise FormatError(f"step {stored.step}: no model-states file of rank 0")
+    module = stored.structure(models[0]).get("module") or {}
+    out = []
+    for name, ref in module.items():
+        if isinstance(ref, TensorRef):
+            tm = ckpt.tensor_meta(ref.key)
+            out.append((name, tm.dtype, tuple(tm.shape), lambda k=ref.key: ckpt.read(k)))
+    return out
