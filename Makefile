@@ -11,6 +11,11 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
+	# --- deepspeed/megatron (issue 14): the integrations extra, torch kept at 2.13.0;
+	# DS_BUILD_OPS=0: DeepSpeed compiles no op at install (the tests switch its JIT comm op off)
+	DS_BUILD_OPS=0 $(PY) -m pip install -q -e '.[integrations]' torch==2.13.0
+	$(PY) -m pip check
+	# --- end deepspeed/megatron
 	touch $(STAMP)
 
 setup: $(STAMP)
