@@ -240,3 +240,38 @@ def failure_worker(rank, world, port, url, so, tmp):
         assert f.read().strip() == "global_step1"
     repo.close()
     shutdown()
+
+
+def hf_config():
+    from transformers import GPT2Config
+
+    return GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=16)
+
+
+def hf_worker(rank, world, port, url, tmp):
+    """A tiny Hugging Face GPT-2 (tied embeddings, one frozen block) trained and saved under ZeRO-3."""
+    from deepspeed.utils import safe_get_full_fp32_param
+    from transformers import GPT2LMHeadModel
+
+    from ckptstore.integrations import deepspeed as cds
+
+    deepspeed = init(rank, world, port)
+    torch.manual_seed(0)
+    m = GPT2LMHeadModel(hf_config())
+    m.transformer.h[0].requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=0.01)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
+           "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
+    eng, *_ = deepspeed.initialize(model=m, optimizer=opt, config=cfg)
+    cds.attach(eng, url)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        ids = torch.randint(0, 100, (2, 8), generator=g)
+        eng.backward(eng(input_ids=ids, labels=ids).loss)
+        eng.step()
+    eng.save_checkpoint(os.path.join(tmp, "ds"), tag="global_step2")
+    full = {n: safe_get_full_fp32_param(p).clone() if p.requires_grad else gathered(p)
+            for n, p in eng.module.named_parameters()}
+    if rank == 0:
+        torch.save(full, os.path.join(tmp, "hf_full.pt"))
+    shutdown()

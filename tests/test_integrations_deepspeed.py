@@ -153,6 +153,16 @@ def test_zero2_resume_bit_exact_frozen_layers_upload_nothing(tmp_path):
     assert st["new_bytes"] <= st["logical_bytes"] - frozen_bytes
     repo.close()
 
+    # the consolidated weights of the ZeRO-2 step: full fp32 masters of the trainable parameters
+    from ckptstore.integrations.deepspeed import consolidated_state_dict
+
+    want = torch.load(tmp_path / "expect_2.pt", weights_only=True)["want"]
+    sd = consolidated_state_dict(url, 2)
+    assert list(sd) == [n for n, _ in W.model().named_parameters() if n.startswith("0.")] + [
+        n for n, _ in W.model().named_parameters() if not n.startswith("0.")]
+    for name, p in W.model().named_parameters():
+        assert torch.equal(sd[name], want[f"{name}.fp32"] if p.requires_grad else want[f"{name}.param"]), name
+
 
 def test_zero3_bf16_resume_reshard_to_one_rank_and_export(tmp_path):
     from safetensors.torch import load_file
@@ -191,3 +201,27 @@ def test_plain_directory_loads_failures_commit_nothing(tmp_path):
     repo = ckptstore.open(url)
     assert repo.steps() == [1]
     repo.close()
+
+
+def test_export_of_zero3_step_loads_as_hugging_face_model(tmp_path):
+    """`ckptstore export` of a ZeRO-3 step is a model.safetensors that from_pretrained takes (tied weights too).
+
+    transformers comes with the integrations extra's Hugging Face part.
+    """
+    pytest.importorskip("transformers")
+    from transformers import GPT2LMHeadModel
+
+    from ckptstore.cli.main import main as cli
+
+    url = f"file://{tmp_path}/repo"
+    _spawn(W.hf_worker, 2, url, str(tmp_path))
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    W.hf_config().save_pretrained(hf_dir)
+    assert cli(["export", url, "2", str(hf_dir / "model.safetensors")]) == 0
+    model = GPT2LMHeadModel.from_pretrained(hf_dir)
+    want = torch.load(tmp_path / "hf_full.pt", weights_only=True)
+    got = model.state_dict()
+    for name, t in want.items():
+        assert torch.equal(got[name], t), name
+    assert got["lm_head.weight"].data_ptr() == got["transformer.wte.weight"].data_ptr()
