@@ -164,7 +164,6 @@ def ds_worker(rank, world, port, args, tmp, out_path):
                 else:
                     row["stored_bytes"] = stored
                 results.append(row)
-            del eng, fresh
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)

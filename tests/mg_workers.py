@@ -43,7 +43,6 @@ def shutdown():
 def layers(seed: int):
     """A column-parallel then a row-parallel linear layer (Megatron's TP pair)."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: F401
     from megatron.core.transformer import TransformerConfig
 
     torch.manual_seed(seed)

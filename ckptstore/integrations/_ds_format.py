@@ -143,8 +143,8 @@ def encode_file(file: str, state: Any, codecs: dict[type, ClassCodec]) -> tuple[
             return {"l": [enc(x, path + (i,), depth + 1) for i, x in enumerate(v)]}
         if type(v) is tuple:
             return {"u": [enc(x, path + (i,), depth + 1) for i, x in enumerate(v)]}
-        if isinstance(v, float) or isinstance(v, int):  # numpy scalars and the like
-            return {"v": v.item() if hasattr(v, "item") else (float(v) if isinstance(v, float) else int(v))}
+        if type(v).__module__ == "numpy" and hasattr(v, "item") and getattr(v, "shape", None) == ():
+            return enc(v.item(), path, depth)  # a numpy scalar: its Python value
         raise TypeError(
             f"{file}: {_path(path)} is a {type(v).__module__}.{type(v).__qualname__}, which ckptstore does not "
             "store (tensors, JSON scalars, dicts, lists, tuples and an allow-list of DeepSpeed classes are stored)"

@@ -71,6 +71,7 @@ import ckptstore
 
 from ..errors import CkptStoreError, FormatError, StepNotFoundError
 from . import _ds_format as F
+from ._common import unwrap_checkpoint_exception
 
 __all__ = ["attach", "CkptStoreCheckpointEngine", "CODECS", "step_for_tag", "consolidated_state_dict"]
 
@@ -235,7 +236,7 @@ class CkptStoreCheckpointEngine(CheckpointEngine):
         }
 
     def _stub(self, step: int, tag: str, name: str) -> dict:
-        return {"format": STUB_FORMAT, "version": 1, "url": self.url, "step": step, "tag": tag, "file": name}
+        return {"format": STUB_FORMAT, "version": 1, "url": self.repo.url, "step": step, "tag": tag, "file": name}
 
     # -- load
     def load(self, path: str, map_location=None):
@@ -245,10 +246,10 @@ class CkptStoreCheckpointEngine(CheckpointEngine):
         if stub is None and os.path.isfile(path):
             return _legacy_load(path, map_location)
         if stub is not None:
-            if stub["url"] != self.url:
+            if stub["url"] != self.repo.url:
                 raise ValueError(
                     f"{path} points to step {stub['step']} of {stub['url']!r}, but this engine is attached to "
-                    f"{self.url!r}; attach the engine to that repository, or load another tag"
+                    f"{self.repo.url!r}; attach the engine to that repository, or load another tag"
                 )
             step = stub["step"]
         elif self._loading_step is not None:
@@ -277,7 +278,7 @@ class CkptStoreCheckpointEngine(CheckpointEngine):
         if os.path.isdir(tag_dir):
             for f in sorted(os.listdir(tag_dir)):
                 stub = _read_stub(os.path.join(tag_dir, f))
-                if stub is not None and stub["url"] == self.url:
+                if stub is not None and stub["url"] == self.repo.url:
                     return stub["step"]
         steps = self.repo.steps()
         m = re.search(r"(\d+)$", str(tag))
@@ -441,24 +442,10 @@ def _dcp_save(url, step, flat, meta, storage_options, options) -> dict | None:
     try:
         dcp.save(flat, storage_writer=writer)
     except CheckpointException as e:
-        raise _unwrap(e, step) from None
+        raise unwrap_checkpoint_exception(e, f"DeepSpeed checkpoint step {step}") from None
     finally:
         writer.close()
     return writer.last_rank_stats
-
-
-def _unwrap(e, step: int) -> BaseException:
-    """DCP's CheckpointException (a BaseException) -> the first rank's own error, with the rank named."""
-    failures = getattr(e, "failures", {}) or {}
-    for rank in sorted(failures):
-        exc = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
-        if isinstance(exc, Exception):
-            msg = f"DeepSpeed checkpoint step {step}: rank {rank}: {exc}"
-            try:
-                return type(exc)(msg)
-            except Exception:
-                return CkptStoreError(msg)
-    return CkptStoreError(f"DeepSpeed checkpoint step {step} failed: {e}")
 
 
 def _write_stub(path: str, doc: dict) -> None:

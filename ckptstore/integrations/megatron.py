@@ -80,7 +80,8 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..dcp import CkptStoreReader, CkptStoreWriter
-from ..errors import CkptStoreError, FormatError
+from ..errors import FormatError
+from ._common import unwrap_checkpoint_exception
 
 __all__ = ["save_strategy", "load_strategy", "CkptStoreSaveStrategy", "CkptStoreLoadStrategy", "BACKEND"]
 
@@ -108,18 +109,6 @@ def load_strategy(url: str | os.PathLike, step: int | None = None, storage_optio
     (written by the save), else the newest committed step.
     """
     return CkptStoreLoadStrategy(url, step, storage_options=storage_options, **options)
-
-
-def _unwrap(e: CheckpointException, what: str) -> BaseException:
-    for rank in sorted(e.failures):
-        exc = e.failures[rank][0]
-        if isinstance(exc, Exception):
-            msg = f"{what}: rank {rank}: {exc}"
-            try:
-                return type(exc)(msg)
-            except Exception:
-                return CkptStoreError(msg)
-    return CkptStoreError(f"{what} failed: {e}")
 
 
 class CkptStoreSaveStrategy(TorchDistSaveShardedStrategy):
@@ -160,14 +149,15 @@ class CkptStoreSaveStrategy(TorchDistSaveShardedStrategy):
                                          flatten_state_dict=False),
             )
         except CheckpointException as e:
-            raise _unwrap(e, f"Megatron checkpoint step {self.step}") from None
+            raise unwrap_checkpoint_exception(e, f"Megatron checkpoint step {self.step}") from None
         finally:
             writer.close()
         self.last_rank_stats = writer.last_rank_stats
         rank = dist.get_rank() if dist.is_initialized() else 0
         if rank == 0:
-            _write_json(Path(checkpoint_dir) / POINTER,
-                        {"format": POINTER_FORMAT, "version": 1, "url": self.url, "step": self.step})
+            _write_json(Path(checkpoint_dir) / POINTER, {"format": POINTER_FORMAT, "version": 1,
+                                                         "url": _repo_url(self.url, self.storage_options),
+                                                         "step": self.step})
 
 
 class _SafeLoadPlanner(MCoreLoadPlanner):
@@ -219,7 +209,7 @@ class CkptStoreLoadStrategy(TorchDistLoadShardedStrategy):
             raise FormatError(f"{ptr}: not JSON: {e}") from None
         if not isinstance(doc, dict) or doc.get("format") != POINTER_FORMAT or type(doc.get("step")) is not int:
             raise FormatError(f"{ptr}: not a ckptstore pointer")
-        if doc.get("url") != self.url:
+        if doc.get("url") != _repo_url(self.url, self.storage_options):
             raise ValueError(
                 f"{ptr} names step {doc['step']} of {doc.get('url')!r}, not of {self.url!r}; "
                 "pass step= explicitly to read this repository"
@@ -248,7 +238,7 @@ class CkptStoreLoadStrategy(TorchDistLoadShardedStrategy):
                                          allow_shape_mismatch_sharded_tensors=mismatch_ok),
             )
         except CheckpointException as e:
-            raise _unwrap(e, f"Megatron checkpoint load from {self.url}") from None
+            raise unwrap_checkpoint_exception(e, f"Megatron checkpoint load from {self.url}") from None
         finally:
             reader.close()
         mcore_state_dict = {k: _unwrap_pyt_sharded_tensor(v) for k, v in pyt_state_dict.items()}
@@ -288,6 +278,14 @@ class CkptStoreLoadStrategy(TorchDistLoadShardedStrategy):
 
     def remove_sharded_tensors(self, checkpoint_dir, key_prefix):
         raise NotImplementedError("ckptstore steps are immutable; save a new step without those tensors")
+
+
+def _repo_url(url: str, storage_options) -> str:
+    """The repository's own spelling of ``url`` (``/x`` and ``file:///x`` name one repository)."""
+    import ckptstore
+
+    with ckptstore.open(url, storage_options=storage_options) as repo:
+        return repo.url
 
 
 def _write_json(path: Path, doc: dict) -> None:
