@@ -35,6 +35,7 @@ import concurrent.futures as cf
 import dataclasses
 import io
 import os
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -67,7 +68,7 @@ from .manifest import ChunkRef, Manifest, Shard, TensorEntry
 from .repository import Repository, _check_step, _SaveWriter, manifest_key
 from .tree import decode_value, encode_value, leaf_values, tensor_paths
 
-__all__ = ["CkptStoreWriter", "CkptStoreReader", "RankWriteError"]
+__all__ = ["CkptStoreWriter", "CkptStoreReader", "RankWriteError", "split_checkpoint_id"]
 
 _SCHEMES = ("s3://", "gs://", "gcs://", "file://", "memory://")
 
@@ -105,16 +106,51 @@ def _is_url(checkpoint_id) -> bool:
     return isinstance(checkpoint_id, (str, os.PathLike))
 
 
+_STEP_SEGMENT = re.compile(r"step-([0-9]{1,19})")
+
+
+def split_checkpoint_id(checkpoint_id: str | os.PathLike) -> tuple[str, int | None]:
+    """The repository URL and step a DCP ``checkpoint_id`` names.
+
+    A URL or path whose last segment is ``step-N`` (``s3://bucket/run/step-1000``,
+    ``/ckpt/run/step-1000``, as torchtitan and most trainers name their
+    checkpoints) names step N of the repository at its parent
+    (``s3://bucket/run``). Anything else names a repository, and the step
+    comes from the writer's or reader's ``step`` argument.
+
+    >>> split_checkpoint_id("s3://bucket/run/step-1000")
+    ('s3://bucket/run', 1000)
+    >>> split_checkpoint_id("s3://bucket/run")
+    ('s3://bucket/run', None)
+    """
+    text = os.fspath(checkpoint_id)
+    head, sep, last = text.rstrip("/").rpartition("/")
+    m = _STEP_SEGMENT.fullmatch(last)
+    if not sep or m is None or not head or head.endswith(":/"):
+        return text, None
+    return head, _check_step(int(m.group(1)))
+
+
+def _pick_step(url: str, id_step: int | None, step: int | None, what: str) -> int | None:
+    if id_step is not None and step is not None and id_step != step:
+        raise ValueError(f"{what}: {url!r} names step {id_step} but step={step} was given")
+    return id_step if id_step is not None else step
+
+
 class CkptStoreWriter(StorageWriter):
     """DCP ``StorageWriter`` that saves one step of a ckptstore repository.
 
     Parameters
     ----------
     url:
-        Repository URL (``s3://bucket/prefix``, a path, ``memory://name``...).
-        A ``checkpoint_id`` passed to ``dcp.save`` replaces it.
+        Repository URL (``s3://bucket/prefix``, a path, ``memory://name``...),
+        or the URL of one step of it (``s3://bucket/prefix/step-1000``, see
+        :func:`split_checkpoint_id`). A ``checkpoint_id`` passed to
+        ``dcp.save`` replaces it, so one writer serves many saves:
+        ``dcp.save(sd, checkpoint_id=f"{url}/step-{n}", storage_writer=w)``.
     step:
-        Step number to commit; it must not exist yet.
+        Step number to commit when the URL (or ``checkpoint_id``) names none;
+        it must not exist yet (committed steps are never overwritten).
     storage_options:
         Backend options, as for :func:`ckptstore.open`.
     metadata:
@@ -128,15 +164,16 @@ class CkptStoreWriter(StorageWriter):
     def __init__(
         self,
         url: str | os.PathLike,
-        step: int,
+        step: int | None = None,
         storage_options: dict | None = None,
         metadata: dict | None = None,
         base: int | str | None = "latest",
         **options,
     ):
         super().__init__()
-        self.url = os.fspath(url)
-        self.step = _check_step(step)
+        self._default_step = None if step is None else _check_step(step)
+        self.url, id_step = split_checkpoint_id(url)
+        self.step = _pick_step(self.url, id_step, self._default_step, "CkptStoreWriter")
         self.storage_options = storage_options
         self.user_metadata = dict(metadata or {})
         self.base = base
@@ -152,7 +189,8 @@ class CkptStoreWriter(StorageWriter):
     # -- DCP protocol -------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
-            self.url = os.fspath(checkpoint_id)
+            self.url, id_step = split_checkpoint_id(checkpoint_id)
+            self.step = id_step if id_step is not None else self._default_step
         self._close()
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -165,10 +203,23 @@ class CkptStoreWriter(StorageWriter):
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
 
+    def _require_step(self) -> int:
+        if self.step is None:
+            raise ValueError(
+                f"CkptStoreWriter({self.url!r}): no step to save; pass step=N, or a checkpoint_id "
+                f"that names one ({self.url.rstrip('/')}/step-N)"
+            )
+        return self.step
+
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         repo = self._get_repo()
-        if repo.store.exists(manifest_key(self.step)):
-            raise StepExistsError(f"{repo.url}: step {self.step} already exists; nothing was written")
+        step = self._require_step()
+        if repo.store.exists(manifest_key(step)):
+            raise StepExistsError(
+                f"{repo.url}: step {step} already exists; nothing was written. Committed steps are "
+                f"never overwritten: save a new step (checkpoint_id={repo.url.rstrip('/')}/step-M, "
+                "or CkptStoreWriter(url, step=M))"
+            )
         repo._ensure_config()
         # GC protocol (docs/gc.md): lease first, then the clock starts, then
         # the dedup base is chosen; finish() refuses to commit once too old.
@@ -189,7 +240,9 @@ class CkptStoreWriter(StorageWriter):
         try:
             fut.set_result(self._write_items(plan, planner, rank, base_step))
         except BaseException as e:
-            raise RankWriteError(f"rank {rank}: writing step {self.step} failed: {type(e).__name__}: {e}") from e
+            raise RankWriteError(
+                f"rank {rank}: writing step {self.step} of {self.url} failed: {type(e).__name__}: {e}"
+            ) from e
         return fut
 
     def _write_items(self, plan: SavePlan, planner: SavePlanner, rank: int, base_step) -> list[WriteResult]:
@@ -395,21 +448,38 @@ def _tree_from_planner_data(keys: list[str], planner_data) -> dict:
     return to_node(root)
 
 
+@dataclass(frozen=True)
+class _ReadStep:
+    """The step a rank resolved, carried in its local load plan to the coordinator."""
+
+    rank: int
+    step: int
+
+
 class CkptStoreReader(StorageReader):
     """DCP ``StorageReader`` over one committed step.
 
     Parameters
     ----------
     url:
-        Repository URL; a ``checkpoint_id`` passed to ``dcp.load`` replaces it.
+        Repository URL, or the URL of one step (``.../step-1000``, see
+        :func:`split_checkpoint_id`); a ``checkpoint_id`` passed to
+        ``dcp.load`` replaces it.
     step:
-        Step to load; None reads the newest committed step (rank 0 picks it
-        and broadcasts it, so every rank loads the same step).
+        Step to load when the URL (or ``checkpoint_id``) names none; None
+        reads the newest committed step. Every rank resolves it on its own
+        (no collective, so ``no_dist=True`` and sub-groups work), and the
+        coordinator checks in ``prepare_global_plan`` that all ranks found
+        the same step: a step committed while the ranks were starting fails
+        the load on every rank with an error, never mixes steps.
     storage_options:
         Backend options, as for :func:`ckptstore.open`.
     item_workers:
         Read items processed concurrently (each fans out to coalesced,
         concurrent range reads on the repository's I/O pool).
+
+    Destination tensors may have another floating dtype than the stored
+    one: values are cast like DCP's ``FileSystemReader`` casts them.
     """
 
     def __init__(
@@ -421,17 +491,23 @@ class CkptStoreReader(StorageReader):
         **options,
     ):
         super().__init__()
-        self.url = os.fspath(url)
-        self.step = None if step is None else _check_step(step)
+        self._default_step = None if step is None else _check_step(step)
+        self.url, id_step = split_checkpoint_id(url)
+        self.step = _pick_step(self.url, id_step, self._default_step, "CkptStoreReader")
         self.storage_options = storage_options
         self.options = options
         self.item_workers = item_workers
+        self.rank = 0
         self._repo: Repository | None = None
         self._ckpt = None
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
-            self.url = os.fspath(checkpoint_id)
+            url, id_step = split_checkpoint_id(checkpoint_id)
+            if url != self.url:
+                self.close()  # a cached repository must not serve another checkpoint
+                self.url = url
+            self.step = id_step if id_step is not None else self._default_step
         self._ckpt = None
 
     def _get_repo(self) -> Repository:
@@ -443,27 +519,36 @@ class CkptStoreReader(StorageReader):
         step = self.step
         if step is None:
             step = self._get_repo().latest()
-            if dist.is_available() and dist.is_initialized():
-                box = [step]
-                dist.broadcast_object_list(box, src=0)
-                step = box[0]
             if step is None:
                 raise StepNotFoundError(f"{self._get_repo().url}: the repository has no committed step")
         return step
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        step = self._resolve_step()
-        self._ckpt = self._get_repo().checkpoint(step)
+        self._ckpt = self._get_repo().checkpoint(self._resolve_step())
         return metadata_from_manifest(self._ckpt.manifest)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        rank = kwargs.get("rank")
+        if rank is None:
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        self.rank = int(rank)
         if self._ckpt is None:
             self._ckpt = self._get_repo().checkpoint(self._resolve_step())
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
+        return dataclasses.replace(plan, storage_data=_ReadStep(self.rank, self._ckpt.step))
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        found = {p.storage_data.rank: p.storage_data.step for p in plans if isinstance(p.storage_data, _ReadStep)}
+        if len(set(found.values())) > 1:
+            by_step: dict[int, list[int]] = {}
+            for rank, step in sorted(found.items()):
+                by_step.setdefault(step, []).append(rank)
+            seen = "; ".join(f"step {s} on rank(s) {r}" for s, r in sorted(by_step.items()))
+            raise CkptStoreError(
+                f"{self._get_repo().url}: the ranks found different latest steps ({seen}): a step was "
+                "committed while the load started. Load again, or pass step= so every rank reads the same step"
+            )
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
@@ -484,12 +569,12 @@ class CkptStoreReader(StorageReader):
                     torch.save(values[fqn][0], buf)
                     data = buf.getvalue()
                 else:
-                    raise KeyError(f"step {man.step} has no value {fqn!r}")
+                    raise KeyError(f"{ckpt.repo.url}: step {man.step} has no value {fqn!r}")
                 planner.load_bytes(item, io.BytesIO(data))
                 continue
             entry = man.tensors.get(fqn)
             if entry is None:
-                raise KeyError(f"step {man.step} has no tensor {fqn!r}")
+                raise KeyError(f"{ckpt.repo.url}: step {man.step} has no tensor {fqn!r}")
             shard = _find_shard(entry, item.storage_index.offset, man.step)
             local = tuple((o, o + n, 1) for o, n in zip(item.storage_offsets, item.lengths))
             target = planner.resolve_tensor(item).detach()

@@ -269,6 +269,19 @@ def parse_relocation(raw: bytes, pack_id: str) -> dict[str, ChunkRef]:
     return out
 
 
+def castable(stored: torch.dtype, dest: torch.dtype) -> bool:
+    """Whether values stored as ``stored`` may be loaded into a ``dest`` tensor.
+
+    The same dtype always; otherwise floating to floating (fp8, bf16, fp16,
+    fp32, fp64 in any direction) and complex to complex, cast as
+    ``Tensor.copy_`` casts, like DCP's ``FileSystemReader``. Casts across
+    kinds (float to int, int to bool) are refused: they lose values silently.
+    """
+    if stored == dest:
+        return True
+    return (stored.is_floating_point and dest.is_floating_point) or (stored.is_complex and dest.is_complex)
+
+
 def _writable_in_place(t: torch.Tensor) -> bool:
     """Chunks can be copied straight into ``t``'s memory."""
     return t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
@@ -1144,30 +1157,36 @@ class Checkpoint:
         return out
 
     def read_into(self, key: str, dest: torch.Tensor) -> torch.Tensor:
-        """Read a whole tensor into ``dest`` (same shape and dtype) in place."""
+        """Read a whole tensor into ``dest`` (the stored shape) in place.
+
+        ``dest`` may have another floating (or complex) dtype than the one
+        stored: values are cast as ``Tensor.copy_`` casts them, like DCP's
+        own reader. Where the dtypes match and ``dest`` is a contiguous CPU
+        tensor, chunks are decoded straight into its memory.
+        """
         e = self._check_dest(key, dest)
         box = tuple((0, n, 1) for n in e.shape)
         with torch.no_grad():
-            if _writable_in_place(dest):
-                self._read_box(e, box, dest.detach())
-            else:
-                tmp = torch.empty(e.shape, dtype=dest.dtype)
-                self._read_box(e, box, tmp)
-                dest.copy_(tmp)
+            self._read_box(e, box, dest.detach())
         return dest
 
     def read_many_into(self, dests: dict[str, torch.Tensor]) -> None:
-        """Read whole tensors into ``dests`` (key -> tensor of the stored shape and dtype).
+        """Read whole tensors into ``dests`` (key -> tensor of the stored shape).
 
-        Tensors stored as one shard and read into contiguous CPU tensors are
-        fetched together: their chunks are coalesced across tensors into few
+        Dtypes cast as in :meth:`read_into`. Tensors stored as one shard and
+        read into contiguous CPU tensors of the stored dtype are fetched together: their chunks are coalesced across tensors into few
         range requests (a state dict of many small tensors costs a handful
         of GETs, not one per tensor). The rest go one tensor at a time.
         """
         keys, refs, sinks, rest = [], [], [], []
         for key, dest in dests.items():
             e = self._check_dest(key, dest)
-            if not (len(e.shards) == 1 and e.shards[0].sizes == e.shape and _writable_in_place(dest)):
+            if not (
+                len(e.shards) == 1
+                and e.shards[0].sizes == e.shape
+                and _writable_in_place(dest)
+                and dest.dtype == _m.DTYPES[e.dtype]
+            ):
                 rest.append(key)
                 continue
             if dest.numel() == 0:
@@ -1184,12 +1203,14 @@ class Checkpoint:
 
     # -- internals
     def _check_dest(self, key: str, dest: torch.Tensor) -> TensorEntry:
-        """The entry of ``key``, after checking ``dest`` has its shape and dtype."""
+        """The entry of ``key``, after checking ``dest`` has its shape and a dtype it casts to."""
         e = self._entry(key)
-        if tuple(dest.shape) != e.shape or dest.dtype != _m.DTYPES[e.dtype]:
+        if tuple(dest.shape) != e.shape or not castable(_m.DTYPES[e.dtype], dest.dtype):
             raise ValueError(
-                f"step {self.step}: tensor {key!r} is {e.dtype}{list(e.shape)}, "
+                f"{self.repo.url}: step {self.step}: tensor {key!r} is {e.dtype}{list(e.shape)}, "
                 f"destination is {str(dest.dtype).removeprefix('torch.')}{list(dest.shape)}"
+                + ("" if tuple(dest.shape) != e.shape else
+                   " (values are cast only between floating dtypes, or between complex dtypes)")
             )
         return e
 
@@ -1214,8 +1235,21 @@ class Checkpoint:
             self._read_shard(e, shard, local, target)
 
     def _read_shard(self, e: TensorEntry, shard: Shard, local, target: torch.Tensor) -> None:
-        """Read box ``local`` of one shard into ``target`` (shape of the box)."""
+        """Read box ``local`` of one shard into ``target`` (shape of the box).
+
+        ``target`` may be on any device and of any dtype the stored one casts
+        to (see :func:`castable`); only a contiguous CPU target of the stored
+        dtype receives the decoded bytes directly, any other gets them
+        through a buffer of the box's rows and one ``copy_``.
+        """
         isz = _m.itemsize(e.dtype)
+        stored_dtype = _m.DTYPES[e.dtype]
+        if not castable(stored_dtype, target.dtype):
+            raise ValueError(
+                f"{self.repo.url}: step {self.step}: tensor {e.key!r} is {e.dtype}; cannot load it into "
+                f"{str(target.dtype).removeprefix('torch.')} (values are cast only between floating dtypes, "
+                "or between complex dtypes)"
+            )
         shape = shard.sizes
         nd = len(shape)
         row = isz * math.prod(shape[1:]) if nd else isz
@@ -1226,16 +1260,16 @@ class Checkpoint:
             r0, r1 = 0, 1
         span_lo, span_hi = r0 * row, r1 * row
         direct = (
-            target.device.type == "cpu"
-            and target.is_contiguous()
+            _writable_in_place(target)
+            and target.dtype == stored_dtype
             and (nd == 0 or all(b == (0, n, 1) for b, n in zip(local, shape)))
         )
         if direct:
             buf = target.detach()
         elif nd == 0:
-            buf = torch.empty((), dtype=target.dtype)
+            buf = torch.empty((), dtype=stored_dtype)
         else:
-            buf = torch.empty((r1 - r0,) + tuple(shape[1:]), dtype=target.dtype)
+            buf = torch.empty((r1 - r0,) + tuple(shape[1:]), dtype=stored_dtype)
         view = _byte_view(buf)
         starts = shard.chunk_starts()
         runs = _plan.byte_runs(shape, isz, local)

@@ -94,8 +94,9 @@ def export_safetensors(
     with ``safetensors.safe_open`` as a check. The file is written to a
     temporary name and renamed into place when complete.
 
-    Non-tensor values of the state dict (and the step's metadata) go into
-    the safetensors string metadata, as JSON under the key
+    The string metadata holds ``"format": "pt"`` (as Hugging Face writes
+    it, so its loaders accept the file). Non-tensor values of the state
+    dict (and the step's metadata) go into it too, as JSON under the key
     ``"ckptstore"``: ``{"step", "metadata", "values": {dotted key: value},
     "tree"}`` (``tree`` only when every tensor is exported; it lets
     :func:`import_file` rebuild the nested state dict exactly).
@@ -146,7 +147,13 @@ def export_safetensors(
         meta["consolidated"] = "deepspeed"
     elif len(keys) == len(all_keys):
         meta["tree"] = man.tree
-    header["__metadata__"] = {SAFETENSORS_META_KEY: json.dumps(meta, allow_nan=True, separators=(",", ":"))}
+    # "format": "pt" is what Hugging Face's save_pretrained writes; its
+    # loaders (transformers, accelerate's load_checkpoint_in_model) refuse
+    # a file whose metadata lacks it.
+    header["__metadata__"] = {
+        "format": "pt",
+        SAFETENSORS_META_KEY: json.dumps(meta, allow_nan=True, separators=(",", ":")),
+    }
     hbytes = json.dumps(header, separators=(",", ":")).encode("utf-8")
     hbytes += b" " * (-len(hbytes) % 8)
 

@@ -180,3 +180,51 @@ def dedup_and_failure_worker(rank, world, port, url, so, out_path):
                 json.dump(all_stats, f)
     finally:
         _shutdown()
+
+
+# ------------------------------------------------------------ DCP compatibility (test_dcp_compat)
+def _init_with_timeout(rank, world, port, seconds=60):
+    """Like ``_init`` without a mesh, and a collective that waits on a peer
+    who never comes fails after ``seconds`` instead of hanging the suite."""
+    import datetime
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=seconds))
+
+
+def sharded_dtypes_save_worker(rank, world, port, url):
+    """Step 1: fp32 and bf16 tensors row-sharded over the ranks (one shard each)."""
+    mesh = _init(rank, world, port)
+    try:
+        g = torch.Generator().manual_seed(11)
+        f32 = torch.randn(64, 24, generator=g)
+        bf16 = torch.randn(64, 24, generator=g).bfloat16()
+        sd = {"f32": distribute_tensor(f32, mesh, [Shard(0)]), "bf16": distribute_tensor(bf16, mesh, [Shard(0)])}
+        dcp.save(sd, storage_writer=CkptStoreWriter(url, step=1, **SMALL))
+    finally:
+        _shutdown()
+
+
+def no_dist_and_subgroup_worker(rank, world, port, url, out_dir):
+    """``CkptStoreReader(url)`` (latest step) under ``no_dist=True`` on rank 0
+    alone, then on the sub-group of ranks 1..world-1 while rank 0 stays out."""
+    _init_with_timeout(rank, world, port)
+    try:
+        expect = torch.arange(40, dtype=torch.float32).reshape(8, 5)
+        if rank == 0:
+            sd = {"w": torch.zeros(8, 5)}
+            dcp.load(sd, storage_reader=CkptStoreReader(url), no_dist=True)
+            assert torch.equal(sd["w"], expect), "no_dist load read wrong values"
+        dist.barrier()
+        sub = dist.new_group(list(range(1, world)))
+        if rank != 0:
+            sd = {"w": torch.zeros(8, 5)}
+            dcp.load(sd, storage_reader=CkptStoreReader(url), process_group=sub)
+            assert torch.equal(sd["w"], expect), "sub-group load read wrong values"
+        dist.barrier()
+        with open(os.path.join(out_dir, f"ok-{rank}"), "w") as f:
+            f.write("ok")
+    finally:
+        _shutdown()
