@@ -26,14 +26,6 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(params=["local", "s3"])
-def mg_url(request, tmp_path):
-    if request.param == "local":
-        return f"file://{tmp_path}/repo", None
-    env = request.getfixturevalue("s3")
-    return env.url, env.storage_options
-
-
 def test_import_without_megatron_names_the_extra(monkeypatch):
     monkeypatch.delitem(sys.modules, "ckptstore.integrations.megatron", raising=False)
     for name in [m for m in sys.modules if m == "megatron" or m.startswith("megatron.")]:
@@ -43,8 +35,10 @@ def test_import_without_megatron_names_the_extra(monkeypatch):
         importlib.import_module("ckptstore.integrations.megatron")
 
 
-def test_tp2_saved_tp1_loaded_bit_exact(mg_url, tmp_path):
-    url, so = mg_url
+def test_tp2_saved_tp1_loaded_bit_exact(tmp_path):
+    # file:// only: the S3 path is CkptStoreWriter/Reader's, run against moto by tests/test_dcp.py
+    # and by the DeepSpeed integration's S3 test; this keeps the suite's time in bounds.
+    url, so = f"file://{tmp_path}/repo", None
     mp.spawn(W.save_worker, args=(2, _port(), url, so, str(tmp_path)), nprocs=2, join=True)
     repo = ckptstore.open(url, storage_options=so)
     assert repo.steps() == [5, 6]
