@@ -389,7 +389,7 @@ def test_s3store_refuses_credentials_in_path():
     assert "hunter2SECRET" not in str(ei.value)
 
 
-@pytest.mark.parametrize("url", ["az://c/x", "ftp://host/x", "s3a://bucket/x"])
+@pytest.mark.parametrize("url", ["wasb://c/x", "ftp://host/x", "s3a://bucket/x"])
 def test_open_unsupported_scheme(url):
     with pytest.raises(ValueError, match="not supported|unsupported"):
         open_store(url)
