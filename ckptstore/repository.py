@@ -1306,6 +1306,13 @@ class Checkpoint:
                 f"{self.repo.url}: step {self.step}: tensor {_name(key, req.items[0])!r}: pack {req.pack} is shorter than "
                 f"the manifest says (offset {r.offset}): {ex}"
             ) from None
+        except StorageError as ex:
+            # The store's message names the object; add the step and tensor
+            # (same class, so retry and caller logic see what they saw).
+            raise type(ex)(
+                f"step {self.step}: tensor {_name(key, req.items[0])!r}: reading bytes [{req.start}, {req.end}) "
+                f"of pack {req.pack} failed: {ex}"
+            ) from ex
         if len(data) != req.end - req.start:
             raise IntegrityError(
                 f"{self.repo.url}: step {self.step}: tensor {_name(key, req.items[0])!r}: pack {req.pack}: "

@@ -64,7 +64,7 @@ from ..errors import (
     StorageError,
     TransientStorageError,
 )
-from ._classify import MAX_MESSAGE, in_chain, is_network_error, optional_types, scrub
+from ._classify import MAX_MESSAGE, in_chain, is_network_error, optional_types
 from .base import MultipartInfo, MultipartUpload, ObjectInfo, ObjectStore, check_key, check_ranges
 
 #: Reserved directory (under the store root) holding upload markers.
