@@ -159,6 +159,8 @@ class GCPlan:
     live_leases: tuple[str, ...]
     stats: dict = field(default_factory=dict)
     repo: Any = field(default=None, repr=False, compare=False)
+    #: The wall clock GC reads (``plan_gc(clock=...)``), for planning and execution alike.
+    clock: Callable[[], float] = field(default=time.time, repr=False, compare=False)
 
     @property
     def bytes_to_free(self) -> int:
@@ -282,7 +284,7 @@ def _read_manifests(repo: Repository) -> dict[int, Manifest]:
     return out
 
 
-def _read_state(repo: Repository, now: float) -> _State:
+def _read_state(repo: Repository, now: float, clock: Callable[[], float] = time.time) -> _State:
     st = repo.store
     leases = {o.key: o.mtime for o in st.list(LEASE_PREFIX)}
     tombstones = {}
@@ -301,7 +303,7 @@ def _read_state(repo: Repository, now: float) -> _State:
         name = o.key.rsplit("/", 1)[-1]
         if name.endswith(".json") and _m.is_pack_id(name[:-5]):
             relocs.add(name[:-5])
-    listed_at = time.time()  # manifests are listed last: deletions are timed from here (G3)
+    listed_at = clock()  # manifests are listed last: deletions are timed from here (G3)
     state = _State(now, _read_manifests(repo), tombstones, leases, packs, relocs, st.mtime_resolution)
     state.listed_at = listed_at
     return state
@@ -368,6 +370,7 @@ def plan_gc(
     repack: bool = False,
     repack_threshold: float = 0.2,
     now: float | None = None,
+    clock: Callable[[], float] | None = None,
 ) -> GCPlan:
     """Compute what GC would do. Reads only; see :class:`GCPlan`.
 
@@ -383,8 +386,15 @@ def plan_gc(
     repack:
         Rewrite the live chunks of partly used packs when dead bytes in such
         packs exceed ``repack_threshold`` of the stored bytes.
+    now, clock:
+        The wall clock (seconds since the epoch) GC judges ages by:
+        ``clock`` (default :func:`time.time`) is read when planning and again
+        by :meth:`GCPlan.execute` when it re-checks ages before deleting;
+        ``now`` fixes the planning time only. Tests pass a clock running
+        ahead to see what GC does once the grace period has passed.
     """
-    now = time.time() if now is None else now
+    clock = clock or time.time
+    now = clock() if now is None else now
     repo_grace = repo.grace()
     g = repo_grace if grace is None else parse_duration(grace)
     if g < repo_grace:
@@ -401,7 +411,7 @@ def plan_gc(
         keep_tags=keep_tags if isinstance(keep_tags, (bool, tuple)) else tuple(keep_tags),
         keep_steps=tuple(int(s) for s in keep_steps),
     )
-    state = _read_state(repo, now)
+    state = _read_state(repo, now, clock)
     tags = repo.tags()
     created = {s: m.created for s, m in state.manifests.items()}
     keep = select_steps(created, tags, policy, now)
@@ -495,6 +505,7 @@ def plan_gc(
         live_leases=live_leases,
         stats=stats,
         repo=repo,
+        clock=clock,
     )
 
 
@@ -540,7 +551,7 @@ def _execute(plan: GCPlan, repo: Repository, progress) -> GCResult:
     #    half the safety margin has passed: a deletion must follow the
     #    listing that cleared it by less than the margin (docs/gc.md, G3).
     def reread():
-        st = _read_state(repo, time.time())
+        st = _read_state(repo, plan.clock(), plan.clock)
         live, chunks = _referenced(repo, st.manifests.values(), st.packs, st.relocations)
         prot, _ = _referenced(repo, _protecting_tombstones(st, g), st.packs, st.relocations)
         return st, live, chunks, prot
@@ -548,7 +559,7 @@ def _execute(plan: GCPlan, repo: Repository, progress) -> GCResult:
     state, live_refs, live_chunks, prot_refs = reread()
     todo = [pid for pid, _ in plan.delete_packs] + list(relocated)
     for i, pid in enumerate(todo):
-        if time.time() - state.listed_at > safety_margin(g) / 2:
+        if plan.clock() - state.listed_at > safety_margin(g) / 2:
             state, live_refs, live_chunks, prot_refs = reread()
         info = state.packs.get(pid)
         if info is None:
@@ -589,7 +600,7 @@ def _execute(plan: GCPlan, repo: Repository, progress) -> GCResult:
         store.delete(key)
     for key in plan.stale_leases:
         store.delete(key)
-    state = _read_state(repo, time.time())
+    state = _read_state(repo, plan.clock(), plan.clock)
     needed_relocs, _ = _referenced(
         repo, list(state.manifests.values()) + _protecting_tombstones(state, g), state.packs, state.relocations
     )
@@ -608,7 +619,7 @@ def _repack(repo: Repository, plan: GCPlan, res: GCResult, progress) -> dict[str
     import uuid
 
     store = repo.store
-    state = _read_state(repo, time.time())
+    state = _read_state(repo, plan.clock(), plan.clock)
     manifests = list(state.manifests.values()) + _protecting_tombstones(state, plan.grace)
     _, live_chunks = _referenced(repo, manifests, state.packs, state.relocations)
     _, io, _ = repo._pools()
