@@ -17,8 +17,9 @@ connection. A seeded share of connections is faulted, each with one
   ``seconds`` first.
 
 Keep-alive. With ``idle_close`` set, a connection on which no byte has
-moved either way for that long is closed cleanly, as servers and load
-balancers close idle keep-alive connections: clients then open new ones,
+moved either way for that long, and whose last bytes went from the server
+to the client (no request waits for its answer), is closed cleanly, as
+servers and load balancers close idle keep-alive connections: clients then open new ones,
 so a share of *connections* faulted reaches a steady share of requests
 (without it, a client reusing a few pooled connections would see only their
 faults), and the client's handling of a pooled connection closed under it
@@ -91,6 +92,7 @@ class _Conn:
         self.fired = False
         self.lock = threading.Lock()
         self.last = time.monotonic()
+        self.last_up = self.last_down = 0.0  # when bytes last went each way
 
     def run(self) -> None:
         try:
@@ -151,6 +153,10 @@ class _Conn:
                 dst.sendall(data)
                 sent += len(data)
                 self.last = time.monotonic()
+                if direction == "up":
+                    self.last_up = self.last
+                else:
+                    self.last_down = self.last
                 self.proxy._moved(direction, len(data))
         except OSError:
             self.close(reset=True)
@@ -187,6 +193,8 @@ class FaultProxy:
         Share of connections faulted (0..1); settable later.
     kinds:
         Which fault kinds to draw from.
+    directions:
+        Which directions faults fire in (``"up"``: requests, ``"down"``: responses).
     max_faults:
         Most connections faulted over the proxy's life (None: no limit).
     window:
@@ -200,7 +208,7 @@ class FaultProxy:
     """
 
     def __init__(self, upstream: tuple[str, int], seed: int = 0, rate: float = 0.0, kinds=KINDS,
-                 max_faults: int | None = None, window: float | None = None, max_after: int = 1 << 20,
+                 directions=("up", "down"), max_faults: int | None = None, window: float | None = None, max_after: int = 1 << 20,
                  stall_seconds: float = 5.0, latency_seconds: float = 0.05, idle_close: float | None = None,
                  port: int = 0):
         bad = set(kinds) - set(KINDS)
@@ -210,6 +218,9 @@ class FaultProxy:
         self.seed = seed
         self.rate = rate
         self.kinds = tuple(kinds)
+        if not directions or set(directions) - {"up", "down"}:
+            raise ValueError(f"directions must be from ('up', 'down'), got {directions!r}")
+        self.directions = tuple(directions)
         self.max_faults = max_faults
         self.window = window
         self.max_after = max_after
@@ -252,7 +263,7 @@ class FaultProxy:
         if rng.random() >= self.rate:
             return None
         kind = self.kinds[rng.randrange(len(self.kinds))]
-        direction = rng.choice(("up", "down"))
+        direction = self.directions[rng.randrange(len(self.directions))]
         after = rng.randrange(self.max_after)
         seconds = self.stall_seconds if kind == "stall" else self.latency_seconds if kind == "latency" else 0.0
         return Fault(kind, direction, after, seconds)
@@ -297,6 +308,7 @@ class FaultProxy:
             now = time.monotonic()
             with self._lock:
                 idle = [c for c in self._live if c.upstream is not None and now - c.last > self.idle_close
+                        and c.last_down >= c.last_up  # no request waiting for its answer
                         and not (c.fired and c.fault.kind == "stall")]  # a stall ends on its own clock
                 self.idle_closed += len(idle)
             for c in idle:
