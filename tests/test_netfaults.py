@@ -13,7 +13,7 @@ process. Here they happen on the wire and in the server:
 
 Requests carry short timeouts here (``TIMEOUTS``) so that stalls cost
 seconds, not the defaults' 15 s. Seeds: ``CKPTSTORE_NETFAULT_SEED`` (tests 1,
-4; printed), ``CKPTSTORE_NETSOAK_OPS`` (soak length, default 150).
+4; printed), ``CKPTSTORE_NETSOAK_OPS`` (soak length, default 200).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import ckptstore
 from ckptstore.errors import CkptStoreError, StaleBaseError, StepNotFoundError, StorageError
 from ckptstore.repository import PACK_PREFIX
 from ckptstore.storage.retry import RetryPolicy
-from ckptstore.testing.faultproxy import FaultProxy
+from ckptstore.testing.faultproxy import Fault, FaultProxy
 from ckptstore.testing.seaweedfs import SeaweedFS
 
 from .helpers import assert_tree_equal, bits_equal, flat_tensors, random_tensor
@@ -154,6 +154,32 @@ def test_saves_and_loads_through_faulted_connections(weed):
     direct.close()
 
 
+def test_stalled_part_upload_is_cut_by_the_timeout_and_retried(weed):
+    """The first request body past 1 MiB (a multipart part) stops moving for
+    60 s; the client's read timeout (3 s) ends the wait and the part goes
+    again on a new connection: the save completes bit-exact long before the
+    stall would have ended."""
+    url = f"s3://{BUCKET}/stall-{time.time_ns()}"
+    stall = 60.0
+    with FaultProxy(_upstream(weed), rate=1.0, max_faults=1, stall_seconds=stall) as proxy:
+        proxy.plan = lambda i: Fault("stall", "up", 1 << 20, stall)
+        repo = ckptstore.open(url, storage_options=_so(weed, proxy.endpoint), **OPTS)
+        sd = _state(31, mib=8)
+        t0 = time.monotonic()
+        repo.save(sd, step=1)
+        took = time.monotonic() - t0
+        retries = repo.store.retries
+        repo.close()
+        assert proxy.counts()["stall"] == 1
+    print(f"\nstalled upload: save took {took:.1f} s through a {stall:.0f} s stall (read timeout "
+          f"{TIMEOUTS['read_timeout']} s), RetryStore retries {retries}", flush=True)
+    assert took < stall
+    direct = ckptstore.open(url, storage_options=_so(weed), **OPTS)
+    assert_tree_equal(direct.load(1), sd)
+    assert direct.store.list_multipart() == []
+    direct.close()
+
+
 # ---------------------------------------------------------------- 2. server killed mid-save
 def _packs(store) -> set[str]:
     return {o.key.rsplit("/", 1)[-1][:-5] for o in store.list(PACK_PREFIX) if o.key.endswith(".pack")}
@@ -227,14 +253,15 @@ def test_server_sigkilled_mid_save_and_restarted(weed):
         assert_tree_equal(check.load(s), sd)
     rep = check.verify(read_data=True)
     assert rep.ok, str(rep)
-    # What the failed save left: packs nobody references, an open multipart
-    # upload, its lease. GC leaves them while young ...
+    # What the failed save left: an open multipart upload (it died mid-part),
+    # its lease, and any pack it finished before. GC leaves them while young ...
     orphans = _packs(check.store) - _referenced(check)
     leftover_uploads = {u.upload_id for u in check.store.list_multipart(PACK_PREFIX)} - uploads_before
     leases = [o.key for o in check.store.list("leases/")]
-    assert orphans and leftover_uploads and leases, (orphans, leftover_uploads, leases)
+    assert leftover_uploads and leases, (orphans, leftover_uploads, leases)
     plan = check.plan_gc(keep_last=100)
     assert not {p for p, _ in plan.delete_packs} & orphans
+    assert not {u.upload_id for u in plan.abort_uploads} & leftover_uploads
     # ... and reclaims them once the grace period has passed (GC's clock runs ahead).
     ahead = check.grace() + check.store.mtime_resolution + 60
     plan = check.plan_gc(keep_last=100, clock=lambda: time.time() + ahead)
@@ -331,15 +358,18 @@ def _same(expected: dict, got: dict) -> bool:
 
 def test_seeded_soak_through_the_fault_proxy(weed):
     seed = _seed()
-    n_ops = int(os.environ.get("CKPTSTORE_NETSOAK_OPS") or 150)
+    n_ops = int(os.environ.get("CKPTSTORE_NETSOAK_OPS") or 200)
     print(f"\nnetsoak: seed={seed} ops={n_ops} (CKPTSTORE_NETFAULT_SEED={seed} CKPTSTORE_NETSOAK_OPS={n_ops})",
           flush=True)
     rng = random.Random(seed)
     url = f"s3://{BUCKET}/soak-{seed}-{time.time_ns()}"
     direct = ckptstore.open(url, storage_options=_so(weed), **SOAK_OPTS)
-    timeouts = {"connect_timeout": 1, "read_timeout": 2}
-    proxy = FaultProxy(_upstream(weed), seed=seed, rate=0.05, stall_seconds=3, max_after=64 << 10,
-                       idle_close=0.05).start()
+    timeouts = {"connect_timeout": 1, "read_timeout": 1}
+    # Small operations reuse pooled connections for many requests, so the
+    # idle close is short and the rate higher than test 1's 5% to fault
+    # a few dozen connections in a couple of hundred operations.
+    proxy = FaultProxy(_upstream(weed), seed=seed, rate=0.1, stall_seconds=2, max_after=4 << 10,
+                       idle_close=0.005).start()
     repo = ckptstore.open(url, storage_options=_so(weed, proxy.endpoint, **timeouts),
                           retry=RetryPolicy(max_attempts=6, max_total=20), **SOAK_OPTS)
     pool = [torch.randn(rng.choice([500, 3000, 8000]), generator=torch.Generator().manual_seed(seed + i))
@@ -350,7 +380,7 @@ def test_seeded_soak_through_the_fault_proxy(weed):
     failed: dict[str, int] = {}
     wrong: list[str] = []
     step = 0
-    weights = {"save": 10, "load": 8, "read": 6, "delete": 2, "gc": 1, "steps": 2}
+    weights = {"save": 10, "load": 8, "read": 6, "delete": 2, "gc": 2, "steps": 2}
     names, w = list(weights), list(weights.values())
 
     def resolve(s: int) -> None:

@@ -25,7 +25,8 @@ so a share of *connections* faulted reaches a steady share of requests
 faults), and the client's handling of a pooled connection closed under it
 is exercised too (counted in ``idle_closed``).
 
-Bounded. At most ``max_faults`` connections are faulted, only within
+Bounded. At most ``max_faults`` faults fire (a planned fault past that
+budget does not, and its connection works normally), only within
 ``window`` seconds of :meth:`FaultProxy.start` (None: no limit), and every
 stall ends after its ``seconds`` or when the proxy stops; ``rate`` can be
 changed at any time (0 turns faults off).
@@ -109,8 +110,11 @@ class _Conn:
         self.close()
 
     def _fire(self) -> bool:
+        """Whether the fault fires now (once per connection, within the proxy's budget)."""
         with self.lock:
             if self.fired:
+                return True
+            if not self.proxy._take_budget():
                 return False
             self.fired = True
         self.proxy._record(self)
@@ -131,16 +135,17 @@ class _Conn:
                         pass
                     return
                 if fault is not None and not slow and sent + len(data) > fault.after:
+                    if not self._fire():
+                        fault = None  # over the proxy's fault budget: a normal connection
+                if fault is not None and not slow and sent + len(data) > fault.after:
                     head = data[: max(0, fault.after - sent)]
                     if head:
                         dst.sendall(head)
                         sent += len(head)
                     if fault.kind == "latency":
-                        self._fire()
                         slow = True
                         data = data[len(head):]
                     else:
-                        self._fire()
                         if fault.kind == "stall":
                             # Neither read nor forward; the client's timeout or
                             # the end of the stall ends it.
@@ -196,7 +201,7 @@ class FaultProxy:
     directions:
         Which directions faults fire in (``"up"``: requests, ``"down"``: responses).
     max_faults:
-        Most connections faulted over the proxy's life (None: no limit).
+        Most faults fired over the proxy's life (None: no limit).
     window:
         Faults only within this many seconds of :meth:`start` (None: no limit).
     max_after:
@@ -242,7 +247,7 @@ class FaultProxy:
         self.connections = 0
         #: Faults that fired, in order.
         self.injected: list[Injected] = []
-        self._planned = 0  # connections given a fault (fired or not)
+        self._fired = 0  # faults fired (the max_faults budget)
         #: Connections closed for being idle (``idle_close``).
         self.idle_closed = 0
         #: Bytes forwarded client -> server and server -> client.
@@ -271,12 +276,16 @@ class FaultProxy:
     def _choose(self, i: int) -> Fault | None:
         if self.window is not None and time.monotonic() - self._t0 > self.window:
             return None
-        if self.max_faults is not None and self._planned >= self.max_faults:
-            return None
-        f = self.plan(i)
-        if f is not None:
-            self._planned += 1
-        return f
+        return self.plan(i)
+
+    def _take_budget(self) -> bool:
+        with self._lock:
+            if self.max_faults is not None and self._fired >= self.max_faults:
+                return False
+            if self.window is not None and time.monotonic() - self._t0 > self.window:
+                return False
+            self._fired += 1
+            return True
 
     def _record(self, conn: _Conn) -> None:
         with self._lock:
