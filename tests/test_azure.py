@@ -10,6 +10,7 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # before gc
 
 import socket  # noqa: E402
 import threading  # noqa: E402
+import time  # noqa: E402
 import uuid  # noqa: E402
 
 import pytest  # noqa: E402
@@ -246,7 +247,9 @@ def test_classify_network_failures():
     import aiohttp
     from azure.core.exceptions import IncompleteReadError, ServiceRequestError, ServiceResponseError
 
-    for exc in (ServiceRequestError("refused"), ServiceResponseError("reset"), IncompleteReadError(message="cut"),
+    cut = IncompleteReadError(message="cut")
+    cut.status_code = 206  # the status of the answer whose body was cut
+    for exc in (ServiceRequestError("refused"), ServiceResponseError("reset"), IncompleteReadError(message="cut"), cut,
                 ConnectionResetError(), TimeoutError(), aiohttp.ClientConnectionError("x")):
         assert type(classify_error(exc, "az://c", "GetBlob")) is TransientStorageError, exc
     assert type(classify_error(FileNotFoundError("x"), "az://c/k", "GetBlob")) is ObjectNotFoundError
@@ -370,13 +373,28 @@ def test_repository_multipart_packs_and_gc(az):
                           chunk_size=1 * MiB, pack_size=12 * MiB, part_size=5 * MiB)
     sd = {"w": random_tensor(torch.uint8, (11 * MiB,), seed=5)}
     repo.save(sd, step=1)
-    repo.save({"w": random_tensor(torch.uint8, (11 * MiB,), seed=6)}, step=2)
+    sd2 = {"w": random_tensor(torch.uint8, (11 * MiB,), seed=6)}
+    repo.save(sd2, step=2)
     assert_tree_equal(repo.load(1), sd)
     raw = az()
     assert raw.list_multipart() == []
     assert not any("/.uploads/" in n for n in az.azurite.blob_names(az.container, uncommitted=True))
-    plan = repo.plan_gc(keep_last=1, now=None)
+    # A crashed saver's upload: a marker and staged blocks, no object.
+    left = raw.create_multipart("packs/00/" + "0" * 32 + ".pack", 5 * MiB)
+    left.upload_part(1, payload(5 * MiB, 9))
+    packs_before = {o.key for o in raw.list("packs/")}
+    ahead = repo.grace() + 60
+    plan = repo.plan_gc(keep_last=1, clock=lambda: time.time() + ahead)
     assert list(plan.delete_steps) == [1]
+    assert [u.upload_id for u in plan.abort_uploads] == [left.upload_id]
+    res = plan.execute()
+    assert res.deleted_steps == [1] and res.aborted_uploads == 1
+    assert {o.key for o in raw.list("packs/")} < packs_before
+    assert raw.list_multipart() == []
+    assert not any("/.uploads/" in n or n.endswith("0" * 32 + ".pack")
+                   for n in az.azurite.blob_names(az.container, uncommitted=True))
+    assert repo.verify(read_data=True).ok
+    assert_tree_equal(repo.load(2), sd2)
     repo.close()
 
 

@@ -102,9 +102,12 @@ def test_saves_and_loads_through_faulted_connections(weed):
         slowest = 0.0
         sd = _state(seed, mib=4)
         rounds = 0
-        # 5% of connections: about one fault per 20; the rounds go on until
-        # MIN_FAULTS have fired, every kind at least once.
-        while rounds < 60 and (rounds < 4 or len(proxy.injected) < MIN_FAULTS or 0 in proxy.counts().values()):
+        # 5% of connections: about one fault per 20 (one whose byte offset
+        # lies past what its connection carries never fires); the rounds go
+        # on until MIN_FAULTS have fired. Which kinds fire depends on the
+        # seed and on how the client pools connections; test_faultproxy.py
+        # checks each kind, the stall test below one on a part upload.
+        while rounds < 60 and (rounds < 4 or len(proxy.injected) < MIN_FAULTS):
             rounds += 1
             step = rounds
             sd = dict(sd, model=dict(sd["model"], h=random_tensor(torch.bfloat16, (1024, 700), seed + 100 * step)),
@@ -148,7 +151,6 @@ def test_saves_and_loads_through_faulted_connections(weed):
     for s, exp in committed.items():
         assert_tree_equal(direct.load(s), exp)
     assert len(injected) >= MIN_FAULTS, f"seed {seed}: only {len(injected)} faults fired ({stats})"
-    assert 0 not in counts.values(), f"seed {seed}: not every kind of fault fired ({stats})"
     assert committed, f"seed {seed}: no save got through ({stats})"
     assert slowest < bound, f"seed {seed}: an operation took {slowest:.0f} s ({stats})"
     direct.close()

@@ -103,9 +103,15 @@ def _http(exc: BaseException) -> tuple[int | None, str, str]:
 
 
 def _is_connection_error(exc: BaseException) -> bool:
+    """Resets, refused connections, timeouts, bodies cut short or garbled in transit.
+
+    ``IncompleteReadError`` and ``DecodeError`` are ``HttpResponseError``
+    subclasses carrying the status of the answer that was cut (often 200 or
+    206): they are network failures whatever that status says.
+    """
     return is_network_error(exc, optional_types(
         "azure.core.exceptions:ServiceRequestError", "azure.core.exceptions:ServiceResponseError",
-        "azure.core.exceptions:IncompleteReadError", "aiohttp:ClientError"),
+        "azure.core.exceptions:IncompleteReadError", "azure.core.exceptions:DecodeError", "aiohttp:ClientError"),
         not_these=optional_types("aiohttp:ClientResponseError"))
 
 
@@ -128,9 +134,7 @@ def classify_error(exc: BaseException, where: str, op: str, exists_on_conflict: 
         return exc
     status, code, message = _http(exc)
     message = message[:MAX_MESSAGE]
-    if _is_connection_error(exc) and not (status and status not in _TRANSIENT_STATUS and status < 500):
-        # Resets, timeouts and bodies cut short (IncompleteReadError is an
-        # HttpResponseError subclass, with the status of the cut answer).
+    if _is_connection_error(exc):
         return TransientStorageError(f"{where}: Azure {op} failed: {type(exc).__name__}: {str(exc)[:MAX_MESSAGE]}")
     if status is not None or code:
         label = f"{status} {code}".strip()
