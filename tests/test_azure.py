@@ -266,7 +266,7 @@ def test_missing_container_is_not_an_empty_store(azurite):
         s.close()
 
 
-def test_secrets_never_appear_in_messages_or_reprs(azurite):
+def test_secrets_never_appear_in_messages_or_reprs(azurite, monkeypatch):
     wrong_key = "V3J" + "x" * 60 + "=="
     conn = azurite.connection_string.replace(ACCOUNT_KEY, wrong_key)
     sas = "sv=2024-01-01&sp=r&sig=SeCrEtSiGnAtUrE123%3D"
@@ -280,6 +280,11 @@ def test_secrets_never_appear_in_messages_or_reprs(azurite):
             assert wrong_key not in text and "az://ckpt/repo/k" in str(ei.value), text
         finally:
             s.close()
+    # Secrets adlfs takes from the environment are scrubbed too.
+    from ckptstore.storage.azure import _secrets_of as secrets_of
+
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_KEY", wrong_key)
+    assert wrong_key in secrets_of({"account_name": ACCOUNT})
     # A malformed connection string is never quoted back.
     s = AzureStore("ckpt/repo", {"connection_string": f"AccountKey={wrong_key};Garbage"})
     with pytest.raises(StorageError) as ei:

@@ -52,6 +52,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
 import re
 import threading
 import uuid
@@ -182,7 +183,17 @@ class _RangeError(Exception):
     pass
 
 
+#: Where adlfs finds each secret when ``storage_options`` does not name it.
+_SECRET_ENV = {"account_key": "AZURE_STORAGE_ACCOUNT_KEY", "connection_string": "AZURE_STORAGE_CONNECTION_STRING",
+               "sas_token": "AZURE_STORAGE_SAS_TOKEN", "client_secret": "AZURE_STORAGE_CLIENT_SECRET"}
+
+
 def _secrets_of(opts: dict) -> tuple[str, ...]:
+    """Every secret this store may send (from its options, else adlfs's environment variables)."""
+    opts = dict(opts)
+    for k, env in _SECRET_ENV.items():
+        if not opts.get(k) and os.environ.get(env):
+            opts[k] = os.environ[env]
     out = []
     for k in ("account_key", "connection_string", "sas_token", "client_secret", "credential"):
         v = opts.get(k)
