@@ -19,9 +19,9 @@ Retries and timeouts, so that no request waits forever and a dead server
 fails in bounded time: every request has a connect timeout
 (:data:`CONNECT_TIMEOUT`) and a read timeout (:data:`READ_TIMEOUT`, the
 longest wait for the next bytes of an answer or for the server to take more
-of a body), the threaded upload client included; botocore retries at most
-:data:`BOTOCORE_RETRIES` (standard mode: 5xx, throttling, connection errors
-and timeouts, backoff at most 1 s then 2 s); s3fs's own retry loop around
+of a body), the threaded upload client included; botocore tries a request
+at most 3 times (:data:`BOTOCORE_RETRIES`, standard mode: 5xx, throttling,
+connection errors and timeouts, backoff at most 1 s then 2 s); s3fs's own retry loop around
 botocore's (``S3FileSystem.retries``, 5 by default, multiplying botocore's)
 is set to one attempt. Each of these is a storage option
 (``connect_timeout``, ``read_timeout``, ``config_kwargs={"retries": {...}}``).
@@ -94,8 +94,9 @@ CONNECT_TIMEOUT = 5.0
 #: Seconds without progress on a request before it fails (s3fs's default,
 #: applied to uploads too; botocore's own default is 60).
 READ_TIMEOUT = 15.0
-#: botocore's retries of one request (the first attempt included).
-BOTOCORE_RETRIES = {"mode": "standard", "max_attempts": 3}
+#: botocore's tries of one request, the first included (botocore's
+#: ``max_attempts`` counts retries only: ``{"max_attempts": 2}`` is 3 tries).
+BOTOCORE_RETRIES = {"mode": "standard", "total_max_attempts": 3}
 #: s3fs's attempts around each botocore call.
 S3FS_ATTEMPTS = 1
 
