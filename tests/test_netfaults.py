@@ -107,7 +107,7 @@ def test_saves_and_loads_through_faulted_connections(weed):
         # on until MIN_FAULTS have fired. Which kinds fire depends on the
         # seed and on how the client pools connections; test_faultproxy.py
         # checks each kind, the stall test below one on a part upload.
-        while rounds < 60 and (rounds < 4 or len(proxy.injected) < MIN_FAULTS):
+        while rounds < 150 and (rounds < 4 or len(proxy.injected) < MIN_FAULTS):
             rounds += 1
             step = rounds
             sd = dict(sd, model=dict(sd["model"], h=random_tensor(torch.bfloat16, (1024, 700), seed + 100 * step)),
