@@ -4,6 +4,11 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ckptstore-installed
+# Azurite (the Azure Storage emulator the tests start) from npm, into a
+# git-ignored folder next to the checkout.
+NODE_DIR ?= .node
+AZURITE_VERSION ?= 3.35.0
+AZURITE := $(NODE_DIR)/node_modules/.bin/azurite-blob
 
 .PHONY: setup test demo bench clean
 
@@ -17,7 +22,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip check
 	touch $(STAMP)
 
-setup: $(STAMP)
+$(AZURITE):
+	npm install --prefix $(NODE_DIR) --no-audit --no-fund --no-save --loglevel=error azurite@$(AZURITE_VERSION)
+
+setup: $(STAMP) $(AZURITE)
 
 test: setup
 	$(PY) -m pytest -q
@@ -29,4 +37,4 @@ bench: setup
 	$(PY) -m benchmarks.save_load
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info
+	rm -rf $(VENV) $(NODE_DIR) .pytest_cache .hypothesis build *.egg-info
