@@ -28,7 +28,7 @@ import torch
 
 import ckptstore
 from ckptstore.errors import CkptStoreError, StaleBaseError, StepNotFoundError, StorageError
-from ckptstore.repository import PACK_PREFIX
+from ckptstore.layout import PACK_PREFIX
 from ckptstore.storage.retry import RetryPolicy
 from ckptstore.testing.faultproxy import Fault, FaultProxy
 from ckptstore.testing.seaweedfs import SeaweedFS
