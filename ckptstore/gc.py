@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterable
 
 from . import pack as _pack
 from .catalog import Catalog
+from .clock import Clock
 from .errors import FormatError, ObjectExistsError, ObjectNotFoundError, StepNotFoundError
 from .layout import PACK_PREFIX, pack_key, parse_relocation, relocation_key, relocation_record, safety_margin
 from .manifest import ChunkRef, Manifest
@@ -125,6 +126,8 @@ class GCPlan:
     live_leases: tuple[str, ...]
     stats: dict = field(default_factory=dict)
     repo: Any = field(default=None, repr=False, compare=False)
+    #: The clock GC judges ages by, when planning and again when executing.
+    clock: Any = field(default=None, repr=False, compare=False)
 
     @property
     def bytes_to_free(self) -> int:
@@ -194,6 +197,22 @@ class GCPlan:
         return _execute(self, self.repo, progress or (lambda what, done, total: None))
 
 
+class _FnClock(Clock):
+    """A wall clock given as a function (``lambda: time.time() + ahead``)."""
+
+    def __init__(self, fn: Callable[[], float]):
+        self._fn = fn
+
+    def time(self) -> float:
+        return self._fn()
+
+
+def _gc_clock(cat: Catalog, clock) -> Clock:
+    if clock is None:
+        return cat.clock
+    return clock if isinstance(clock, Clock) else _FnClock(clock)
+
+
 def _short(steps: Iterable[int], n: int = 12) -> str:
     steps = list(steps)
     if not steps:
@@ -246,12 +265,12 @@ def _read_manifests(cat: Catalog) -> dict[int, Manifest]:
     return out
 
 
-def _read_state(cat: Catalog, now: float) -> _State:
+def _read_state(cat: Catalog, now: float, clock: Clock | None = None) -> _State:
     leases = cat.leases()
     tombstones = cat.tombstones()
     packs = {pid: (o.size, o.mtime) for pid, o in cat.packs().items()}
     relocs = cat.relocated_packs()
-    listed_at = cat.clock.time()  # manifests are listed last: deletions are timed from here (G3)
+    listed_at = (clock or cat.clock).time()  # manifests are listed last: deletions are timed from here (G3)
     state = _State(now, _read_manifests(cat), tombstones, leases, packs, relocs, cat.store.mtime_resolution)
     state.listed_at = listed_at
     return state
@@ -306,6 +325,7 @@ def plan_gc(
     repack: bool = False,
     repack_threshold: float = 0.2,
     now: float | None = None,
+    clock: Clock | Callable[[], float] | None = None,
 ) -> GCPlan:
     """Compute what GC would do. Reads only; see :class:`GCPlan`.
 
@@ -321,11 +341,17 @@ def plan_gc(
     repack:
         Rewrite the live chunks of partly used packs when dead bytes in such
         packs exceed ``repack_threshold`` of the stored bytes.
-    now:
-        The planning time (default: the repository's clock).
+    now, clock:
+        The clock GC judges ages by: ``clock`` (a :class:`~ckptstore.clock.Clock`
+        or a function returning seconds since the epoch; default: the
+        repository's clock) is read when planning and again by
+        :meth:`GCPlan.execute` when it re-checks ages before deleting; ``now``
+        fixes the planning time only. Tests pass a clock running ahead to see
+        what GC does once the grace period has passed.
     """
     repo = cat
-    now = cat.clock.time() if now is None else now
+    gclock = _gc_clock(cat, clock)
+    now = gclock.time() if now is None else now
     repo_grace = repo.grace()
     g = repo_grace if grace is None else parse_duration(grace)
     if g < repo_grace:
@@ -342,7 +368,7 @@ def plan_gc(
         keep_tags=keep_tags if isinstance(keep_tags, (bool, tuple)) else tuple(keep_tags),
         keep_steps=tuple(int(s) for s in keep_steps),
     )
-    state = _read_state(repo, now)
+    state = _read_state(repo, now, gclock)
     tags = repo.tags()
     created = {s: m.created for s, m in state.manifests.items()}
     keep = select_steps(created, tags, policy, now)
@@ -437,6 +463,7 @@ def plan_gc(
         live_leases=live_leases,
         stats=stats,
         repo=repo,
+        clock=gclock,
     )
 
 
@@ -454,7 +481,7 @@ def _overhead(nchunks: int) -> int:
 def _execute(plan: GCPlan, cat: Catalog, progress) -> GCResult:
     res = GCResult()
     store = cat.store
-    clock = cat.clock
+    clock = plan.clock or cat.clock
     g = plan.grace
 
     # 1. Steps: re-check tags and the newest step, tombstone, then delete.
@@ -483,7 +510,7 @@ def _execute(plan: GCPlan, cat: Catalog, progress) -> GCResult:
     #    half the safety margin has passed: a deletion must follow the
     #    listing that cleared it by less than the margin (docs/gc.md, G3).
     def reread():
-        st = _read_state(cat, clock.time())
+        st = _read_state(cat, clock.time(), clock)
         view = cat.relocations.view()
         live, chunks = _referenced(view, st.manifests.values(), st.packs, st.relocations)
         prot, pchunks = _referenced(view, _protecting_tombstones(st, g), st.packs, st.relocations)
@@ -531,7 +558,7 @@ def _execute(plan: GCPlan, cat: Catalog, progress) -> GCResult:
         store.delete(key)
     for key in plan.stale_leases:
         store.delete(key)
-    state = _read_state(cat, clock.time())
+    state = _read_state(cat, clock.time(), clock)
     needed_relocs, _ = _referenced(
         cat.relocations.view(), list(state.manifests.values()) + _protecting_tombstones(state, g),
         state.packs, state.relocations,
@@ -551,7 +578,8 @@ def _repack(cat: Catalog, plan: GCPlan, res: GCResult, progress) -> dict[str, di
     record was written.
     """
     store = cat.store
-    state = _read_state(cat, cat.clock.time())
+    clock = plan.clock or cat.clock
+    state = _read_state(cat, clock.time(), clock)
     manifests = list(state.manifests.values()) + _protecting_tombstones(state, plan.grace)
     _, live_chunks = _referenced(cat.relocations.view(), manifests, state.packs, state.relocations)
     writer = PackWriter(store, cat.runtime, cat.options, window=4)

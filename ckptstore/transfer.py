@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import math
 import os
 import pickle
 import struct
@@ -29,6 +30,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from . import manifest as _m
+from . import zero
 from .catalog import Catalog
 from .errors import CkptStoreError, FormatError, IntegrityError, MissingStepError
 from .layout import check_step
@@ -105,7 +107,14 @@ def export_safetensors(
     progress = progress or _noop
     ckpt = open_checkpoint(repo, step)
     man = ckpt.manifest
-    keys = all_keys = ckpt.keys()
+    view = _consolidated_view(ckpt)
+    if view is None:
+        keys = all_keys = ckpt.keys()
+        entries = {k: (man.tensors[k].dtype, man.tensors[k].shape) for k in keys}
+    else:
+        keys = all_keys = [name for name, *_ in view]
+        entries = {name: (_m.dtype_name(dt), tuple(shape)) for name, dt, shape, _ in view}
+        readers = {name: read for name, _, _, read in view}
     if keys_glob is not None:
         pats = [keys_glob] if isinstance(keys_glob, str) else list(keys_glob)
         keys = [k for k in keys if any(fnmatch.fnmatchcase(k, p) for p in pats)]
@@ -115,21 +124,24 @@ def export_safetensors(
     header: dict[str, Any] = {}
     pos = 0
     for k in keys:
-        e = man.tensors[k]
-        dt = _m.DTYPES[e.dtype]
+        dtype_name, shape = entries[k]
+        dt = _m.DTYPES[dtype_name]
         if dt not in names:
             raise TypeError(
-                f"step {step}: tensor {k!r} has dtype {e.dtype}, which safetensors cannot hold; "
+                f"step {step}: tensor {k!r} has dtype {dtype_name}, which safetensors cannot hold; "
                 "leave it out with --keys, or export with --format dcp"
             )
         if k == "__metadata__":
             raise ValueError(f"step {step}: a tensor named '__metadata__' cannot be stored in safetensors")
-        header[k] = {"dtype": names[dt], "shape": list(e.shape), "data_offsets": [pos, pos + e.nbytes]}
-        pos += e.nbytes
+        nbytes = _m.itemsize(dtype_name) * math.prod(shape)
+        header[k] = {"dtype": names[dt], "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
+        pos += nbytes
     total = pos
-    values = {k: v for k, (v, _) in leaf_values(man.tree).items()}
+    values = {k: v for k, (v, _) in leaf_values(man.tree).items()} if view is None else {}
     meta = {"step": man.step, "metadata": man.metadata, "values": values}
-    if len(keys) == len(all_keys):
+    if view is not None:
+        meta["consolidated"] = "deepspeed"
+    elif len(keys) == len(all_keys):
         meta["tree"] = man.tree
     # "format": "pt" is what Hugging Face's save_pretrained writes; its
     # loaders (transformers, accelerate's load_checkpoint_in_model) refuse
@@ -150,9 +162,8 @@ def export_safetensors(
             f.write(hbytes)
             progress("export bytes", 0, total)
             for k in keys:
-                e = man.tensors[k]
-                for block in _row_blocks(e):
-                    t = ckpt.read(k, block)
+                blocks = (ckpt.read(k, b) for b in _row_blocks(man.tensors[k])) if view is None else [readers[k]()]
+                for t in blocks:
                     if t.numel():
                         f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
                         done += t.numel() * t.element_size()
@@ -175,6 +186,20 @@ def export_safetensors(
             pass
         raise
     return {"path": str(out_path), "step": man.step, "tensors": len(keys), "bytes": total}
+
+
+def _consolidated_view(ckpt):
+    """For a step whose tensors are partitions of the model (DeepSpeed ZeRO), the weights they make up.
+
+    The export hook for stacks that save a partitioned layout: such a step
+    is recognised by its metadata, and :mod:`ckptstore.zero` (pure: it never
+    imports DeepSpeed) yields ``(name, dtype, shape, read)`` per consolidated
+    tensor. None for every other step.
+    """
+    md = ckpt.metadata
+    if not (isinstance(md, dict) and isinstance(md.get("deepspeed"), dict)):
+        return None
+    return zero.consolidated(ckpt)
 
 
 def _row_blocks(e: TensorEntry):

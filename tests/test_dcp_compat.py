@@ -315,3 +315,22 @@ def test_raw_optimizer_state_dict_behaves_like_filesystem_writer(tmp_path):
     for pid in raw["state"]:
         for name in raw["state"][pid]:
             assert bits_equal(ours["optim"]["state"][pid][name], theirs["optim"]["state"][pid][name])
+
+
+# ------------------------------------------------------------ bytes items are never unpickled unrestricted
+class _Opaque:  # a class torch's weights_only unpickler does not allow
+    def __init__(self):
+        self.x = 1
+
+
+def test_bytes_item_with_an_arbitrary_object_is_refused(tmp_path):
+    url = str(tmp_path / "repo")
+    dcp.save({"w": torch.ones(2), "obj": _Opaque()}, storage_writer=CkptStoreWriter(url, step=1))
+    sd = {"w": torch.zeros(2), "obj": None}
+    with pytest.raises(CheckpointException, match=r"bytes item 'obj' is not loadable with torch.load\(weights_only=True\)"):
+        dcp.load(sd, storage_reader=CkptStoreReader(url, step=1))
+    # plain values (and tensors) still load
+    dcp.save({"w": torch.ones(2), "cfg": {"lr": 0.1, "names": ["a", "b"]}}, storage_writer=CkptStoreWriter(url, step=2))
+    sd = {"w": torch.zeros(2), "cfg": {"lr": 0.0, "names": []}}
+    dcp.load(sd, storage_reader=CkptStoreReader(url, step=2))
+    assert sd["cfg"] == {"lr": 0.1, "names": ["a", "b"]} and torch.equal(sd["w"], torch.ones(2))

@@ -29,7 +29,7 @@ LAYERS: list[list[str]] = [
     ["fetch", "packs"],
     ["catalog"],
     ["save", "reader"],
-    ["verify"],
+    ["verify", "zero"],
     ["gc", "transfer"],
     ["repository"],
     ["loading"],  # below the package, which exports load_module

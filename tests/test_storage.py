@@ -389,7 +389,7 @@ def test_s3store_refuses_credentials_in_path():
     assert "hunter2SECRET" not in str(ei.value)
 
 
-@pytest.mark.parametrize("url", ["az://c/x", "ftp://host/x", "s3a://bucket/x"])
+@pytest.mark.parametrize("url", ["wasb://c/x", "ftp://host/x", "s3a://bucket/x"])
 def test_open_unsupported_scheme(url):
     with pytest.raises(ValueError, match="not supported|unsupported"):
         open_store(url)
@@ -417,3 +417,34 @@ def test_repo_url_fixture(repo_url):
         assert list(store.list()) == []
         store.put_if_absent("k", b"v")
         assert store.get("k") == b"v"
+
+
+def test_s3_requests_have_timeouts_and_one_bounded_retry_layer(s3):
+    """Every S3 request (s3fs's client and the upload client) has connect and
+    read timeouts, botocore tries a request at most 3 times, and s3fs's own loop
+    around botocore does not multiply that; explicit options win."""
+    from ckptstore.errors import ObjectNotFoundError
+    from ckptstore.storage.s3 import BOTOCORE_RETRIES, CONNECT_TIMEOUT, READ_TIMEOUT, S3Store
+
+    so = {"key": "testing", "secret": "testing",
+          "client_kwargs": {"endpoint_url": s3.server.endpoint, "region_name": "us-east-1"}}
+    st = S3Store(f"{s3.bucket}/t", so)
+    try:
+        with pytest.raises(ObjectNotFoundError):
+            st.head("nope")  # connects s3fs's client
+        st.put("k", b"v")  # and the upload client
+        for client in (st._fs.s3, st._upload):
+            cfg = client.meta.config
+            assert (cfg.connect_timeout, cfg.read_timeout) == (CONNECT_TIMEOUT, READ_TIMEOUT)
+            assert cfg.retries["mode"] == "standard"
+            assert cfg.retries["total_max_attempts"] == BOTOCORE_RETRIES["total_max_attempts"] == 3
+        assert st._fs.retries == 1
+    finally:
+        st.close()
+    mine = S3Store(f"{s3.bucket}/t", {**so, "read_timeout": 7, "config_kwargs": {"retries": {"max_attempts": 1}}})
+    try:
+        mine.put("k", b"v")
+        assert mine._upload.meta.config.read_timeout == 7
+        assert mine._upload.meta.config.retries["total_max_attempts"] == 2  # botocore: 1 retry
+    finally:
+        mine.close()

@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     def common(sp, url=True):
         if url:
-            sp.add_argument("url", metavar="URL", help="repository: s3://bucket/prefix, file:///path, path, memory://name")
+            sp.add_argument("url", metavar="URL", help="repository: s3://bucket/prefix, gs://bucket/prefix, az://container/prefix, file:///path, path, memory://name")
         sp.add_argument(
             "--storage-option", "-o", action="append", type=_storage_option, default=[], metavar="KEY=VALUE",
             help="backend option (repeatable), e.g. -o endpoint_url=http://127.0.0.1:9000",

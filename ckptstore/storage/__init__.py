@@ -1,7 +1,7 @@
 """Object stores: the :class:`ObjectStore` interface and its backends.
 
-:func:`open_store` turns a URL into a store. ``S3Store`` and ``GCSStore`` are imported on first
-use so that importing this package does not import s3fs or gcsfs.
+:func:`open_store` turns a URL into a store. ``S3Store``, ``GCSStore`` and ``AzureStore`` are
+imported on first use so that importing this package does not import s3fs, gcsfs or adlfs.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ __all__ = [
     "LocalStore",
     "S3Store",
     "GCSStore",
+    "AzureStore",
     "open_store",
 ]
 
-#: Schemes we know about but have no backend for yet.
-_PLANNED = ("az", "abfs", "abfss")
+_SUPPORTED = "s3://, gs://, az://, file://, memory://, paths"
 _LOCAL_OPTIONS = frozenset({"fsync"})
 
 
@@ -39,6 +39,10 @@ def __getattr__(name: str):
         from .gcs import GCSStore
 
         return GCSStore
+    if name == "AzureStore":
+        from .azure import AzureStore
+
+        return AzureStore
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -82,12 +86,16 @@ def open_store(url: str, storage_options: dict | None = None) -> ObjectStore:
     url:
         ``memory://name`` (process-wide named in-memory store),
         ``file:///abs/path`` or a plain (relative or absolute) path,
-        ``s3://bucket/prefix``, ``gs://bucket/prefix`` (or ``gcs://``).
+        ``s3://bucket/prefix``, ``gs://bucket/prefix`` (or ``gcs://``),
+        ``az://container/prefix`` (or ``abfs://``, ``abfss://``; the account
+        comes from ``storage_options`` or the environment).
         Credentials never go in the URL.
     storage_options:
         For S3, passed to :class:`s3fs.S3FileSystem` (``key``, ``secret``,
         ``endpoint_url``, ``client_kwargs``...); for GCS, to
-        :class:`gcsfs.GCSFileSystem` (``token``, ``project``, ``endpoint_url``...). For local stores only
+        :class:`gcsfs.GCSFileSystem` (``token``, ``project``, ``endpoint_url``...); for Azure, to
+        :class:`adlfs.AzureBlobFileSystem` (``connection_string``, ``account_name``,
+        ``account_key``, ``sas_token``, ``credential``...). For local stores only
         ``fsync`` is accepted; memory stores take none.
 
     Raises
@@ -132,6 +140,13 @@ def open_store(url: str, storage_options: dict | None = None) -> ObjectStore:
         from .gcs import GCSStore
 
         return GCSStore(location, storage_options)
-    if scheme in _PLANNED:
-        raise ValueError(f"{scheme}:// stores are not supported yet (supported: s3://, gs://, file://, memory://, paths)")
-    raise ValueError(f"unsupported store URL scheme {scheme!r} (supported: s3://, gs://, file://, memory://, paths)")
+    if scheme in ("az", "abfs", "abfss"):
+        location = rest.rstrip("/")
+        if not location.split("/", 1)[0]:
+            raise ValueError(f"{scheme}:// URL needs a container, e.g. az://container/prefix")
+        if "?" in location or "#" in location:
+            raise ValueError(f"{scheme}:// URL must not carry a query or fragment (a SAS token goes in storage_options)")
+        from .azure import AzureStore
+
+        return AzureStore(location, storage_options)
+    raise ValueError(f"unsupported store URL scheme {scheme!r} (supported: {_SUPPORTED})")

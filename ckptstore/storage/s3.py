@@ -15,11 +15,21 @@ original as ``__cause__``; :func:`classify_error` looks at that S3 error code
 (not at the built-in type, which depends on the s3fs version and on whether
 the server sent a ``Condition`` field) to pick the ckptstore exception.
 
-Two layers below us retry already: botocore (5xx, throttling and connection
-errors; ``config_kwargs={"retries": {...}}`` in ``storage_options``) and s3fs
-(connection errors and ``SlowDown``, ``S3FileSystem.retries`` = 5). The
-errors left over are classified as transient or permanent for ckptstore's
-retry wrapper.
+Retries and timeouts, so that no request waits forever and a dead server
+fails in bounded time: every request has a connect timeout
+(:data:`CONNECT_TIMEOUT`) and a read timeout (:data:`READ_TIMEOUT`, the
+longest wait for the next bytes of an answer or for the server to take more
+of a body), the threaded upload client included; botocore tries a request
+at most 3 times (:data:`BOTOCORE_RETRIES`, standard mode: 5xx, throttling,
+connection errors and timeouts, backoff at most 1 s then 2 s); s3fs's own retry loop around
+botocore's (``S3FileSystem.retries``, 5 by default, multiplying botocore's)
+is set to one attempt. Each of these is a storage option
+(``connect_timeout``, ``read_timeout``, ``config_kwargs={"retries": {...}}``).
+The errors left over are classified as transient or permanent for
+ckptstore's retry wrapper (:class:`~ckptstore.storage.retry.RetryStore`),
+the one layer with a bound on total time. Before these defaults botocore's
+legacy mode (5 attempts, backoff up to 8 s) under s3fs made one call against
+a killed server take up to ~15 s, and a load then failed after 77-95 s.
 
 Stores that bring explicit credentials share one process-wide botocore
 session, so opening a store does not reload the S3 service model each time.
@@ -78,6 +88,18 @@ TRANSIENT_CODES = frozenset(
 #: absent: a missing bucket is a configuration error, and reporting it as a
 #: missing object would make an empty repository out of it.
 NOT_FOUND_CODES = frozenset({"NoSuchKey", "NoSuchUpload", "404", "NotFound"})
+
+#: Seconds to wait for a TCP connection (s3fs's default, applied to uploads too).
+CONNECT_TIMEOUT = 5.0
+#: Seconds without progress on a request before it fails (s3fs's default,
+#: applied to uploads too; botocore's own default is 60).
+READ_TIMEOUT = 15.0
+#: botocore's tries of one request, the first included (botocore's
+#: ``max_attempts`` counts retries only: ``{"max_attempts": 2}`` is 3 tries).
+BOTOCORE_RETRIES = {"mode": "standard", "total_max_attempts": 3}
+#: s3fs's attempts around each botocore call.
+S3FS_ATTEMPTS = 1
+
 
 def _client_error(exc: BaseException):
     """The botocore ``ClientError`` behind ``exc`` (itself or a cause), or None."""
@@ -348,6 +370,10 @@ class S3Store(ObjectStore):
         opts["use_listings_cache"] = False
         config = dict(opts.get("config_kwargs") or {})
         config.setdefault("max_pool_connections", max(10, max_concurrency))
+        # Every request has timeouts and a small retry budget (module docstring).
+        config.setdefault("connect_timeout", opts.pop("connect_timeout", None) or CONNECT_TIMEOUT)
+        config.setdefault("read_timeout", opts.pop("read_timeout", None) or READ_TIMEOUT)
+        config.setdefault("retries", dict(BOTOCORE_RETRIES))
         if _checksums_on(config):
             # Over plain HTTP botocore otherwise SHA-256-hashes every body to
             # sign it (1.8 GB/s: the largest client CPU cost of a save to a
@@ -370,6 +396,7 @@ class S3Store(ObjectStore):
         if _can_share_session(opts):
             opts["session"] = _shared_session()
         self._fs = s3fs.S3FileSystem(**opts)
+        self._fs.retries = S3FS_ATTEMPTS
         self._catch = _errors_to_classify()
 
     def __repr__(self) -> str:

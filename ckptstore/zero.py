@@ -1,0 +1,602 @@
+"""How a DeepSpeed checkpoint is kept in one ckptstore step, and ZeRO consolidation.
+
+This module is pure: it imports torch and ckptstore's read API, never
+DeepSpeed, so ``ckptstore export`` of a DeepSpeed step works where
+DeepSpeed is not installed. :mod:`ckptstore.integrations.deepspeed` (which
+does import DeepSpeed) builds on it.
+
+Layout of a step written by ``ckptstore.integrations.deepspeed``:
+
+- every file DeepSpeed asked its checkpoint engine to save under
+  ``save_dir/tag/`` (``mp_rank_00_model_states.pt``,
+  ``zero_pp_rank_1_mp_rank_00_optim_states.pt``, ...) becomes one uint8
+  tensor keyed by the bare file name, holding the UTF-8 JSON *structure*
+  of the file's state dict, plus one tensor per tensor in it, keyed
+  ``"<file>/<path>"`` (the path's dict keys and list indices joined by
+  ``/``; a key that would repeat gets ``~N`` appended). Keys live only in
+  the manifest; they never become object paths.
+- the step's metadata holds ``{"deepspeed": {"format": 1, "tag", "zero_stage",
+  "dp_world_size", "world_size", "ds_version"}}``.
+
+Structure nodes (each a one-key JSON object, except ``obj``/``enum``):
+``{"t": KEY}`` a tensor; ``{"v": X}`` a JSON scalar; ``{"d": [[K, NODE], ...]}``
+a dict and ``{"o": [...]}`` an ``OrderedDict`` (K a str or int); ``{"l": [...]}``
+a list; ``{"u": [...]}`` a tuple; ``{"size": [...]}`` a ``torch.Size``;
+``{"dtype": NAME}``; ``{"device": STR}``; ``{"enum": CLASS, "value": X}`` and
+``{"obj": CLASS, "state": NODE}`` an instance of a class on an explicit
+allow-list (:class:`ClassCodec`). Nothing is pickled, and decoding never
+imports or instantiates a class that is not on the allow-list.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from . import manifest as _m
+from .errors import FormatError
+
+FORMAT_VERSION = 1
+STRUCTURE_FORMAT = "ckptstore.deepspeed.file"
+MAX_DEPTH = 100
+
+MODEL_RE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
+OPTIM_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+
+
+@dataclass(frozen=True)
+class ClassCodec:
+    """One allow-listed class: how its instances become JSON and back.
+
+    ``kind`` is ``"enum"`` (``to_state`` gives the member's value) or
+    ``"obj"`` (``to_state`` gives plain values, tensors excluded).
+    """
+
+    name: str
+    cls: type
+    kind: str
+    to_state: Callable[[Any], Any]
+    from_state: Callable[[Any], Any]
+
+
+@dataclass(frozen=True)
+class Opaque:
+    """An allow-listed object read without its class (pure consolidation)."""
+
+    cls: str
+    state: Any
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A tensor of a stored file, not read."""
+
+    key: str
+
+
+def is_deepspeed_step(metadata: dict) -> bool:
+    return isinstance(metadata, dict) and isinstance(metadata.get("deepspeed"), dict)
+
+
+def structure_key(file: str) -> str:
+    return file
+
+
+def is_structure_key(key: str) -> bool:
+    return "/" not in key
+
+
+# ============================================================== encode
+def encode_file(file: str, state: Any, codecs: dict[type, ClassCodec]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """A DeepSpeed file's state dict -> (tensors by key, structure as a uint8 tensor).
+
+    Raises ``TypeError`` naming the file and path of a value that is not a
+    tensor, a JSON scalar, a container or an allow-listed object.
+    """
+    if "/" in file or not file:
+        raise ValueError(f"DeepSpeed file name {file!r} must be a bare file name")
+    tensors: dict[str, torch.Tensor] = {}
+
+    def key_for(path) -> str:
+        base = file + "/" + "/".join(str(p) for p in path)
+        key, n = base, 1
+        while key in tensors:
+            key, n = f"{base}~{n}", n + 1
+        return key
+
+    def enc(v, path, depth):
+        if depth > MAX_DEPTH:
+            raise TypeError(f"{file}: {_path(path)} is nested more than {MAX_DEPTH} levels")
+        if isinstance(v, torch.Tensor):
+            if type(v) not in (torch.Tensor, torch.nn.Parameter):
+                raise TypeError(f"{file}: {_path(path)} is a {type(v).__name__}; only plain tensors are stored")
+            key = key_for(path)
+            tensors[key] = v.detach()
+            return {"t": key}
+        if v is None or type(v) in (bool, int, float, str):
+            return {"v": v}
+        codec = codecs.get(type(v))
+        if codec is not None:
+            if codec.kind == "enum":
+                return {"enum": codec.name, "value": codec.to_state(v)}
+            return {"obj": codec.name, "state": enc_plain(codec.to_state(v), path, depth + 1)}
+        if type(v) is torch.Size:
+            return {"size": [int(x) for x in v]}
+        if isinstance(v, torch.dtype):
+            return {"dtype": _m.dtype_name(v)}
+        if isinstance(v, torch.device):
+            return {"device": str(v)}
+        if type(v) in (dict, OrderedDict):
+            items = []
+            for k, x in v.items():
+                if type(k) not in (str, int):
+                    raise TypeError(f"{file}: {_path(path)} has a dict key {k!r} that is not a str or int")
+                items.append([k, enc(x, path + (k,), depth + 1)])
+            return {"o" if type(v) is OrderedDict else "d": items}
+        if type(v) is list:
+            return {"l": [enc(x, path + (i,), depth + 1) for i, x in enumerate(v)]}
+        if type(v) is tuple:
+            return {"u": [enc(x, path + (i,), depth + 1) for i, x in enumerate(v)]}
+        if type(v).__module__ == "numpy" and hasattr(v, "item") and getattr(v, "shape", None) == ():
+            return enc(v.item(), path, depth)  # a numpy scalar: its Python value
+        raise TypeError(
+            f"{file}: {_path(path)} is a {type(v).__module__}.{type(v).__qualname__}, which ckptstore does not "
+            "store (tensors, JSON scalars, dicts, lists, tuples and an allow-list of DeepSpeed classes are stored)"
+        )
+
+    def enc_plain(v, path, depth):
+        node = enc(v, path, depth)
+        if _has_tensor(node):
+            raise TypeError(f"{file}: {_path(path)}: an allow-listed object holds a tensor")
+        return node
+
+    root = enc(state, (), 0)
+    doc = {"format": STRUCTURE_FORMAT, "version": FORMAT_VERSION, "file": file, "root": root}
+    raw = json.dumps(doc, separators=(",", ":"), allow_nan=True).encode("utf-8")
+    return tensors, torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def _has_tensor(node) -> bool:
+    if isinstance(node, dict):
+        if "t" in node and len(node) == 1:
+            return True
+        return any(_has_tensor(x) for x in node.values())
+    if isinstance(node, list):
+        return any(_has_tensor(x) for x in node)
+    return False
+
+
+def _path(path) -> str:
+    return "/".join(str(p) for p in path) or "<root>"
+
+
+# ============================================================== decode
+def parse_structure(raw: bytes, file: str) -> dict:
+    """Validate the envelope of a stored structure; return its root node."""
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise FormatError(f"DeepSpeed file {file!r}: its stored structure is not JSON: {e}") from None
+    if not isinstance(doc, dict) or doc.get("format") != STRUCTURE_FORMAT:
+        raise FormatError(f"DeepSpeed file {file!r}: stored structure has no {STRUCTURE_FORMAT!r} header")
+    ver = doc.get("version")
+    if type(ver) is not int or ver > FORMAT_VERSION:
+        raise FormatError(f"DeepSpeed file {file!r}: structure version {ver!r} is newer than this ckptstore reads")
+    if doc.get("file") != file or "root" not in doc:
+        raise FormatError(f"DeepSpeed file {file!r}: stored structure names file {doc.get('file')!r}")
+    return doc["root"]
+
+
+def decode(node, get_tensor: Callable[[str], Any], codecs: dict[str, ClassCodec] | None, file: str = "?"):
+    """Rebuild a value from a structure node.
+
+    ``codecs`` maps allow-listed class names to codecs; with None, objects
+    come back as :class:`Opaque`. An unknown class name, or any malformed
+    node, raises :class:`FormatError` naming the file and path.
+    """
+
+    def bad(path, why):
+        raise FormatError(f"DeepSpeed file {file!r}: {_path(path)}: {why}")
+
+    def dec(n, path, depth):
+        if depth > MAX_DEPTH:
+            bad(path, f"nested more than {MAX_DEPTH} levels")
+        if not isinstance(n, dict) or not n:
+            bad(path, "malformed structure node")
+        if "enum" in n or "obj" in n:
+            kind = "enum" if "enum" in n else "obj"
+            name = n[kind]
+            field = "value" if kind == "enum" else "state"
+            if set(n) != {kind, field} or not isinstance(name, str):
+                bad(path, "malformed object node")
+            if codecs is None:
+                return Opaque(name, n[field] if kind == "enum" else dec(n[field], path, depth + 1))
+            codec = codecs.get(name)
+            if codec is None or codec.kind != kind:
+                bad(path, f"class {name!r} is not on ckptstore's allow-list of DeepSpeed classes")
+            value = n[field] if kind == "enum" else dec(n[field], path, depth + 1)
+            try:
+                return codec.from_state(value)
+            except (TypeError, ValueError, KeyError) as e:
+                bad(path, f"cannot rebuild {name}: {e}")
+        if len(n) != 1:
+            bad(path, "malformed structure node")
+        (kind, val), = n.items()
+        if kind == "t":
+            if not isinstance(val, str):
+                bad(path, "tensor reference is not a string")
+            return get_tensor(val)
+        if kind == "v":
+            if val is not None and type(val) not in (bool, int, float, str):
+                bad(path, "value is not a JSON scalar")
+            return val
+        if kind in ("d", "o"):
+            if not isinstance(val, list):
+                bad(path, "dict node is not a list")
+            out = OrderedDict() if kind == "o" else {}
+            for item in val:
+                if not (isinstance(item, list) and len(item) == 2 and type(item[0]) in (str, int)):
+                    bad(path, "malformed dict item")
+                out[item[0]] = dec(item[1], path + (item[0],), depth + 1)
+            return out
+        if kind in ("l", "u"):
+            if not isinstance(val, list):
+                bad(path, "list node is not a list")
+            items = [dec(x, path + (i,), depth + 1) for i, x in enumerate(val)]
+            return items if kind == "l" else tuple(items)
+        if kind == "size":
+            if not (isinstance(val, list) and all(type(x) is int and x >= 0 for x in val)):
+                bad(path, "malformed torch.Size")
+            return torch.Size(val)
+        if kind == "dtype":
+            if val not in _m.DTYPES:
+                bad(path, f"unknown dtype {val!r}")
+            return _m.DTYPES[val]
+        if kind == "device":
+            if not isinstance(val, str):
+                bad(path, "malformed device")
+            try:
+                return torch.device(val)
+            except RuntimeError as e:
+                bad(path, str(e))
+        bad(path, f"unknown node kind {kind!r}")
+
+    return dec(node, (), 0)
+
+
+# ============================================================== one step
+class StoredStep:
+    """The DeepSpeed files of one committed step (a :class:`ckptstore.Checkpoint`)."""
+
+    def __init__(self, ckpt):
+        self.ckpt = ckpt
+        meta = ckpt.metadata.get("deepspeed") if isinstance(ckpt.metadata, dict) else None
+        if not isinstance(meta, dict):
+            raise FormatError(f"step {ckpt.step} was not saved through ckptstore.integrations.deepspeed")
+        self.meta = meta
+        self.files = sorted(k for k in ckpt.manifest.tensors if is_structure_key(k))
+        self._structures: dict[str, Any] = {}
+
+    @property
+    def step(self) -> int:
+        return self.ckpt.step
+
+    def _tensor_meta_key(self, key: str):
+        if key not in self.ckpt.manifest.tensors:
+            raise FormatError(f"step {self.step}: DeepSpeed structure names tensor {key!r}, which the step lacks")
+        return key
+
+    def structure(self, file: str):
+        """The file's state dict with :class:`TensorRef` for tensors and :class:`Opaque` objects."""
+        if file not in self._structures:
+            self._structures[file] = decode(self._root(file), lambda k: TensorRef(self._tensor_meta_key(k)), None, file)
+        return self._structures[file]
+
+    def _root(self, file: str):
+        if file not in self.files:
+            raise FileNotFoundError(f"step {self.step} holds no DeepSpeed file {file!r} (it has {self.files})")
+        raw = self.ckpt.read(structure_key(file)).numpy().tobytes()
+        return parse_structure(raw, file)
+
+    def read_file(self, file: str, codecs: dict[str, ClassCodec], skip: set[str] = frozenset()):
+        """Rebuild one file's state dict, its tensors read in full (those in ``skip`` left as :class:`TensorRef`)."""
+        root = self._root(file)
+        keys: list[str] = []
+        decode(root, lambda k: keys.append(self._tensor_meta_key(k)), codecs, file)
+        dests = {}
+        for k in keys:
+            if k not in skip:
+                tm = self.ckpt.tensor_meta(k)
+                dests[k] = torch.empty(tm.shape, dtype=tm.dtype)
+        self.ckpt.read_many_into(dests)
+        return decode(root, lambda k: dests[k] if k in dests else TensorRef(k), codecs, file)
+
+    # -- which file is which
+    def model_files(self) -> dict[int, str]:
+        """dp rank -> model-states file (ZeRO-3: one per rank; otherwise rank 0 only)."""
+        out = {}
+        for f in self.files:
+            m = MODEL_RE.match(f)
+            if m:
+                self._single_mp(f, m.group(2))
+                out[int(m.group(1) or 0)] = f
+        return out
+
+    def optim_files(self) -> dict[int, str]:
+        out = {}
+        for f in self.files:
+            m = OPTIM_RE.match(f)
+            if m:
+                self._single_mp(f, m.group(3))
+                out[int(m.group(2))] = f
+        return out
+
+    def _single_mp(self, f: str, mp: str) -> None:
+        if int(mp) != 0:
+            raise NotImplementedError(
+                f"step {self.step}: {f} belongs to model-parallel rank {int(mp)}; ckptstore consolidates and "
+                "re-partitions DeepSpeed steps without tensor/pipeline parallelism only"
+            )
+
+
+# ============================================================== ZeRO layout
+class VirtualFlat:
+    """Several stored 1-d tensors read as their concatenation, by element range."""
+
+    def __init__(self, ckpt, keys: list[str]):
+        self.ckpt = ckpt
+        self.keys = keys
+        self.starts = []
+        n = 0
+        for k in keys:
+            tm = ckpt.tensor_meta(k)
+            if len(tm.shape) != 1:
+                raise FormatError(f"step {ckpt.step}: {k!r} should be a flat (1-d) tensor, it is {list(tm.shape)}")
+            self.starts.append(n)
+            n += tm.shape[0]
+        self.numel = n
+        self.dtype = ckpt.tensor_meta(keys[0]).dtype if keys else torch.float32
+
+    def read(self, a: int, b: int) -> torch.Tensor:
+        if not 0 <= a <= b <= self.numel:
+            raise FormatError(f"step {self.ckpt.step}: range [{a}, {b}) outside flat tensors of {self.numel} elements")
+        parts = []
+        for k, s in zip(self.keys, self.starts):
+            n = self.ckpt.tensor_meta(k).shape[0]
+            lo, hi = max(a, s), min(b, s + n)
+            if lo < hi:
+                parts.append(self.ckpt.read(k, (slice(lo - s, hi - s),)))
+        if not parts:
+            return torch.empty(0, dtype=self.dtype)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one parameter's elements sit in a ZeRO step."""
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int  # ZeRO-3: into each rank's flat partition; ZeRO-1/2: into the group's flat buffer
+    group: int  # ZeRO-1/2: the parameter group; ZeRO-3: the sub-group
+    trainable: bool
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+class ZeroLayout:
+    """Reads full parameters (and per-element optimizer states) of a ZeRO step.
+
+    Follows the layout DeepSpeed's own ``zero_to_fp32.py`` reads (DeepSpeed
+    0.19): ZeRO-1/2 keep each parameter group as one flat fp32 buffer split
+    evenly across data-parallel ranks (``single_partition_of_fp32_groups``),
+    parameters back to back in ``param_shapes`` order plus alignment
+    padding; ZeRO-3 partitions every parameter on its own
+    (``ceil(numel / world)`` elements per rank, zero padded) and each rank
+    concatenates its partitions per sub-group (``fp32_flat_groups``). Only
+    the ranges a caller asks for are read (ranged GETs).
+    """
+
+    def __init__(self, stored: StoredStep):
+        self.s = stored
+        self.step = stored.step
+        self.stage = int(stored.meta.get("zero_stage", 0))
+        self.world = int(stored.meta.get("dp_world_size", 1))
+        if self.stage not in (1, 2, 3):
+            raise NotImplementedError(f"step {self.step}: ZeRO stage {self.stage} steps hold no partitioned state")
+        models = stored.model_files()
+        optims = stored.optim_files()
+        if sorted(optims) != list(range(self.world)):
+            raise FormatError(
+                f"step {self.step}: expected optimizer files of dp ranks 0..{self.world - 1}, found ranks {sorted(optims)}"
+            )
+        want_models = list(range(self.world)) if self.stage == 3 else [0]
+        if sorted(models) != want_models:
+            raise FormatError(f"step {self.step}: expected model-states files of dp ranks {want_models}, found {sorted(models)}")
+        self.model_files = models
+        self.optim_files = optims
+        self.model0 = stored.structure(models[0])
+        self.optim = {r: stored.structure(f)["optimizer_state_dict"] for r, f in optims.items()}
+        self.slots: dict[str, ParamSlot] = {}
+        shapes = self.model0.get("param_shapes") or []
+        if self.stage == 3:
+            off = 0
+            for g, group in enumerate(shapes):
+                for name, shape in group.items():
+                    slot = ParamSlot(name, tuple(shape), off, g, True)
+                    self.slots[name] = slot
+                    off += self._pn(slot.numel)
+            flat = self._flat(0, "fp32")
+            if off != flat.numel:
+                raise FormatError(f"step {self.step}: ZeRO-3 partitions hold {flat.numel} elements, parameters need {off}")
+        else:
+            pads = self.optim[0].get("param_alignment_paddings")
+            for g, group in enumerate(shapes):
+                off = 0
+                gp = pads[g] if pads is not None else [0] * len(group)
+                for i, (name, shape) in enumerate(group.items()):
+                    slot = ParamSlot(name, tuple(shape), off, g, True)
+                    self.slots[name] = slot
+                    off += slot.numel + gp[i]
+        self.frozen: dict[str, tuple[int, ...]] = {
+            k: tuple(v) for k, v in (self.model0.get("frozen_param_shapes") or {}).items()
+        }
+
+    def _pn(self, numel: int, world: int | None = None) -> int:
+        return math.ceil(numel / (world or self.world))
+
+    def _flat(self, rank: int, kind: str) -> VirtualFlat:
+        """Rank ``rank``'s flat fp32 partitions (``kind="fp32"``) or one optimizer state, all groups."""
+        o = self.optim[rank]
+        if kind == "fp32":
+            refs = o["fp32_flat_groups"] if self.stage == 3 else o["single_partition_of_fp32_groups"]
+        else:
+            base = o["optimizer_state_dict"] if self.stage == 3 else o["base_optimizer_state"]
+            state = base["state"]
+            refs = [state[g][kind] for g in sorted(state)]
+        return VirtualFlat(self.s.ckpt, [r.key for r in refs])
+
+    def _group_flat(self, group: int, kind: str) -> VirtualFlat:
+        """ZeRO-1/2: one parameter group's flat buffer across every rank."""
+        keys = []
+        for r in range(self.world):
+            o = self.optim[r]
+            if kind == "fp32":
+                keys.append(o["single_partition_of_fp32_groups"][group].key)
+            else:
+                keys.append(o["base_optimizer_state"]["state"][group][kind].key)
+        return VirtualFlat(self.s.ckpt, keys)
+
+    def read_param(self, name: str, kind: str = "fp32", a: int = 0, b: int | None = None) -> torch.Tensor:
+        """Elements ``[a, b)`` of a trainable parameter (flattened), or of one of its optimizer states."""
+        slot = self.slots[name]
+        b = slot.numel if b is None else b
+        if self.stage != 3:
+            return self._group_flat(slot.group, kind).read(slot.offset + a, slot.offset + b)
+        pn = self._pn(slot.numel)
+        parts, e = [], a
+        while e < b:
+            k = e // pn
+            hi = min(b, (k + 1) * pn)
+            parts.append(self._flat(k, kind).read(slot.offset + e - k * pn, slot.offset + hi - k * pn))
+            e = hi
+        if not parts:
+            return torch.empty(0, dtype=torch.float32)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def read_frozen(self, name: str, a: int = 0, b: int | None = None) -> torch.Tensor:
+        """Elements ``[a, b)`` of a frozen parameter (flattened)."""
+        numel = math.prod(self.frozen[name])
+        b = numel if b is None else b
+        if self.stage != 3:
+            ref = self.model0["frozen_param_fragments"][name]
+            return self.s.ckpt.read(ref.key).reshape(-1)[a:b]
+        pn = self._pn(numel)
+        parts, e = [], a
+        while e < b:
+            k = e // pn
+            hi = min(b, (k + 1) * pn)
+            ref = self.s.structure(self.model_files[k])["frozen_param_fragments"][name]
+            parts.append(VirtualFlat(self.s.ckpt, [ref.key]).read(e - k * pn, hi - k * pn))
+            e = hi
+        if not parts:
+            return torch.empty(0, dtype=torch.float32)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def optimizer_state_keys(self) -> tuple[list[str], dict[str, Any]]:
+        """ZeRO-3: (per-element optimizer states, other per-group values) of the base optimizer.
+
+        A state is per-element when every sub-group holds a tensor of it as
+        long as that sub-group's fp32 partition (Adam's ``exp_avg``,
+        ``exp_avg_sq``); anything else (``step``) is taken from rank 0's
+        first sub-group.
+        """
+        base = self.optim[0]["optimizer_state_dict"]
+        state = base["state"]
+        fp32 = self.optim[0]["fp32_flat_groups"]
+        if not state:
+            return [], {}
+        if sorted(state) != list(range(len(fp32))):
+            raise FormatError(
+                f"step {self.step}: the base optimizer holds state for {len(state)} flat groups, "
+                f"ZeRO-3 saved {len(fp32)} sub-groups"
+            )
+        shape = lambda ref: tuple(self.s.ckpt.tensor_meta(ref.key).shape)  # noqa: E731
+        per_elem, other = [], {}
+        for k, v in state[0].items():
+            if all(isinstance(state[g].get(k), TensorRef) and shape(state[g][k]) == shape(fp32[g]) for g in state):
+                per_elem.append(k)
+            else:
+                other[k] = v
+        return per_elem, other
+
+    # -- consolidated weights (what zero_to_fp32.py writes)
+    def consolidated(self) -> list[tuple[str, torch.dtype, tuple[int, ...], Callable[[], torch.Tensor]]]:
+        """(name, dtype, shape, read) for every buffer and parameter, full fp32 precision for parameters."""
+        out = []
+        seen = set()
+        module = self.model0.get("module") or {}
+        for name in self.model0.get("buffer_names") or []:
+            ref = module.get(name)
+            if isinstance(ref, TensorRef):
+                tm = self.s.ckpt.tensor_meta(ref.key)
+                out.append((name, tm.dtype, tuple(tm.shape), lambda k=ref.key: self.s.ckpt.read(k)))
+                seen.add(name)
+        for name, shape in self.frozen.items():
+            dtype = self._frozen_dtype(name)
+            out.append((name, dtype, shape, lambda n=name, s=shape: self.read_frozen(n).reshape(s)))
+            seen.add(name)
+        for name, slot in self.slots.items():
+            out.append((name, torch.float32, slot.shape, lambda n=name, s=slot.shape: self.read_param(n).reshape(s)))
+            seen.add(name)
+        shared = self.model0.get("shared_params") or {}
+        by_name = {e[0]: e for e in out}
+        for alias, target in shared.items():
+            if alias not in seen and target in by_name:
+                _, dt, sh, fn = by_name[target]
+                out.append((alias, dt, sh, fn))
+        return out
+
+    def _frozen_dtype(self, name: str) -> torch.dtype:
+        return self.s.ckpt.tensor_meta(self.model0["frozen_param_fragments"][name].key).dtype
+
+
+def partition(full_reader: Callable[[int, int], torch.Tensor], numel: int, rank: int, world: int, dtype) -> torch.Tensor:
+    """ZeRO-3 partition ``rank`` of ``world`` of a parameter: ``ceil(numel/world)`` elements, zero padded."""
+    pn = math.ceil(numel / world)
+    a, b = min(rank * pn, numel), min((rank + 1) * pn, numel)
+    out = torch.zeros(pn, dtype=dtype)
+    if b > a:
+        out[: b - a] = full_reader(a, b)
+    return out
+
+
+def consolidated(ckpt) -> list[tuple[str, torch.dtype, tuple[int, ...], Callable[[], torch.Tensor]]]:
+    """(name, dtype, shape, read) of the model weights a DeepSpeed step makes up.
+
+    ZeRO-1/2/3: buffers, frozen parameters and every trainable parameter
+    assembled from the fp32 master partitions (full precision, as
+    ``zero_to_fp32.py`` gives them), tied names included. Without ZeRO:
+    the module state dict of the model-states file as saved.
+    """
+    stored = StoredStep(ckpt)
+    if int(stored.meta.get("zero_stage", 0)) in (1, 2, 3):
+        return ZeroLayout(stored).consolidated()
+    models = stored.model_files()
+    if 0 not in models:
+        raise FormatError(f"step {stored.step}: no model-states file of rank 0")
+    module = stored.structure(models[0]).get("module") or {}
+    out = []
+    for name, ref in module.items():
+        if isinstance(ref, TensorRef):
+            tm = ckpt.tensor_meta(ref.key)
+            out.append((name, tm.dtype, tuple(tm.shape), lambda k=ref.key: ckpt.read(k)))
+    return out

@@ -1,0 +1,277 @@
+"""Process bodies for the DeepSpeed integration tests (gloo on 127.0.0.1, CPU accelerator).
+
+Kept in an importable module so torch.multiprocessing's spawn can find
+them. Expected values travel between processes as torch.save files in the
+test's tmp dir (test scaffolding only; the store never holds a pickle).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import torch  # noqa: E402
+
+#: a frozen first layer (frozen parameters must upload nothing on later steps)
+IN, HID, OUT = 32, 64, 8
+
+
+def init(rank: int, world: int, port: int):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+    )
+    torch.set_num_threads(1)
+    import faulthandler
+
+    faulthandler.enable(all_threads=True)
+    import deepspeed
+    import deepspeed.ops
+
+    # The CPU accelerator would otherwise compile a shared-memory op with g++ (~75 s).
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="gloo")
+    return deepspeed
+
+
+def shutdown():
+    """Tear gloo down together, then leave without interpreter finalization.
+
+    DeepSpeed keeps references to the process groups it created (engine,
+    optimizer, ``deepspeed.utils.groups``); a gloo backend whose last
+    reference goes during interpreter finalization can abort the process
+    ("terminate called without an active exception"), which happened here
+    once in about ten runs after every check had passed.
+    """
+    import sys
+
+    import torch.distributed as dist
+
+    try:
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(IN, HID), torch.nn.ReLU(), torch.nn.Linear(HID, HID), torch.nn.ReLU(),
+                            torch.nn.Linear(HID, OUT))
+    m[0].weight.requires_grad_(False)
+    m[0].bias.requires_grad_(False)
+    return m
+
+
+def engine(deepspeed, stage: int, seed: int = 0, bf16: bool = False):
+    m = model(seed)
+    opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=0.01)
+    cfg = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    eng, *_ = deepspeed.initialize(model=m, optimizer=opt, config=cfg)
+    return eng
+
+
+def train(eng, steps: int, seed: int) -> None:
+    import torch.distributed as dist
+
+    g = torch.Generator().manual_seed(seed * 1000 + dist.get_rank())
+    for _ in range(steps):
+        x = torch.randn(4, IN, generator=g)
+        dt = next(p for p in eng.module.parameters()).dtype
+        loss = eng(x.to(dt)).float().pow(2).mean()
+        eng.backward(loss)
+        eng.step()
+
+
+def full_state(eng) -> dict:
+    """Every parameter's full value, fp32 master, Adam moments (collective under ZeRO-3)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    # ZeRO-1/2 link optimizer-state fragments to parameters lazily at the
+    # first step(); after a load, before any step, link them as step() would.
+    getattr(eng.optimizer, "_lazy_init_hp_params_optimizer_state", lambda: None)()
+    out = {}
+    for name, p in eng.module.named_parameters():
+        if p.requires_grad:
+            out[f"{name}.fp32"] = safe_get_full_fp32_param(p).detach().clone()
+            out[f"{name}.exp_avg"] = safe_get_full_optimizer_state(p, "exp_avg").detach().clone()
+            out[f"{name}.exp_avg_sq"] = safe_get_full_optimizer_state(p, "exp_avg_sq").detach().clone()
+        out[f"{name}.param"] = gathered(p)
+    out["global_steps"] = torch.tensor(eng.global_steps)
+    return out
+
+
+def gathered(p) -> torch.Tensor:
+    if hasattr(p, "ds_id"):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([p]):
+            return p.detach().clone()
+    return p.detach().clone()
+
+
+def adam_step(eng) -> torch.Tensor:
+    opt = eng.optimizer.optimizer
+    steps = {float(st["step"]) for st in opt.state.values() if "step" in st}
+    assert len(steps) == 1, steps
+    return torch.tensor(steps.pop())
+
+
+def compare(got: dict, want: dict, what: str) -> None:
+    assert set(got) == set(want), (what, sorted(set(got) ^ set(want)))
+    for k in want:
+        assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), f"{what}: {k} differs"
+
+
+# ------------------------------------------------------------------ workers
+def save_load_worker(rank, world, port, stage, url, so, tmp, bf16=False):
+    """Save at step 2 and 3; a fresh engine loads step 2 bit-exact and trains on like the original."""
+    import torch.distributed as dist
+
+    from ckptstore.integrations import deepspeed as cds
+
+    deepspeed = init(rank, world, port)
+    save_dir = os.path.join(tmp, "ds")
+    eng = engine(deepspeed, stage, bf16=bf16)
+    ce = cds.attach(eng, url, storage_options=so, chunk_size=4096)
+    train(eng, 2, seed=1)
+    want = full_state(eng)
+    want_adam = adam_step(eng)
+    eng.save_checkpoint(save_dir, tag="global_step2", client_state={"epoch": 7, "note": "hi"})
+    stats2 = dict(ce.last_save)
+    train(eng, 1, seed=2)
+    after = full_state(eng)
+    eng.save_checkpoint(save_dir)  # tag global_step3 (engine.global_steps)
+    stats3 = dict(ce.last_save)
+    if rank == 0:
+        torch.save({"want": want, "after": after}, os.path.join(tmp, f"expect_{stage}.pt"))
+        torch.save({"s2": stats2, "s3": stats3}, os.path.join(tmp, f"stats_{stage}.pt"))
+
+    # A fresh engine (different init) resumes from step 2 and trains on exactly like the original.
+    fresh = engine(deepspeed, stage, seed=5, bf16=bf16)
+    cds.attach(fresh, url, storage_options=so)
+    path, client = fresh.load_checkpoint(save_dir, tag="global_step2")
+    assert path is not None, "load_checkpoint found nothing"
+    assert client["epoch"] == 7 and client["note"] == "hi", client
+    compare(full_state(fresh), want, f"rank {rank} stage {stage} after load")
+    assert torch.equal(adam_step(fresh), want_adam)
+    train(fresh, 1, seed=2)
+    compare(full_state(fresh), after, f"rank {rank} stage {stage} after training on")
+    dist.barrier()
+    shutdown()
+
+
+def reshard_worker(rank, world, port, url, so, tmp, bf16=False):
+    """A fresh ZeRO-3 engine on ``world`` ranks loads a step saved on 2 and trains on."""
+    from ckptstore.integrations import deepspeed as cds
+
+    deepspeed = init(rank, world, port)
+    exp = torch.load(os.path.join(tmp, "expect_3.pt"), weights_only=True)
+    fresh = engine(deepspeed, 3, seed=9, bf16=bf16)
+    cds.attach(fresh, url, storage_options=so)
+    # A load directory that never saw the checkpoint: the stubs are written from the repository.
+    path, client = fresh.load_checkpoint(os.path.join(tmp, f"elsewhere{world}"), tag="global_step2")
+    assert path is not None
+    assert client["epoch"] == 7
+    compare(full_state(fresh), exp["want"], f"rank {rank} of {world} after resharded load")
+    train(fresh, 1, seed=3)
+    st = full_state(fresh)
+    assert int(st["global_steps"]) == 3
+    moved = [k for k in st if k.endswith(".fp32") and not torch.equal(st[k], exp["want"][k])]
+    assert moved, "training after the resharded load changed nothing"
+    shutdown()
+
+
+def failure_worker(rank, world, port, url, so, tmp):
+    """A plain DeepSpeed directory loads through an attached engine (restricted unpickler);
+    a step that exists, and an object ckptstore does not store, fail on every rank and change nothing."""
+    import ckptstore
+    from ckptstore.errors import StepExistsError
+    from ckptstore.integrations import deepspeed as cds
+
+    deepspeed = init(rank, world, port)
+    legacy_dir = os.path.join(tmp, "plain_deepspeed")
+    stock = engine(deepspeed, 2, seed=3)
+    train(stock, 1, seed=4)
+    stock.save_checkpoint(legacy_dir, tag="old")  # DeepSpeed's TorchCheckpointEngine, torch.save files
+    want = full_state(stock)
+
+    save_dir = os.path.join(tmp, "ds_fail")
+    eng = engine(deepspeed, 2)
+    cds.attach(eng, url, storage_options=so)
+    path, _ = eng.load_checkpoint(legacy_dir, tag="old")
+    assert path is not None
+    compare(full_state(eng), want, f"rank {rank}: plain DeepSpeed checkpoint through the attached engine")
+    train(eng, 1, seed=1)
+    eng.save_checkpoint(save_dir, tag="global_step1")
+    repo = ckptstore.open(url, storage_options=so)
+    before = repo.steps()
+    try:
+        eng.save_checkpoint(save_dir, tag="global_step1")
+    except StepExistsError as e:
+        assert "step 1" in str(e), e
+    else:
+        raise AssertionError("saving an existing step did not fail")
+    try:
+        eng.save_checkpoint(save_dir, tag="global_step9", client_state={"bad": object()})
+    except Exception as e:  # rank 0 names the value; the other rank says another rank failed
+        assert "nothing was saved" in str(e), e
+        if rank == 0:
+            assert "bad" in str(e), e
+    else:
+        raise AssertionError("an unsupported client_state value did not fail")
+    assert repo.steps() == before, (before, repo.steps())
+    with open(os.path.join(save_dir, "latest")) as f:
+        assert f.read().strip() == "global_step1"
+    repo.close()
+    shutdown()
+
+
+def hf_config():
+    from transformers import GPT2Config
+
+    return GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=16)
+
+
+def hf_worker(rank, world, port, url, tmp):
+    """A tiny Hugging Face GPT-2 (tied embeddings, one frozen block) trained and saved under ZeRO-3."""
+    from deepspeed.utils import safe_get_full_fp32_param
+    from transformers import GPT2LMHeadModel
+
+    from ckptstore.integrations import deepspeed as cds
+
+    deepspeed = init(rank, world, port)
+    torch.manual_seed(0)
+    m = GPT2LMHeadModel(hf_config())
+    m.transformer.h[0].requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=0.01)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
+           "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
+    eng, *_ = deepspeed.initialize(model=m, optimizer=opt, config=cfg)
+    cds.attach(eng, url)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        ids = torch.randint(0, 100, (2, 8), generator=g)
+        eng.backward(eng(input_ids=ids, labels=ids).loss)
+        eng.step()
+    eng.save_checkpoint(os.path.join(tmp, "ds"), tag="global_step2")
+    full = {n: safe_get_full_fp32_param(p).clone() if p.requires_grad else gathered(p)
+            for n, p in eng.module.named_parameters()}
+    if rank == 0:
+        torch.save(full, os.path.join(tmp, "hf_full.pt"))
+    shutdown()
