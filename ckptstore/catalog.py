@@ -21,6 +21,7 @@ from .layout import (
     MANIFEST_PREFIX,
     PACK_PREFIX,
     RELOCATION_PREFIX,
+    SEGMENT_PREFIX,
     TAG_PREFIX,
     TOMBSTONE_PREFIX,
     check_step,
@@ -33,6 +34,7 @@ from .layout import (
     parse_config,
     parse_tag,
     parse_tombstone,
+    segment_id_of_key,
     step_of_manifest_key,
     tag_key,
     tag_of_key,
@@ -40,20 +42,24 @@ from .layout import (
     tombstone_key,
     tombstone_record,
 )
-from .manifest import Manifest
+from .manifest import Manifest, StepRefs, parse_refs, refs_of
 from .options import RepoOptions
 from .relocations import Relocations
 from .runtime import LRUCache, Runtime
 from .storage.base import ObjectInfo, ObjectStore
+from .tables import ChunkTables
 
 #: Tombstones whose parsed manifests a handle keeps (they are write-once).
 TOMBSTONE_CACHE_BYTES = 64 << 20
 
 
+def refs_weight(r: StepRefs) -> int:
+    return 512 + 150 * len(r.packs) + (700 * len(r.chunks) if r.chunks is not None else 0)
+
+
 def manifest_weight(m: Manifest) -> int:
-    """Estimated bytes a parsed manifest holds in memory (about 700 a chunk)."""
-    chunks = sum(len(s.chunks) for t in m.tensors.values() for s in t.shards)
-    return 2048 + 400 * len(m.tensors) + 700 * chunks
+    """Estimated bytes a parsed manifest holds in memory (about 700 a chunk it holds)."""
+    return 2048 + 100 * len(m.packs) + sum(t.weight() for t in m.tensors.values())
 
 
 class Catalog:
@@ -78,10 +84,11 @@ class Catalog:
         self.runtime = Runtime(self.options)
         self.relocations = Relocations(store)
         self.fetcher = ChunkFetcher(store, self.runtime, self.options, self.relocations)
+        self.tables = ChunkTables(store, self.runtime)
         self._config: dict | None = None
         self._manifests: LRUCache[int, Manifest] = LRUCache(self.options.manifest_cache_bytes, manifest_weight)
-        self._tombstones: LRUCache[str, tuple[Manifest | None]] = LRUCache(
-            TOMBSTONE_CACHE_BYTES, lambda v: manifest_weight(v[0]) if v[0] is not None else 64
+        self._tombstones: LRUCache[str, tuple[StepRefs | None]] = LRUCache(
+            TOMBSTONE_CACHE_BYTES, lambda v: refs_weight(v[0]) if v[0] is not None else 64
         )
 
     # ------------------------------------------------------------ lifetime
@@ -168,6 +175,37 @@ class Catalog:
         self._manifests.put(step, m)
         return m
 
+    def chunks(self, step: int):
+        """Every chunk reference of a committed step (a 2.0 step's chunk tables are read, whole)."""
+        return self.tables.iter_chunks(self.manifest(step))
+
+    def resolved_manifest(self, step: int) -> Manifest:
+        """A step's manifest with every shard's chunks in it (2.0: all its chunk tables read)."""
+        return self.tables.resolve_all(self.manifest(step))
+
+    def step_refs(self, step: int, intern: dict | None = None) -> StepRefs:
+        """What a committed step references (packs, live bytes, segments), without caching its root.
+
+        GC reads every step this way: a 2.0 root's tensors and columns are
+        not decoded, so the cost is the root's JSON, not its shards.
+        """
+        step = check_step(step)
+        m = self._manifests.get(step)
+        if m is not None:
+            return refs_of(m)
+        key = manifest_key(step)
+        try:
+            info = self.store.head(key)
+            if info.size > _m.MAX_MANIFEST_BYTES:
+                raise FormatError(f"{self.url}: step {step}: manifest is {info.size} bytes, over the limit")
+            raw = self.store.get(key)
+        except ObjectNotFoundError:
+            raise StepNotFoundError(f"{self.url}: step {step} is not committed") from None
+        try:
+            return parse_refs(raw, expect_step=step, intern=intern)
+        except FormatError as e:
+            raise type(e)(f"{self.url}: step {step}: {e}") from None
+
     def remember(self, m: Manifest) -> None:
         """Cache a manifest this handle just committed."""
         self._manifests.put(m.step, m)
@@ -234,8 +272,8 @@ class Catalog:
         """Lease key -> mtime."""
         return {o.key: o.mtime for o in self.store.list(LEASE_PREFIX)}
 
-    def tombstones(self) -> dict[str, tuple[float, Manifest | None]]:
-        """Tombstone key -> (mtime, the deleted step's manifest or None if unreadable)."""
+    def tombstones(self) -> dict[str, tuple[float, StepRefs | None]]:
+        """Tombstone key -> (mtime, what the deleted step references, or None if unreadable)."""
         out = {}
         for o in self.store.list(TOMBSTONE_PREFIX):
             hit = self._tombstones.get(o.key)
@@ -255,6 +293,15 @@ class Catalog:
             pid = pack_id_of_key(o.key)
             if pid is not None:
                 out[pid] = o
+        return out
+
+    def segments(self) -> dict[str, ObjectInfo]:
+        """Chunk-table segment id -> what the store lists for it."""
+        out = {}
+        for o in self.store.list(SEGMENT_PREFIX):
+            sid = segment_id_of_key(o.key)
+            if sid is not None:
+                out[sid] = o
         return out
 
     def relocated_packs(self) -> set[str]:

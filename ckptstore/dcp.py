@@ -34,6 +34,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import io
+import math
 import os
 import re
 import time
@@ -61,13 +62,17 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
+import numpy as np
+
 from . import manifest as _m
+from .chunktable import TableBuilder
 from .errors import CkptStoreError, FormatError, StepExistsError, StepNotFoundError
 from .layout import check_step as _check_step
-from .manifest import ChunkRef, Manifest, Shard, TensorEntry
+from .layout import pack_key
+from .manifest import Manifest, PackUsage, SegmentRef, TensorEntry, merge_ranges
 from .repository import Repository
 from .repository import open as _open
-from .save import ChunkWriter, StepCommit, dedup_index
+from .save import ChunkWriter, StepCommit, dedup_share, pack_usage, write_segment
 from .tree import decode_value, encode_value, leaf_values, tensor_paths
 
 __all__ = ["CkptStoreWriter", "CkptStoreReader", "RankWriteError", "split_checkpoint_id"]
@@ -88,20 +93,27 @@ class _GlobalInfo:
 
 
 @dataclass(frozen=True)
-class _ItemResult:
-    """A rank's record of one written item, carried to the coordinator."""
+class _RankInfo:
+    """What a rank wrote, carried to the coordinator on its first result (O(packs), never O(chunks))."""
 
     rank: int
-    kind: str  # "tensor" or "bytes"
-    sizes: tuple[int, ...]
-    dtype: str
-    refs: tuple[tuple, ...]  # (hash, pack, offset, stored_len, raw_len, codec)
-    packs: dict | None = None  # pack id -> size, on the first result of a rank
-    stats: dict | None = None  # this rank's byte counts, on its first result
+    segment: SegmentRef | None  # its chunk-table segment (None when it wrote no item)
+    packs: dict  # pack id -> size, every pack its chunk references name
+    use: dict  # pack id -> PackUsage: which bytes of it its references use
+    stats: dict  # its byte counts
 
 
-def _ref_tuple(c: ChunkRef) -> tuple:
-    return (c.hash, c.pack, c.offset, c.stored_len, c.raw_len, c.codec)
+@dataclass(frozen=True, slots=True)
+class _ItemResult:
+    """A rank's record of one written item: where its chunk records are in the rank's segment."""
+
+    rank: int
+    bytes_item: bool
+    nbytes: int
+    first: int
+    count: int
+    stored: int
+    info: _RankInfo | None = None  # on the first result of a rank
 
 
 def _is_url(checkpoint_id) -> bool:
@@ -250,7 +262,15 @@ class CkptStoreWriter(StorageWriter):
     def _write_items(self, plan: SavePlan, planner: SavePlanner, rank: int, base_step) -> list[WriteResult]:
         repo = self._get_repo()
         repo.config()  # adopt the repository's chunk size (dedup needs the same cut)
-        writer = ChunkWriter(repo, dedup_index(repo, base_step))
+        # Dedup against this rank's share of the base: the base's shards that
+        # meet the boxes it writes (bytes items: any shard of the same key).
+        boxes = []
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+                boxes.append((item.index.fqn, (0,), (1 << 62,)))
+            else:
+                boxes.append((item.index.fqn, tuple(item.tensor_data.chunk.offsets), tuple(item.tensor_data.chunk.sizes)))
+        writer = ChunkWriter(repo, dedup_share(repo, base_step, boxes))
         pending = []
         try:
             for item in plan.items:
@@ -258,32 +278,44 @@ class CkptStoreWriter(StorageWriter):
                 if item.type == WriteItemType.BYTE_IO:
                     buf = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
                     t = torch.frombuffer(bytearray(buf), dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
-                    kind = "bytes"
+                    is_bytes = True
                 else:
                     t = data
-                    kind = "tensor"
+                    is_bytes = False
                 refs = writer.add(t)
-                pending.append((item, kind, tuple(t.shape), _m.dtype_name(t.dtype), t.numel() * t.element_size(), refs))
+                pending.append((item, is_bytes, t.numel() * t.element_size(), refs))
             packs = writer.finish()
+            builder = TableBuilder()
+            runs = [builder.extend(refs) for _, _, _, refs in pending]
+            segment = write_segment(repo, builder) if pending else None
         except BaseException:
             writer.abort()
             raise
         stats = writer.stats(packs)
+        if segment is not None:
+            stats["segment_bytes"] = segment.size
         self.last_rank_stats = dict(stats, rank=rank)
+        all_refs = [c for _, _, _, refs in pending for c in refs]
+        sizes = dict(packs)
+        base = repo.cached_manifest(base_step) if base_step is not None else None
+        for c in all_refs:
+            if c.pack not in sizes:
+                sizes[c.pack] = base.packs[c.pack] if base is not None and c.pack in base.packs else None
+        info = _RankInfo(rank, segment, sizes, pack_usage(all_refs, writer.packs.counts, base), stats)
         results = []
-        for n, (item, kind, sizes, dtype, nbytes, refs) in enumerate(pending):
+        for n, ((item, is_bytes, nbytes, refs), (first, count)) in enumerate(zip(pending, runs)):
             results.append(
                 WriteResult(
                     index=item.index,
                     size_in_bytes=nbytes,
                     storage_data=_ItemResult(
                         rank=rank,
-                        kind=kind,
-                        sizes=sizes,
-                        dtype=dtype,
-                        refs=tuple(_ref_tuple(c) for c in refs),
-                        packs=packs if n == 0 else None,
-                        stats=stats if n == 0 else None,
+                        bytes_item=is_bytes,
+                        nbytes=nbytes,
+                        first=first,
+                        count=count,
+                        stored=sum(c.stored_len for c in refs),
+                        info=info if n == 0 else None,
                     ),
                 )
             )
@@ -300,14 +332,13 @@ class CkptStoreWriter(StorageWriter):
             man = build_manifest(
                 self.step, metadata, results, base_step=self._base_step, user_metadata=self.user_metadata
             )
-            packs: dict[str, int] = {}
-            for rank_results in results:
-                for wr in rank_results:
-                    if wr.storage_data.packs:
-                        packs.update(wr.storage_data.packs)
-            if man.base_step is not None:
-                repo.manifest(man.base_step)  # cached: pack sizes of reused chunks
-            commit.commit(commit.pack_sizes(man, packs))
+            missing = [p for p, size in man.packs.items() if size is None]
+            if missing:  # a reused pack the base manifest did not list: ask the store
+                sizes = dict(man.packs)
+                for p in missing:
+                    sizes[p] = repo.store.head(pack_key(p)).size
+                man = dataclasses.replace(man, packs=sizes)
+            commit.commit(man)
         finally:
             commit.end()
 
@@ -350,49 +381,109 @@ class CkptStoreWriter(StorageWriter):
 def build_manifest(
     step: int, metadata: Metadata, results: list[list[WriteResult]], base_step=None, user_metadata=None
 ) -> Manifest:
-    """The manifest of a DCP save, from DCP's global metadata and every rank's results."""
-    written: dict[str, list[tuple[tuple[int, ...], _ItemResult]]] = {}
-    stats = {"logical_bytes": 0, "new_bytes": 0, "stored_bytes": 0, "reused_bytes": 0, "pack_bytes": 0}
+    """The 2.0 root of a DCP save, from DCP's global metadata and every rank's results.
+
+    O(ranks + packs + shards) work and memory: each result carries where its
+    item's records are in its rank's segment, never the chunk records.
+    Shard boxes and table runs are filled into arrays, placed by the index
+    hints DCP's default planner writes (``MetadataIndex.index``), by offsets
+    otherwise.
+    """
+    stats = {"logical_bytes": 0, "new_bytes": 0, "stored_bytes": 0, "reused_bytes": 0, "pack_bytes": 0,
+             "segment_bytes": 0}
     ranks: dict[str, dict] = {}
+    seg_of_rank: dict[int, int] = {}
+    segments: list[SegmentRef] = []
+    packs: dict[str, int | None] = {}
+    use: dict[str, list] = {}
+    pack_chunks: dict[str, int] = {}
     for rank_results in results:
         for wr in rank_results:
             sd = wr.storage_data
             if not isinstance(sd, _ItemResult):
                 raise FormatError(f"step {step}: a write result carries no ckptstore data (mixed storage writers?)")
-            offset = tuple(wr.index.offset) if wr.index.offset is not None else None
-            written.setdefault(wr.index.fqn, []).append((offset, sd))
-            if sd.stats:
-                ranks[str(sd.rank)] = sd.stats
-                for k in stats:
-                    stats[k] += sd.stats.get(k, 0)
+            info = sd.info
+            if info is None:
+                continue
+            if info.rank in seg_of_rank:
+                raise FormatError(f"step {step}: rank {info.rank} reported twice")
+            if info.segment is not None:
+                seg_of_rank[info.rank] = len(segments)
+                segments.append(info.segment)
+            for p, size in info.packs.items():
+                if packs.get(p) is None:
+                    packs[p] = size
+            for p, u in info.use.items():
+                use.setdefault(p, []).extend(u.ranges)
+                pack_chunks[p] = max(pack_chunks.get(p, 0), u.chunks)
+            ranks[str(info.rank)] = info.stats
+            for k in stats:
+                stats[k] += info.stats.get(k, 0)
     stats["ranks"] = ranks
+
+    # Where each item landed: by DCP's index hint (position in md.chunks), else by offsets.
+    placed: dict[str, dict[int, _ItemResult]] = {}
+    by_offset: dict[tuple[str, tuple], _ItemResult] = {}
+    for rank_results in results:
+        for wr in rank_results:
+            idx = wr.index
+            if idx.index is not None:
+                placed.setdefault(idx.fqn, {})[idx.index] = (idx.offset, wr.storage_data)
+            else:
+                by_offset[(idx.fqn, tuple(idx.offset) if idx.offset is not None else None)] = wr.storage_data
+
+    def seg(sd: _ItemResult, fqn: str) -> int:
+        g = seg_of_rank.get(sd.rank)
+        if g is None:
+            raise FormatError(f"step {step}: {fqn!r}: rank {sd.rank} wrote no chunk-table segment")
+        return g
 
     tensors: dict[str, TensorEntry] = {}
     bytes_keys: list[str] = []
     for fqn, md in metadata.state_dict_metadata.items():
-        items = written.get(fqn, [])
+        hints = placed.get(fqn, {})
         if isinstance(md, BytesStorageMetadata):
-            if len(items) != 1:
-                raise FormatError(f"step {step}: bytes item {fqn!r} was written {len(items)} times")
-            _, sd = items[0]
-            refs = tuple(ChunkRef(*r) for r in sd.refs)
-            n = sum(c.raw_len for c in refs)
-            tensors[fqn] = TensorEntry(fqn, "uint8", (n,), (Shard((0,), (n,), refs),))
+            sd = by_offset.get((fqn, None))
+            if sd is None and len(hints) == 1:
+                sd = next(iter(hints.values()))[1]
+            if sd is None or not sd.bytes_item:
+                raise FormatError(f"step {step}: bytes item {fqn!r} was not written exactly once")
+            n = sd.nbytes
+            tensors[fqn] = TensorEntry(
+                fqn, "uint8", (n,), offsets=np.zeros((1, 1), np.int64), sizes=np.array([[n]], np.int64),
+                tables=np.array([[seg(sd, fqn), sd.first, sd.count]], np.int64), stored_bytes=sd.stored, nchunks=sd.count,
+            )
             bytes_keys.append(fqn)
             continue
         shape = tuple(md.size)
         dtype = _m.dtype_name(md.properties.dtype)
-        by_offset = {off: sd for off, sd in items}
-        shards = []
-        for chunk in md.chunks:
-            off = tuple(chunk.offsets)
-            sd = by_offset.get(off)
+        isz = _m.itemsize(dtype)
+        chunks = md.chunks
+        n, nd = len(chunks), len(shape)
+        offs = np.array([tuple(c.offsets) for c in chunks], dtype=np.int64).reshape(n, nd)
+        sizes = np.array([tuple(c.sizes) for c in chunks], dtype=np.int64).reshape(n, nd)
+        tabs = np.empty((n, 3), dtype=np.int64)
+        stored = nchunks = 0
+        for i, c in enumerate(chunks):
+            hint = hints.get(i)
+            sd = hint[1] if hint is not None and tuple(hint[0]) == tuple(c.offsets) else None
             if sd is None:
-                raise FormatError(f"step {step}: no rank wrote tensor {fqn!r} at offsets {off}")
-            if tuple(sd.sizes) != tuple(chunk.sizes):
-                raise FormatError(f"step {step}: tensor {fqn!r} at {off}: wrote sizes {sd.sizes}, planned {tuple(chunk.sizes)}")
-            shards.append(Shard(off, tuple(chunk.sizes), tuple(ChunkRef(*r) for r in sd.refs)))
-        tensors[fqn] = TensorEntry(fqn, dtype, shape, tuple(shards))
+                sd = by_offset.get((fqn, tuple(c.offsets)))
+                if sd is None:  # a hint at another position
+                    sd = next((h[1] for h in hints.values() if tuple(h[0]) == tuple(c.offsets)), None)
+            if sd is None:
+                raise FormatError(f"step {step}: no rank wrote tensor {fqn!r} at offsets {tuple(c.offsets)}")
+            want = math.prod(c.sizes) * isz
+            if sd.nbytes != want:
+                raise FormatError(
+                    f"step {step}: tensor {fqn!r} at {tuple(c.offsets)}: wrote {sd.nbytes} bytes, planned "
+                    f"{tuple(c.sizes)} ({want} bytes)"
+                )
+            tabs[i] = (seg(sd, fqn), sd.first, sd.count)
+            stored += sd.stored
+            nchunks += sd.count
+        tensors[fqn] = TensorEntry(fqn, dtype, shape, offsets=offs, sizes=sizes, tables=tabs,
+                                   stored_bytes=stored, nchunks=nchunks)
 
     planner_data = metadata.planner_data
     tree = _tree_from_planner_data([k for k in tensors if k not in bytes_keys], planner_data)
@@ -419,11 +510,13 @@ def build_manifest(
         created=time.time(),
         tensors=tensors,
         tree=tree,
-        packs={c.pack: 0 for t in tensors.values() for s in t.shards for c in s.chunks},
+        packs=packs,
         metadata=user_metadata or {},
         base_step=base_step,
         stats=stats,
         dcp=dcp_section,
+        segments=tuple(segments),
+        pack_use={p: PackUsage(pack_chunks.get(p, 0), merge_ranges(r, _m.MAX_PACK_RANGES)) for p, r in use.items()},
     )
 
 
@@ -584,13 +677,16 @@ class CkptStoreReader(StorageReader):
             entry = man.tensors.get(fqn)
             if entry is None:
                 raise KeyError(f"{ckpt.repo.url}: step {man.step} has no tensor {fqn!r}")
-            shard = _find_shard(entry, item.storage_index.offset, man.step)
+            index = ckpt.shard_at(fqn, item.storage_index.offset)
             local = tuple((o, o + n, 1) for o, n in zip(item.storage_offsets, item.lengths))
             target = planner.resolve_tensor(item).detach()
-            tensor_jobs.append((item, entry, shard, local, target))
+            tensor_jobs.append((item, entry, index, local, target))
+        # One batch of chunk-table reads for every shard this rank reads.
+        ckpt.resolve([(entry.key, index) for _, entry, index, _, _ in tensor_jobs])
 
         def run(job):
-            _, entry, shard, local, target = job
+            _, entry, index, local, target = job
+            (shard,) = ckpt.shards(entry.key, [index])
             ckpt.read_shard(entry, shard, local, target)
 
         if tensor_jobs:
@@ -641,14 +737,6 @@ def _check_weights_only(data: bytes, what: str) -> None:
         ) from None
 
 
-def _find_shard(entry: TensorEntry, offset, step: int) -> Shard:
-    want = tuple(offset) if offset is not None else (0,) * len(entry.shape)
-    for s in entry.shards:
-        if s.offsets == want:
-            return s
-    raise FormatError(f"step {step}: tensor {entry.key!r} has no stored shard at offsets {want}")
-
-
 def metadata_from_manifest(man: Manifest) -> Metadata:
     """DCP ``Metadata`` for a step (saved through DCP or by ``repo.save``)."""
     sdm: dict[str, Any] = {}
@@ -684,5 +772,8 @@ def _tensor_md(e: TensorEntry) -> TensorStorageMetadata:
     return TensorStorageMetadata(
         properties=TensorProperties(dtype=_m.DTYPES[e.dtype]),
         size=torch.Size(e.shape),
-        chunks=[ChunkStorageMetadata(offsets=torch.Size(s.offsets), sizes=torch.Size(s.sizes)) for s in e.shards],
+        chunks=[
+            ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(n))
+            for o, n in zip(*(a.tolist() for a in e.boxes()))
+        ],
     )

@@ -66,3 +66,7 @@ class PackVanishedError(ObjectNotFoundError):
 
 class MissingStepError(CkptStoreError, LookupError):
     """A step named for copying is not committed in the source."""
+
+
+class ManifestTooLargeError(CkptStoreError, ValueError):
+    """A step's manifest would be larger than readers accept; nothing was committed."""

@@ -16,8 +16,17 @@ from . import pack as _pack
 from .catalog import Catalog
 from .clock import Clock
 from .errors import FormatError, ObjectExistsError, ObjectNotFoundError, StepNotFoundError
-from .layout import PACK_PREFIX, pack_key, parse_relocation, relocation_key, relocation_record, safety_margin
-from .manifest import ChunkRef, Manifest
+from .layout import (
+    MAX_RELOCATION_HOPS,
+    PACK_PREFIX,
+    pack_key,
+    parse_relocation,
+    relocation_key,
+    relocation_record,
+    safety_margin,
+    segment_key,
+)
+from .manifest import ChunkRef, StepRefs, merge_ranges
 from .packs import PackWriter
 from .relocations import RelocationView
 from .storage.base import MultipartInfo
@@ -119,6 +128,7 @@ class GCPlan:
     delete_packs: tuple[tuple[str, int], ...]
     young_packs: tuple[tuple[str, int], ...]  # unreferenced but younger than the grace period
     protected_packs: tuple[tuple[str, int], ...]  # unreferenced, old, but held by young tombstones
+    delete_segments: tuple[tuple[str, int], ...]  # unreferenced chunk-table segments older than the grace period
     repack: tuple[PackUse, ...]
     abort_uploads: tuple[MultipartInfo, ...]
     expired_tombstones: tuple[str, ...]
@@ -131,7 +141,8 @@ class GCPlan:
 
     @property
     def bytes_to_free(self) -> int:
-        return sum(s for _, s in self.delete_packs) + sum(u.size - u.live_bytes for u in self.repack)
+        return (sum(s for _, s in self.delete_packs) + sum(s for _, s in self.delete_segments)
+                + sum(u.size - u.live_bytes for u in self.repack))
 
     def as_dict(self) -> dict:
         return {
@@ -142,6 +153,7 @@ class GCPlan:
             "delete_packs": [{"pack": p, "size": s} for p, s in self.delete_packs],
             "young_packs": [{"pack": p, "size": s} for p, s in self.young_packs],
             "protected_packs": [{"pack": p, "size": s} for p, s in self.protected_packs],
+            "delete_segments": [{"segment": p, "size": s} for p, s in self.delete_segments],
             "repack": [
                 {"pack": u.pack, "size": u.size, "live_bytes": u.live_bytes, "live_chunks": u.live_chunks}
                 for u in self.repack
@@ -162,6 +174,11 @@ class GCPlan:
         lines.append(
             f"  delete {len(self.delete_packs)} pack(s), {human_bytes(sum(s for _, s in self.delete_packs))}"
         )
+        if self.delete_segments:
+            lines.append(
+                f"  delete {len(self.delete_segments)} unreferenced chunk-table segment(s), "
+                f"{human_bytes(sum(s for _, s in self.delete_segments))}"
+            )
         if self.repack:
             live = sum(u.live_bytes for u in self.repack)
             total = sum(u.size for u in self.repack)
@@ -227,6 +244,7 @@ class GCResult:
     skipped_steps: list[tuple[int, str]] = field(default_factory=list)
     deleted_packs: list[str] = field(default_factory=list)
     skipped_packs: list[tuple[str, str]] = field(default_factory=list)
+    deleted_segments: list[str] = field(default_factory=list)
     repacked_packs: list[str] = field(default_factory=list)
     new_packs: list[str] = field(default_factory=list)
     aborted_uploads: int = 0
@@ -239,14 +257,21 @@ class GCResult:
 # ---------------------------------------------------------------------- state
 @dataclass
 class _State:
-    """What GC reads from the store."""
+    """What GC reads from the store.
+
+    Steps and tombstones are kept as :class:`~ckptstore.manifest.StepRefs`:
+    a 2.0 step is its pack list (with live bytes) and segment list, never
+    its chunk tables, so GC's memory and time are bounded by packs, not
+    chunks. 1.0 steps carry their chunk references (their manifests do).
+    """
 
     now: float
-    manifests: dict[int, Manifest]
-    tombstones: dict[str, tuple[float, Manifest | None]]  # key -> (mtime, manifest)
+    manifests: dict[int, StepRefs]
+    tombstones: dict[str, tuple[float, StepRefs | None]]  # key -> (mtime, references)
     leases: dict[str, float]  # key -> mtime
     packs: dict[str, tuple[int, float]]  # id -> (size, mtime)
     relocations: set[str]  # pack ids with a relocation record
+    segments: dict[str, tuple[int, float]] = field(default_factory=dict)  # id -> (size, mtime)
     res: float = 0.0  # the store's mtime resolution
     listed_at: float = 0.0  # when the manifests were listed
 
@@ -255,11 +280,12 @@ class _State:
         return self.now - mtime - self.res
 
 
-def _read_manifests(cat: Catalog) -> dict[int, Manifest]:
+def _read_manifests(cat: Catalog) -> dict[int, StepRefs]:
     out = {}
+    intern: dict[str, str] = {}
     for step in cat.steps():
         try:
-            out[step] = cat.manifest(step)
+            out[step] = cat.step_refs(step, intern)
         except StepNotFoundError:
             continue  # deleted meanwhile
     return out
@@ -269,49 +295,130 @@ def _read_state(cat: Catalog, now: float, clock: Clock | None = None) -> _State:
     leases = cat.leases()
     tombstones = cat.tombstones()
     packs = {pid: (o.size, o.mtime) for pid, o in cat.packs().items()}
+    segments = {sid: (o.size, o.mtime) for sid, o in cat.segments().items()}
     relocs = cat.relocated_packs()
     listed_at = (clock or cat.clock).time()  # manifests are listed last: deletions are timed from here (G3)
-    state = _State(now, _read_manifests(cat), tombstones, leases, packs, relocs, cat.store.mtime_resolution)
+    state = _State(now, _read_manifests(cat), tombstones, leases, packs, relocs, segments, cat.store.mtime_resolution)
     state.listed_at = listed_at
     return state
 
 
-def _protecting_tombstones(state: _State, grace: float) -> list[Manifest]:
-    """Tombstones that still protect their packs.
+def _protecting_tombstones(state: _State, grace: float) -> list[StepRefs]:
+    """Tombstones that still protect their packs and segments.
 
-    A deleted step's packs stay referenced while the tombstone is younger than
-    the grace period and some lease that started before the deletion is
+    A deleted step's objects stay referenced while the tombstone is younger
+    than the grace period and some lease that started before the deletion is
     itself younger than the grace period: only such a saver can have read
     the step as its dedup base (savers write their lease before reading it).
     """
     margin = safety_margin(grace)
     out = []
-    for _key, (tmtime, man) in state.tombstones.items():
-        if man is None or state.age(tmtime) > grace:
+    for _key, (tmtime, refs) in state.tombstones.items():
+        if refs is None or state.age(tmtime) > grace:
             continue
         if any(
             lmtime <= tmtime + margin + state.res and state.age(lmtime) <= grace
             for lmtime in state.leases.values()
         ):
-            out.append(man)
+            out.append(refs)
     return out
 
 
-def _referenced(view: RelocationView, manifests: Iterable[Manifest], existing: dict[str, Any], relocs: set[str]):
-    """Pack ids referenced by these manifests, following relocation records.
+@dataclass
+class _Refs:
+    """What a set of steps references.
 
-    Returns ``(packs, chunks)``: referenced pack ids, and per pack the set of
-    ``(offset, stored_len, hash)`` of referenced chunks (for live-byte accounting).
+    packs: pack ids (following relocation records to where moved chunks are);
+    chunks: per pack, ``(offset, stored_len, hash)`` of the 1.0 steps' chunks;
+    ranges: per pack, the byte ranges 2.0 steps use (their union is exact);
+    counts: per pack, how many chunks it holds, where a 2.0 step recorded it;
+    segments: chunk-table segment ids.
     """
-    packs: set[str] = set()
-    chunks: dict[str, set[tuple[int, int, str]]] = {}
-    for m in manifests:
-        for c in m.chunk_refs():
-            # Every hop's pack holds the chunk until the next one exists.
-            for r in view.chain(c, existing, relocs):
-                packs.add(r.pack)
-                chunks.setdefault(r.pack, set()).add((r.offset, r.stored_len, r.hash))
-    return packs, chunks
+
+    packs: set[str] = field(default_factory=set)
+    chunks: dict[str, set[tuple[int, int, str]]] = field(default_factory=dict)
+    ranges: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+    segments: set[str] = field(default_factory=set)
+
+    def live_bytes(self, pid: str) -> int:
+        spans = list(self.ranges.get(pid, ()))
+        spans += [(off, off + sl) for off, sl, _ in self.chunks.get(pid, ())]
+        return sum(e - s for s, e in merge_ranges(spans))
+
+    def live_chunks(self, pid: str) -> int:
+        """Chunks in the pack's table (for its overhead): recorded, else the 1.0 chunks seen."""
+        return self.counts.get(pid) or len(self.chunks.get(pid, ()))
+
+
+def _referenced(view: RelocationView, steps: Iterable[StepRefs], existing: dict[str, Any], relocs: set[str]) -> _Refs:
+    """What these steps reference, following relocation records.
+
+    A 1.0 step is followed chunk by chunk (every hop's pack holds the chunk
+    until the next one exists). A 2.0 step is followed pack by pack, with
+    the byte ranges it recorded: a pack that is gone keeps every pack its
+    relocation record names, with the ranges the moved chunks occupy there
+    (a superset of what the step needs: safe, and bounded by packs).
+    """
+    out = _Refs()
+    for r in steps:
+        out.segments.update(r.segments)
+        if r.chunks is not None:
+            for c in r.chunks:
+                for hop in view.chain(c, existing, relocs):
+                    out.packs.add(hop.pack)
+                    out.chunks.setdefault(hop.pack, set()).add((hop.offset, hop.stored_len, hop.hash))
+            continue
+        for pid, u in r.use.items():
+            out.ranges.setdefault(pid, []).extend(u.ranges)
+            if u.chunks:
+                out.counts[pid] = max(out.counts.get(pid, 0), u.chunks)
+        for pid in r.packs:
+            _follow_pack(view, pid, existing, relocs, out)
+    return out
+
+
+def _follow_pack(view: RelocationView, pid: str, existing, relocs, out: _Refs, hops: int = 0) -> None:
+    """Mark ``pid``; if it is gone and was repacked, mark where its chunks went."""
+    out.packs.add(pid)
+    if pid in existing or pid not in relocs or hops >= MAX_RELOCATION_HOPS:
+        return
+    moved: dict[str, list[tuple[int, int]]] = {}
+    for c in (view.table(pid) or {}).values():
+        moved.setdefault(c.pack, []).append((c.offset, c.offset + c.stored_len))
+    for new, spans in moved.items():
+        out.ranges.setdefault(new, []).extend(spans)
+        if new not in out.packs:
+            _follow_pack(view, new, existing, relocs, out, hops + 1)
+
+
+def _chunks_in(cat: Catalog, steps: Iterable[StepRefs], pids: set[str], view: RelocationView,
+               existing, relocs) -> dict[str, set[tuple[int, int, str]]]:
+    """Exactly which chunks of packs ``pids`` these steps use: their chunk
+    tables are read only for 2.0 steps that name one of those packs."""
+    out: dict[str, set[tuple[int, int, str]]] = {}
+
+    def add(c: ChunkRef) -> None:
+        for hop in view.chain(c, existing, relocs):
+            if hop.pack in pids:
+                out.setdefault(hop.pack, set()).add((hop.offset, hop.stored_len, hop.hash))
+
+    for r in steps:
+        if r.chunks is not None:
+            for c in r.chunks:
+                add(c)
+            continue
+        if not any(p in pids or p in relocs for p in r.packs):
+            continue
+        try:
+            man = cat.manifest(r.step)
+        except StepNotFoundError:
+            man = None
+        if man is None or man.created != r.created:
+            continue  # deleted (its tombstone's references were counted) or replaced
+        for c in cat.tables.iter_chunks(man):
+            add(c)
+    return out
 
 
 def plan_gc(
@@ -385,28 +492,30 @@ def plan_gc(
     # their packs stay protected (execute re-checks).
     pending = [state.manifests[s] for s in delete] if live_leases else []
     view = repo.relocations.view()
-    live_refs, live_chunks = _referenced(view, kept_manifests, state.packs, state.relocations)
-    prot_refs, _ = _referenced(view, tomb_manifests + pending, state.packs, state.relocations)
+    live = _referenced(view, kept_manifests, state.packs, state.relocations)
+    prot = _referenced(view, tomb_manifests + pending, state.packs, state.relocations)
 
     delete_packs, young, protected = [], [], []
     for pid, (size, mtime) in sorted(state.packs.items()):
-        if pid in live_refs:
+        if pid in live.packs:
             continue
         if state.age(mtime) <= g:
             young.append((pid, size))
-        elif pid in prot_refs:
+        elif pid in prot.packs:
             protected.append((pid, size))
         else:
             delete_packs.append((pid, size))
+    delete_segments = [
+        (sid, size) for sid, (size, mtime) in sorted(state.segments.items())
+        if sid not in live.segments and sid not in prot.segments and state.age(mtime) > g
+    ]
 
     uses = []
-    for pid in live_refs:
+    for pid in live.packs:
         if pid not in state.packs:
             continue
         size, mtime = state.packs[pid]
-        ch = live_chunks.get(pid, set())
-        live = sum(sl for _, sl, _ in ch)
-        uses.append(PackUse(pid, size, mtime, live, len(ch)))
+        uses.append(PackUse(pid, size, mtime, min(size, live.live_bytes(pid)), live.live_chunks(pid)))
     stored = sum(s for s, _ in state.packs.values())
     referenced = sum(u.live_bytes for u in uses)
     partial = [u for u in uses if u.dead_bytes > _overhead(u.live_chunks)]
@@ -427,17 +536,17 @@ def plan_gc(
             uploads.append(u)
 
     expired = tuple(k for k, (t, _) in state.tombstones.items() if state.age(t) > g)
-    logical = sum(c.raw_len for m in kept_manifests for c in m.chunk_refs())
-    uniq: dict[str, tuple[int, int]] = {}
-    for m in kept_manifests:
-        for c in m.chunk_refs():
-            uniq[c.hash] = (c.raw_len, c.stored_len)
-    uraw = sum(r for r, _ in uniq.values())
-    ustored = sum(s for _, s in uniq.values())
+    # Ratios from what each kept step recorded (bounded by steps, not chunks):
+    # logical bytes over the bytes they first stored; ckptstore stats counts exactly.
+    logical = sum(int(m.stats.get("logical_bytes", 0)) for m in kept_manifests)
+    uraw = sum(int(m.stats.get("new_bytes", 0)) for m in kept_manifests)
+    ustored = sum(int(m.stats.get("stored_bytes", 0)) for m in kept_manifests)
     stats = {
         "steps": len(state.manifests),
         "packs": len(state.packs),
+        "segments": len(state.segments),
         "stored_bytes": stored,
+        "segment_bytes": sum(s for s, _ in state.segments.values()),
         "referenced_bytes": referenced,
         "partial_packs": len(partial),
         "partial_dead_bytes": partial_dead,
@@ -456,6 +565,7 @@ def plan_gc(
         delete_packs=tuple(delete_packs),
         young_packs=tuple(young),
         protected_packs=tuple(protected),
+        delete_segments=tuple(delete_segments),
         repack=repack_list,
         abort_uploads=tuple(uploads),
         expired_tombstones=expired,
@@ -512,15 +622,21 @@ def _execute(plan: GCPlan, cat: Catalog, progress) -> GCResult:
     def reread():
         st = _read_state(cat, clock.time(), clock)
         view = cat.relocations.view()
-        live, chunks = _referenced(view, st.manifests.values(), st.packs, st.relocations)
-        prot, pchunks = _referenced(view, _protecting_tombstones(st, g), st.packs, st.relocations)
-        return st, live, chunks, prot, pchunks
+        users = list(st.manifests.values()) + _protecting_tombstones(st, g)
+        return st, view, users, _referenced(view, users, st.packs, st.relocations)
 
-    state, live_refs, live_chunks, prot_refs, prot_chunks = reread()
+    state, view, users, refs = reread()
+    moved_needs: dict[str, set[str]] = {}
+    if relocated:  # exactly which chunks of the repacked packs are used now
+        found = _chunks_in(cat, users, set(relocated), view, state.packs, state.relocations)
+        moved_needs = {pid: {h for _, _, h in found.get(pid, ())} for pid in relocated}
     todo = [pid for pid, _ in plan.delete_packs] + list(relocated)
     for i, pid in enumerate(todo):
         if clock.time() - state.listed_at > safety_margin(g) / 2:
-            state, live_refs, live_chunks, prot_refs, prot_chunks = reread()
+            state, view, users, refs = reread()
+            if relocated:
+                found = _chunks_in(cat, users, set(relocated), view, state.packs, state.relocations)
+                moved_needs = {p: {h for _, _, h in found.get(p, ())} for p in relocated}
         info = state.packs.get(pid)
         if info is None:
             res.skipped_packs.append((pid, "already gone"))
@@ -531,18 +647,26 @@ def _execute(plan: GCPlan, cat: Catalog, progress) -> GCResult:
             continue
         if pid in relocated:
             # Every chunk any manifest (or protecting tombstone) now uses must be relocated.
-            needed = {h for _, _, h in live_chunks.get(pid, set())}
-            needed |= {h for _, _, h in prot_chunks.get(pid, set())}
-            if not needed <= set(relocated[pid]):
+            if not moved_needs.get(pid, set()) <= set(relocated[pid]):
                 res.skipped_packs.append((pid, "gained references during repack"))
                 continue
-        elif pid in live_refs or pid in prot_refs:
+        elif pid in refs.packs:
             res.skipped_packs.append((pid, "referenced again"))
             continue
         store.delete(pack_key(pid))
         res.deleted_packs.append(pid)
         res.freed_bytes += size
         progress("packs", i + 1, len(todo))
+
+    # 3b. Chunk-table segments no step (or protecting tombstone) names, old enough.
+    state, view, users, refs = reread()
+    for sid, _ in plan.delete_segments:
+        info = state.segments.get(sid)
+        if info is None or sid in refs.segments or state.age(info[1]) <= g:
+            continue
+        store.delete(segment_key(sid))
+        res.deleted_segments.append(sid)
+        res.freed_bytes += info[0]
 
     # 4. Incomplete multipart uploads of crashed savers.
     for u in plan.abort_uploads:
@@ -559,12 +683,12 @@ def _execute(plan: GCPlan, cat: Catalog, progress) -> GCResult:
     for key in plan.stale_leases:
         store.delete(key)
     state = _read_state(cat, clock.time(), clock)
-    needed_relocs, _ = _referenced(
+    needed = _referenced(
         cat.relocations.view(), list(state.manifests.values()) + _protecting_tombstones(state, g),
         state.packs, state.relocations,
     )
     for pid in state.relocations:
-        if pid not in needed_relocs and pid not in state.packs:
+        if pid not in needed.packs and pid not in state.packs:
             store.delete(relocation_key(pid))
     return res
 
@@ -580,8 +704,9 @@ def _repack(cat: Catalog, plan: GCPlan, res: GCResult, progress) -> dict[str, di
     store = cat.store
     clock = plan.clock or cat.clock
     state = _read_state(cat, clock.time(), clock)
-    manifests = list(state.manifests.values()) + _protecting_tombstones(state, plan.grace)
-    _, live_chunks = _referenced(cat.relocations.view(), manifests, state.packs, state.relocations)
+    users = list(state.manifests.values()) + _protecting_tombstones(state, plan.grace)
+    live_chunks = _chunks_in(cat, users, {u.pack for u in plan.repack}, cat.relocations.view(),
+                             state.packs, state.relocations)
     writer = PackWriter(store, cat.runtime, cat.options, window=4)
     moved: dict[str, dict[str, ChunkRef]] = {}
     try:
@@ -629,36 +754,52 @@ def _repack(cat: Catalog, plan: GCPlan, res: GCResult, progress) -> dict[str, di
 
 
 def space_accounting(repo: Catalog) -> dict:
-    """Bytes stored, referenced by committed steps, dead inside partly used packs; ratios."""
+    """Bytes stored, referenced by committed steps, dead inside partly used packs; ratios.
+
+    Exact: every step's chunk references are read (2.0 chunk tables
+    included), so time and memory grow with the chunks of the repository;
+    GC's plan uses the bounded per-pack figures instead.
+    """
     state = _read_state(repo, repo.clock.time())
-    manifests = list(state.manifests.values())
-    refs, chunks = _referenced(repo.relocations.view(), manifests, state.packs, state.relocations)
+    view = repo.relocations.view()
+    chunks: dict[str, set[tuple[int, int, str]]] = {}
+    uniq: dict[str, tuple[int, int]] = {}
+    logical = 0
+    for r in state.manifests.values():
+        if r.chunks is not None:
+            it = r.chunks
+        else:
+            try:
+                it = repo.tables.iter_chunks(repo.manifest(r.step))
+            except StepNotFoundError:
+                continue  # deleted meanwhile
+        for c in it:
+            logical += c.raw_len
+            uniq[c.hash] = (c.raw_len, c.stored_len)
+            for hop in view.chain(c, state.packs, state.relocations):
+                chunks.setdefault(hop.pack, set()).add((hop.offset, hop.stored_len, hop.hash))
     stored = sum(s for s, _ in state.packs.values())
     referenced = 0
     partial_packs = partial_dead = unreferenced = 0
     for pid, (size, _) in state.packs.items():
-        if pid not in refs:
+        if pid not in chunks:
             unreferenced += size
             continue
-        ch = chunks.get(pid, set())
+        ch = chunks[pid]
         live = sum(sl for _, sl, _ in ch)
         referenced += live
         if size - live > _overhead(len(ch)):
             partial_packs += 1
             partial_dead += size - live
-    logical = 0
-    uniq: dict[str, tuple[int, int]] = {}
-    for m in manifests:
-        for c in m.chunk_refs():
-            logical += c.raw_len
-            uniq[c.hash] = (c.raw_len, c.stored_len)
     uraw = sum(r for r, _ in uniq.values())
     ustored = sum(s for _, s in uniq.values())
     return {
         "url": repo.url,
-        "steps": len(manifests),
+        "steps": len(state.manifests),
         "packs": len(state.packs),
+        "segments": len(state.segments),
         "stored_bytes": stored,
+        "segment_bytes": sum(s for s, _ in state.segments.values()),
         "referenced_bytes": referenced,
         "unreferenced_pack_bytes": unreferenced,
         "partial_packs": partial_packs,

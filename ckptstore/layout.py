@@ -10,6 +10,7 @@ parsed here, by one set of rules (``docs/format.md``)::
     leases/<uuid>.json                         savers in flight (read by GC)
     tombstones/<step:020d>-<id>.json           deleted steps, kept for the grace period
     relocations/<id[:2]>/<id>.json             where a repacked pack's chunks went
+    segments/<id[:2]>/<id>.seg                 chunk tables of 2.0 steps (one per writer)
 
 Tensor names never appear in a key: keys are made of step numbers, random
 ids and tag names checked against :data:`TAG_RE`. The records (config,
@@ -30,7 +31,7 @@ import numpy as np
 from . import codec as _codec
 from . import manifest as _m
 from .errors import FormatError
-from .manifest import ChunkRef, Manifest
+from .manifest import ChunkRef, StepRefs
 
 CONFIG_KEY = "config.json"
 MANIFEST_PREFIX = "manifests/"
@@ -39,10 +40,18 @@ TAG_PREFIX = "refs/tags/"
 LEASE_PREFIX = "leases/"
 TOMBSTONE_PREFIX = "tombstones/"
 RELOCATION_PREFIX = "relocations/"
+SEGMENT_PREFIX = "segments/"
 
 CONFIG_FORMAT = "ckptstore.config"
 TOMBSTONE_FORMAT = "ckptstore.tombstone"
 RELOCATION_FORMAT = "ckptstore.relocation"
+
+#: Version of the config a new repository records (2.0: it may hold 2.0
+#: manifests, so a 1.x reader refuses the whole repository).
+CONFIG_VERSION = (2, 0)
+#: Version of tombstone and relocation records (unchanged since 1.0, so that
+#: a 1.x reader keeps following relocations of the 1.0 steps it can read).
+RECORD_VERSION = (1, 0)
 
 MAX_STEP = 10**19 - 1
 #: Default GC grace period (seconds) recorded in a new repository's config.
@@ -56,6 +65,7 @@ TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _MANIFEST_NAME = re.compile(r"^([0-9]{20})\.json$")
 _PACK_NAME = re.compile(r"^([0-9a-f]{2})/([0-9a-f]{32})\.pack$")
 _RELOCATION_NAME = re.compile(r"^([0-9a-f]{2})/([0-9a-f]{32})\.json$")
+_SEGMENT_NAME = re.compile(r"^([0-9a-f]{2})/([0-9a-f]{32})\.seg$")
 
 
 # ---------------------------------------------------------------- steps and names
@@ -87,6 +97,10 @@ def pack_key(pack_id: str) -> str:
 
 def relocation_key(pack_id: str) -> str:
     return f"{RELOCATION_PREFIX}{pack_id[:2]}/{pack_id}.json"
+
+
+def segment_key(segment_id: str) -> str:
+    return f"{SEGMENT_PREFIX}{segment_id[:2]}/{segment_id}.seg"
 
 
 def tag_key(name: str) -> str:
@@ -125,6 +139,13 @@ def pack_id_of_relocation_key(key: str) -> str | None:
     return m.group(2) if m and m.group(2)[:2] == m.group(1) else None
 
 
+def segment_id_of_key(key: str) -> str | None:
+    if not key.startswith(SEGMENT_PREFIX):
+        return None
+    m = _SEGMENT_NAME.match(key[len(SEGMENT_PREFIX) :])
+    return m.group(2) if m and m.group(2)[:2] == m.group(1) else None
+
+
 def tag_of_key(key: str) -> str | None:
     if not key.startswith(TAG_PREFIX):
         return None
@@ -137,7 +158,7 @@ def config_record(options, now: float) -> bytes:
     """The ``config.json`` of a new repository, from its write options."""
     cfg = {
         "format": CONFIG_FORMAT,
-        "version": list(_m.VERSION),
+        "version": list(CONFIG_VERSION),
         "hash": _codec.HASH_NAME,
         "chunk_size": options.chunk_size,
         "pack_size": options.pack_size,
@@ -184,7 +205,7 @@ def tombstone_record(step: int, manifest_raw: bytes, now: float) -> bytes:
     return json.dumps(
         {
             "format": TOMBSTONE_FORMAT,
-            "version": list(_m.VERSION),
+            "version": list(RECORD_VERSION),
             "step": step,
             "deleted_at": now,
             "manifest": manifest_raw.decode("utf-8", errors="replace"),
@@ -192,14 +213,14 @@ def tombstone_record(step: int, manifest_raw: bytes, now: float) -> bytes:
     ).encode()
 
 
-def parse_tombstone(raw: bytes, key: str) -> Manifest | None:
-    """The manifest a tombstone keeps, or None if it is unreadable (GC then ignores it)."""
+def parse_tombstone(raw: bytes, key: str) -> StepRefs | None:
+    """What the deleted step a tombstone keeps referenced, or None if it is unreadable (GC then ignores it)."""
     try:
         doc = json.loads(raw)
         if doc.get("format") != TOMBSTONE_FORMAT:
             return None
         _m.check_version(doc.get("version"), key)
-        return _m.from_json(doc["manifest"].encode("utf-8"))
+        return _m.parse_refs(doc["manifest"].encode("utf-8"))
     except (ValueError, KeyError, TypeError, AttributeError):
         return None
 
@@ -207,7 +228,7 @@ def parse_tombstone(raw: bytes, key: str) -> Manifest | None:
 # ---------------------------------------------------------------- relocations
 def relocation_record(pack_id: str, table: dict[str, ChunkRef]) -> bytes:
     chunks = {h: [c.pack, c.offset, c.stored_len, c.raw_len, c.codec] for h, c in table.items()}
-    doc = {"format": RELOCATION_FORMAT, "version": list(_m.VERSION), "pack": pack_id, "chunks": chunks}
+    doc = {"format": RELOCATION_FORMAT, "version": list(RECORD_VERSION), "pack": pack_id, "chunks": chunks}
     return json.dumps(doc).encode()
 
 

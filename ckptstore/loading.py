@@ -569,7 +569,8 @@ class ModuleLoader:
             name = g.key[len(pre):]
             t = g.tensor
             for other in g.names:
-                if pre + other != g.key and pre + other in ckpt and not _same_stored(e, ckpt.entry(pre + other)):
+                if pre + other != g.key and pre + other in ckpt and not _same_stored(
+                        ckpt.resolved(g.key), ckpt.resolved(pre + other)):
                     errors.append(f'tied tensors "{name}" and "{other}" (one tensor in the module) '
                                   "are stored with different values.")
             if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided:
@@ -661,7 +662,8 @@ class ModuleLoader:
         units = self._units(todo)
         if any(not self._direct(g) for g in todo):
             pin = torch.cuda.is_available() and any(g.device.type == "cuda" for g in todo)
-            room = _largest_chunk(self.ckpt.entry(g.key) for g in todo)
+            self.ckpt.prefetch([g.key for g in todo])  # every chunk table this load needs, in one batch
+            room = _largest_chunk(self.ckpt.resolved(g.key) for g in todo)
             self.staging = make_staging(self.ckpt, pin=pin, staging_bytes=self.staging_bytes, room=room,
                                         cls=self.staging_cls)
         bar = None

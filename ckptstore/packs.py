@@ -51,6 +51,7 @@ class PackWriter:
         self._open: tuple[str, _pack.PackBuilder, ParallelUploader] | None = None
         self._sealing: list[tuple[str, int, cf.Future]] = []
         self.sizes: dict[str, int] = {}  # packs verified complete, by finish()
+        self.counts: dict[str, int] = {}  # chunks written into each pack
 
     def add(self, h: str, codec: str, pieces, raw_len: int) -> ChunkRef:
         """Append one encoded chunk (``pieces``: buffers whose bytes are its stored form)."""
@@ -63,6 +64,7 @@ class PackWriter:
         pid, builder, up = self._open
         stored_len = sum(len(p) for p in pieces)
         e = builder.add(h, codec, stored_len, raw_len)
+        self.counts[pid] = self.counts.get(pid, 0) + 1
         for p in pieces:
             up.write(p)
         if builder.size >= self.o.pack_size:

@@ -53,6 +53,8 @@ class Checkpoint:
         self.repo = cat
         self.manifest = manifest
         self.step = manifest.step
+        self._chunks: dict[tuple[str, int], tuple] = {}  # shards whose chunk tables were read
+        self._by_offset: dict[str, dict[tuple, int]] = {}
 
     def __repr__(self) -> str:
         return f"Checkpoint({self.repo.url!r}, step={self.step}, tensors={len(self.manifest.tensors)})"
@@ -77,15 +79,55 @@ class Checkpoint:
 
     def tensor_meta(self, key: str) -> TensorMeta:
         e = self.entry(key)
+        offs, sizes = e.boxes()
         return TensorMeta(
             key=key,
             dtype=_m.DTYPES[e.dtype],
             shape=e.shape,
-            shards=tuple((s.offsets, s.sizes) for s in e.shards),
+            shards=tuple((tuple(o), tuple(n)) for o, n in zip(offs.tolist(), sizes.tolist())),
             nbytes=e.nbytes,
-            stored_bytes=sum(c.stored_len for s in e.shards for c in s.chunks),
-            chunks=sum(len(s.chunks) for s in e.shards),
+            stored_bytes=e.stored_bytes,
+            chunks=e.nchunks,
         )
+
+    def shards(self, key: str, indices) -> list[Shard]:
+        """Shards ``indices`` of tensor ``key`` with their chunks (chunk tables read as needed, once)."""
+        e = self.entry(key)
+        self.resolve((key, i) for i in indices)
+        out = []
+        for i in indices:
+            s = e.shard(int(i))
+            out.append(s if s.chunks is not None else Shard(s.offsets, s.sizes, self._chunks[(key, int(i))], s.table))
+        return out
+
+    def resolved(self, key: str) -> TensorEntry:
+        """Tensor ``key``'s entry with every shard's chunks (its chunk tables read, once)."""
+        e = self.entry(key)
+        return e.with_shards(self.shards(key, range(e.nshards)))
+
+    def shard_at(self, key: str, offsets) -> int:
+        """The index of tensor ``key``'s shard whose box starts at ``offsets`` (None: the origin)."""
+        e = self.entry(key)
+        table = self._by_offset.get(key)
+        if table is None:
+            offs, _ = e.boxes()
+            table = self._by_offset[key] = {tuple(o): i for i, o in enumerate(offs.tolist())}
+        want = tuple(offsets) if offsets is not None else (0,) * len(e.shape)
+        try:
+            return table[want]
+        except KeyError:
+            raise FormatError(f"step {self.step}: tensor {key!r} has no stored shard at offsets {want}") from None
+
+    def resolve(self, pairs) -> None:
+        """Read the chunk tables of shards ``(key, index)`` in one batch (kept for later reads)."""
+        todo = {(k, int(i)) for k, i in pairs if (k, int(i)) not in self._chunks}
+        todo = [(k, i) for k, i in todo if self.entry(k).known_chunks(i) is None]
+        if todo:
+            self._chunks.update(self.repo.tables.resolve(self.manifest, todo))
+
+    def prefetch(self, keys) -> None:
+        """Read the chunk tables of every shard of these tensors in one batch."""
+        self.resolve((key, i) for key in keys for i in range(self.entry(key).nshards))
 
     def values(self) -> dict:
         """The state dict with tensors replaced by their TensorMeta (no data read)."""
@@ -125,11 +167,13 @@ class Checkpoint:
         not one per tensor). The rest go one tensor at a time.
         """
         keys, refs, targets, rest = [], [], [], []
+        checked = {key: self._check_dest(key, dest) for key, dest in dests.items()}
+        self.prefetch(checked)
         for key, dest in dests.items():
-            e = self._check_dest(key, dest)
+            e = checked[key]
             if not (
-                len(e.shards) == 1
-                and e.shards[0].sizes == e.shape
+                e.nshards == 1
+                and tuple(e.boxes()[1][0]) == e.shape
                 and writable_in_place(dest)
                 and dest.dtype == _m.DTYPES[e.dtype]
             ):
@@ -138,7 +182,7 @@ class Checkpoint:
             if dest.numel() == 0:
                 continue
             view = byte_view(dest.detach())
-            shard = e.shards[0]
+            (shard,) = self.shards(key, [0])
             for start, c in zip(shard.chunk_starts(), shard.chunks):
                 keys.append(key)
                 refs.append(c)
@@ -173,7 +217,10 @@ class Checkpoint:
             return
         covered = 0
         jobs = []
-        for shard in e.shards:
+        lo = [a for a, _, _ in box]
+        hi = [a + (_plan.box_len((a, b, st)) - 1) * st + 1 if b > a else a for a, b, st in box]
+        candidates = e.meeting(lo, [h - l for l, h in zip(lo, hi)])
+        for i, shard in zip(candidates, self.shards(e.key, candidates)):
             hit = _plan.intersect(box, shard.offsets, shard.sizes)
             if hit is None:
                 continue

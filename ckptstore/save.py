@@ -31,7 +31,9 @@ import torch
 from . import codec as _codec
 from . import manifest as _m
 from .catalog import Catalog
+from .chunktable import TableBuilder
 from .errors import (
+    ManifestTooLargeError,
     ObjectExistsError,
     ObjectNotFoundError,
     PackVanishedError,
@@ -39,9 +41,20 @@ from .errors import (
     StepExistsError,
     StorageError,
 )
-from .layout import check_step, manifest_key, pack_key, safety_margin
-from .manifest import ChunkRef, Manifest, Shard, TensorEntry
+from .layout import check_step, manifest_key, new_pack_id, pack_key, safety_margin, segment_key
+from .manifest import (
+    MAX_PACK_RANGES,
+    ChunkRef,
+    Manifest,
+    PackUsage,
+    SegmentRef,
+    Shard,
+    TableRef,
+    TensorEntry,
+    merge_ranges,
+)
 from .packs import PackWriter, part_window
+from .storage.upload import ParallelUploader
 from .tensors import stage, tensor_bytes
 from .tree import flatten, tree_keys
 
@@ -81,12 +94,76 @@ class StepInfo:
 
 # ==================================================================== dedup base
 def dedup_index(cat: Catalog, base_step: int | None) -> dict[str, ChunkRef]:
-    """The chunks of the dedup base step, by hash ({} without a base)."""
+    """The chunks of the whole dedup base step, by hash ({} without a base)."""
     refs: dict[str, ChunkRef] = {}
     if base_step is not None:
-        for c in cat.manifest(base_step).chunk_refs():
+        for c in cat.tables.iter_chunks(cat.manifest(base_step)):
             refs.setdefault(c.hash, c)
     return refs
+
+
+def dedup_share(cat: Catalog, base_step: int | None, boxes) -> dict[str, ChunkRef]:
+    """The chunks of the base step's shards that meet ``boxes``, by hash.
+
+    ``boxes`` are ``(tensor key, offsets, sizes)`` a writer is about to
+    save: a rank reads the chunk tables of its own share of the base, never
+    the whole step (a chunk that moved to another box is uploaded again).
+    """
+    if base_step is None:
+        return {}
+    man = cat.manifest(base_step)
+    wanted = set()
+    for key, offsets, sizes in boxes:
+        t = man.tensors.get(key)
+        if t is None or len(offsets) != len(t.shape):
+            continue
+        wanted.update((key, int(i)) for i in t.meeting(offsets, sizes))
+    refs: dict[str, ChunkRef] = {}
+    for chunks in cat.tables.resolve(man, wanted).values():
+        for c in chunks:
+            refs.setdefault(c.hash, c)
+    return refs
+
+
+def pack_usage(refs, counts: dict[str, int], base: Manifest | None = None) -> dict[str, PackUsage]:
+    """Which bytes of each pack these chunk references use (see :class:`~ckptstore.manifest.PackUsage`).
+
+    ``counts`` gives the chunk count of packs this writer wrote; a reused
+    pack's comes from the base manifest (0 where it does not say).
+    """
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for c in refs:
+        spans.setdefault(c.pack, []).append((c.offset, c.offset + c.stored_len))
+    out = {}
+    for pid, rs in spans.items():
+        n = counts.get(pid)
+        if n is None and base is not None and pid in base.pack_use:
+            n = base.pack_use[pid].chunks
+        out[pid] = PackUsage(n or 0, merge_ranges(rs, MAX_PACK_RANGES))
+    return out
+
+
+def write_segment(cat: Catalog, builder: TableBuilder) -> SegmentRef:
+    """Write one chunk-table segment (a new, write-once object) and check its size."""
+    data, header_len, digest = builder.encode()
+    sid = new_pack_id()
+    key = segment_key(sid)
+    o = cat.options
+    up = ParallelUploader(cat.store, key, o.part_size, cat.runtime.io, window=4,
+                          buffers=cat.runtime.buffers("parts", o.part_size, (o.packs_in_flight + 1) * 5))
+    try:
+        up.write(data)
+        size = up.close()
+    except BaseException:
+        up.abort()
+        raise
+    try:
+        got = cat.store.head(key).size
+    except ObjectNotFoundError:
+        raise PackVanishedError(f"{cat.url}/{key}: segment vanished after its upload completed") from None
+    if size != len(data) or got != len(data):
+        raise StorageError(f"{cat.url}/{key}: stored size {got}, expected {len(data)}")
+    return SegmentRef(sid, len(data), len(builder), header_len, digest.hex())
 
 
 # ==================================================================== commit protocol
@@ -170,7 +247,7 @@ class StepCommit:
         self.check_base_age()
         body = _m.to_json(man)
         if len(body) > _m.MAX_MANIFEST_BYTES:
-            raise StorageError(
+            raise ManifestTooLargeError(
                 f"{cat.url}: step {man.step}: the manifest would be {len(body)} bytes, over the "
                 f"{_m.MAX_MANIFEST_BYTES}-byte limit readers accept; nothing was committed. Save with a "
                 "larger chunk_size, or fewer, larger shards"
@@ -346,10 +423,16 @@ def save_step(cat: Catalog, tree, tensors: dict[str, torch.Tensor], step: int, m
         except BaseException:
             writer.abort()
             raise
+        builder = TableBuilder()
         te = {}
         for key, (t, refs) in entries.items():
             shape = tuple(t.shape)
-            te[key] = TensorEntry(key, _m.dtype_name(t.dtype), shape, (Shard((0,) * len(shape), shape, tuple(refs)),))
+            first, count = builder.extend(refs)
+            te[key] = TensorEntry(key, _m.dtype_name(t.dtype), shape,
+                                  (Shard((0,) * len(shape), shape, tuple(refs), TableRef(0, first, count)),))
+        seg = write_segment(cat, builder)
+        stats = writer.stats(packs)
+        stats["segment_bytes"] = seg.size
         man = Manifest(
             step=commit.step,
             created=cat.clock.time(),
@@ -358,7 +441,10 @@ def save_step(cat: Catalog, tree, tensors: dict[str, torch.Tensor], step: int, m
             packs={c.pack: 0 for r in te.values() for s in r.shards for c in s.chunks},
             metadata=metadata,
             base_step=base_step,
-            stats=writer.stats(packs),
+            stats=stats,
+            segments=(seg,),
+            pack_use=pack_usage((c for _, refs in entries.values() for c in refs), writer.packs.counts,
+                                cat.cached_manifest(base_step) if base_step is not None else None),
         )
         body = commit.commit(commit.pack_sizes(man, packs))
     finally:
@@ -366,7 +452,7 @@ def save_step(cat: Catalog, tree, tensors: dict[str, torch.Tensor], step: int, m
     return StepInfo(
         step=commit.step,
         logical_bytes=writer.logical,
-        uploaded_bytes=sum(packs.values()) + len(body),
+        uploaded_bytes=sum(packs.values()) + seg.size + len(body),
         reused_bytes=writer.reused,
         new_bytes=writer.new_raw,
         stored_bytes=writer.new_stored,

@@ -34,10 +34,11 @@ from . import zero
 from .catalog import Catalog
 from .errors import CkptStoreError, FormatError, IntegrityError, MissingStepError
 from .layout import check_step
-from .manifest import ChunkRef, Manifest, Shard, TensorEntry
+from .chunktable import TableBuilder
+from .manifest import ChunkRef, Manifest, Shard, TableRef, TensorEntry
 from .packs import PackWriter
 from .reader import load_step, open_checkpoint
-from .save import StepCommit, flatten_for_save, save_step
+from .save import StepCommit, flatten_for_save, pack_usage, save_step, write_segment
 from .tree import leaf_values, tree_keys, unflatten
 from .verify import verify
 
@@ -449,9 +450,10 @@ def _dst_index(dst: Catalog) -> tuple[dict[str, ChunkRef], dict[str, int]]:
     for s in dst.steps():
         try:
             man = dst.manifest(s)
+            refs = list(dst.tables.iter_chunks(man))
         except CkptStoreError:
             continue  # deleted meanwhile, or unreadable: not a dedup source
-        for c in man.chunk_refs():
+        for c in refs:
             if c.hash not in index and sizes.get(c.pack) == man.packs.get(c.pack):
                 index[c.hash] = c
     return index, sizes
@@ -509,9 +511,9 @@ def copy(
 
     plans = []
     for s in todo:
-        man = src.manifest(s)
+        man = src.tables.resolve_all(src.manifest(s))
         if s in dst_steps:
-            same = _content_key(man) == _content_key(dst.manifest(s))
+            same = _content_key(man) == _content_key(dst.tables.resolve_all(dst.manifest(s)))
             res.skipped.append((s, "already in the destination" + (" (identical)" if same else " (different content!)")))
             continue
         plans.append(man)
@@ -555,6 +557,8 @@ def _copy_steps(src, dst, plans, res, progress, verify_data, batch_bytes, t0) ->
             done += sum(r.stored_len for r in new_refs.values())
             tensors = {}
             reused = 0
+            builder = TableBuilder()
+            used: list[ChunkRef] = []
             for k, e in man.tensors.items():
                 shards = []
                 for s in e.shards:
@@ -565,8 +569,11 @@ def _copy_steps(src, dst, plans, res, progress, verify_data, batch_bytes, t0) ->
                             r = index[c.hash]
                             reused += 1
                         refs.append(r)
-                    shards.append(Shard(s.offsets, s.sizes, tuple(refs)))
+                    first, count = builder.extend(refs)
+                    used += refs
+                    shards.append(Shard(s.offsets, s.sizes, tuple(refs), TableRef(0, first, count)))
                 tensors[k] = TensorEntry(e.key, e.dtype, e.shape, tuple(shards))
+            segment = write_segment(dst, builder)
             res.chunks_reused += reused
             stats = dict(man.stats)
             stats.update(
@@ -574,6 +581,7 @@ def _copy_steps(src, dst, plans, res, progress, verify_data, batch_bytes, t0) ->
                     "new_bytes": sum(r.raw_len for r in new_refs.values()),
                     "stored_bytes": sum(r.stored_len for r in new_refs.values()),
                     "pack_bytes": sum(sealed.values()),
+                    "segment_bytes": segment.size,
                 }
             )
             stats["reused_bytes"] = max(0, stats.get("logical_bytes", 0) - stats["new_bytes"])
@@ -582,11 +590,13 @@ def _copy_steps(src, dst, plans, res, progress, verify_data, batch_bytes, t0) ->
                 created=man.created,
                 tensors=tensors,
                 tree=man.tree,
-                packs={c.pack: 0 for t in tensors.values() for s in t.shards for c in s.chunks},
+                packs={c.pack: 0 for c in used},
                 metadata=man.metadata,
                 base_step=None,
                 stats=stats,
                 dcp=man.dcp,
+                segments=(segment,),
+                pack_use=pack_usage(used, writer.counts),
             )
             new_man = commit.pack_sizes(new_man, sealed, known=pack_sizes)
             _m.from_json(_m.to_json(new_man), expect_step=step)  # strict validation before the commit
@@ -667,7 +677,7 @@ def diff(repo: Catalog, step_a: int, step_b: int) -> dict:
     content hash, anywhere in the tensor when the shard layouts differ).
     Added/removed tensors are ``{"key", "dtype", "shape", "bytes"}``.
     """
-    ma, mb = repo.manifest(step_a), repo.manifest(step_b)
+    ma, mb = repo.tables.resolve_all(repo.manifest(step_a)), repo.tables.resolve_all(repo.manifest(step_b))
     ka, kb = tree_keys(ma.tree), tree_keys(mb.tree)
     sa, sb = set(ka), set(kb)
 

@@ -14,7 +14,7 @@ import threading
 from dataclasses import dataclass, field
 
 from .catalog import Catalog
-from .errors import CkptStoreError
+from .errors import CkptStoreError, FormatError, MissingDataError
 from .layout import step_of_manifest_key
 from .manifest import ChunkRef
 
@@ -23,7 +23,7 @@ from .manifest import ChunkRef
 class Problem:
     """One defect: what kind, and where."""
 
-    kind: str  # manifest | missing_pack | pack_size | chunk | config
+    kind: str  # manifest | segment | missing_pack | pack_size | chunk | config
     message: str
     step: int | None = None
     tensor: str | None = None
@@ -113,29 +113,34 @@ def verify(cat: Catalog, step: int | None = None, read_data: bool = False, progr
     packs_seen: set[str] = set()
     for s, m in manifests.items():
         reported: set[str] = set()
-        for key, t in m.tensors.items():
-            for shard in t.shards:
-                for c in shard.chunks:
-                    ref = c
-                    if c.pack not in stored:
-                        ref = relocs.locate(c, stored)
-                        if ref is None:
-                            if c.pack not in reported:
-                                problems.append(
-                                    Problem("missing_pack", "pack is missing and no relocation record covers it",
-                                            step=s, tensor=key, pack=c.pack, offset=c.offset)
-                                )
-                                reported.add(c.pack)
-                            continue
-                    elif c.pack not in reported and stored[c.pack] != m.packs.get(c.pack, stored[c.pack]):
-                        problems.append(
-                            Problem("pack_size",
-                                    f"pack is {stored[c.pack]} bytes, the manifest recorded {m.packs[c.pack]}",
-                                    step=s, tensor=key, pack=c.pack)
-                        )
-                        reported.add(c.pack)
-                    packs_seen.add(ref.pack)
-                    users.setdefault(ref, (s, key))
+        try:
+            # 2.0: every segment's header and records, checked against the root
+            shards = list(cat.tables.iter_shards(m))
+        except (FormatError, MissingDataError) as e:
+            problems.append(Problem("segment", str(e), step=s))
+            continue
+        for key, _, chunks in shards:
+            for c in chunks:
+                ref = c
+                if c.pack not in stored:
+                    ref = relocs.locate(c, stored)
+                    if ref is None:
+                        if c.pack not in reported:
+                            problems.append(
+                                Problem("missing_pack", "pack is missing and no relocation record covers it",
+                                        step=s, tensor=key, pack=c.pack, offset=c.offset)
+                            )
+                            reported.add(c.pack)
+                        continue
+                elif c.pack not in reported and stored[c.pack] != m.packs.get(c.pack, stored[c.pack]):
+                    problems.append(
+                        Problem("pack_size",
+                                f"pack is {stored[c.pack]} bytes, the manifest recorded {m.packs[c.pack]}",
+                                step=s, tensor=key, pack=c.pack)
+                    )
+                    reported.add(c.pack)
+                packs_seen.add(ref.pack)
+                users.setdefault(ref, (s, key))
 
     chunks_checked = 0
     if read_data and users:

@@ -227,3 +227,50 @@ def no_dist_and_subgroup_worker(rank, world, port, url, out_dir):
             f.write("ok")
     finally:
         _shutdown()
+
+
+# ------------------------------------------------------------ many small shards (test_scale_dcp)
+MANY = 1250  # tensors; x 16 ranks = 20k shards
+
+
+def _many_tensor(t: int) -> torch.Tensor:
+    return torch.arange(64 * 4, dtype=torch.float32).reshape(64, 4) * (t + 1) + t
+
+
+def many_shards_save_worker(rank, world, port, url):
+    mesh = _init(rank, world, port)
+    try:
+        sd = {f"p{t}": distribute_tensor(_many_tensor(t), mesh, [Shard(0)]) for t in range(MANY)}
+        dcp.save(sd, storage_writer=CkptStoreWriter(url, step=1))
+    finally:
+        _shutdown()
+
+
+class _CountingReader(CkptStoreReader):
+    """Counts every byte this rank reads, by key prefix."""
+
+    def _get_repo(self):
+        from ckptstore.storage.wrappers import CountingStore
+
+        repo = super()._get_repo()
+        if not isinstance(repo.store, CountingStore):
+            repo.store = CountingStore(repo.store)
+            # the handle's readers were built on the old store object
+            repo.tables.store = repo.fetcher.store = repo.relocations.store = repo.store
+        return repo
+
+
+def many_shards_load_worker(rank, world, port, url, out_dir):
+    mesh = _init(rank, world, port)
+    try:
+        sd = {f"p{t}": distribute_tensor(torch.zeros(64, 4), mesh, [Shard(0)]) for t in range(MANY)}
+        reader = _CountingReader(url, step=1)
+        dcp.load(sd, storage_reader=reader)
+        bad = [k for t, (k, v) in enumerate(sd.items()) if not torch.equal(v.to_local(), _many_tensor(t).chunk(world)[rank])]
+        store = reader._repo.store
+        segments = sorted({k for k, _, _ in store.reads if k.startswith("segments/")})
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump({"bad": bad[:5], "manifests": store.read_by_prefix["manifests"],
+                       "segments": store.read_by_prefix["segments"], "segment_keys": segments}, f)
+    finally:
+        _shutdown()

@@ -443,7 +443,7 @@ def test_cp_between_s3_gcs_and_azure(s3, az, gcs_store):
     on_az = Repository(az(), **SMALL)
     result = src.copy_to(on_az)
     assert result.copied == [1, 2, 3]
-    unique = {c.hash: c.stored_len for s in (1, 2, 3) for c in src.manifest(s).chunk_refs()}
+    unique = {c.hash: c.stored_len for s in (1, 2, 3) for c in src.chunks(s)}
     assert result.chunks_copied == len(unique) and result.bytes_copied == sum(unique.values())
     on_gcs = Repository(gcs_store, **SMALL)
     assert on_az.copy_to(on_gcs).copied == [1, 2, 3]

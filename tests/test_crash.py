@@ -47,7 +47,7 @@ def _pack_objects(store) -> dict[str, float]:
 
 
 def _referenced(repo) -> set[str]:
-    return {c.pack for s in repo.steps() for c in repo.manifest(s).chunk_refs()}
+    return {c.pack for s in repo.steps() for c in repo.chunks(s)}
 
 
 def _kill_at(url, so, step, seed, phase, delay, log) -> None:

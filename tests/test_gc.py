@@ -177,7 +177,7 @@ def test_crashed_saver_leftovers_reclaimed_only_after_grace(tmp_path):
     store.add_rule("put_if_absent", "manifests/*", lambda op, k: StorageError("killed"), count=1)
     with pytest.raises(StorageError):
         repo.save({"w": torch.randn(50_000), "x": torch.randn(50_000)}, step=2)
-    orphan_packs = {o.key for o in store.list("packs/")} - {pack_key(c.pack) for c in repo.manifest(1).chunk_refs()}
+    orphan_packs = {o.key for o in store.list("packs/")} - {pack_key(c.pack) for c in repo.chunks(1)}
     assert orphan_packs
     # and one left a multipart upload and a lease behind
     mpu = store.create_multipart("packs/cc/" + "c" * 32 + ".pack", 5 << 20)
@@ -314,7 +314,7 @@ def test_verify_reports_every_problem(tmp_path, capsys):
         repo.save({"a": torch.randn(100_000) + s, "b": torch.randn(100_000) + s}, step=s)
     assert repo.verify(read_data=True).ok
     store = repo.store
-    m1, m2 = repo.manifest(1), repo.manifest(2)
+    m1, m2 = repo.resolved_manifest(1), repo.resolved_manifest(2)
     # step 1: flipped byte in a chunk of "a"
     c = m1.tensors["a"].shards[0].chunks[2]
     data = bytearray(store.get(pack_key(c.pack)))

@@ -379,7 +379,7 @@ def test_cp_s3_to_gcs_copies_unique_chunks_once_and_verifies(gcs, s3):
     dst = Repository(gcs(), **SMALL)
     result = src.copy_to(dst)
     assert result.copied == [1, 2, 3]
-    unique = {c.hash: c.stored_len for s in (1, 2, 3) for c in src.manifest(s).chunk_refs()}
+    unique = {c.hash: c.stored_len for s in (1, 2, 3) for c in src.chunks(s)}
     assert result.chunks_copied == len(unique) and result.bytes_copied == sum(unique.values())
     assert dst.verify(read_data=True).ok
     for step in (1, 2, 3):

@@ -135,7 +135,7 @@ def test_zero2_resume_bit_exact_frozen_layers_upload_nothing(tmp_path):
     _assert_only_bookkeeping(str(tmp_path / "ds"))
     repo = ckptstore.open(url)
     assert repo.steps() == [2, 3]
-    m2, m3 = repo.manifest(2), repo.manifest(3)
+    m2, m3 = repo.resolved_manifest(2), repo.resolved_manifest(3)
     assert m3.metadata["deepspeed"]["tag"] == "global_step3" and m3.metadata["deepspeed"]["zero_stage"] == 2
     # Frozen layer 0 appears twice per step (module weights, frozen fragments); at step 3 its chunks
     # are the same chunks step 2 stored: nothing of it was uploaded again.

@@ -188,7 +188,7 @@ def _packs(store) -> set[str]:
 
 
 def _referenced(repo) -> set[str]:
-    return {c.pack for s in repo.steps() for c in repo.manifest(s).chunk_refs()}
+    return {c.pack for s in repo.steps() for c in repo.chunks(s)}
 
 
 def _kill_when(weed: SeaweedFS, proxy: FaultProxy, up_bytes: int, restart: bool, log: list) -> threading.Thread:

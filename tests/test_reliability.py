@@ -162,7 +162,7 @@ def test_hostile_tensor_names():
     sd = {k: torch.full((3,), float(v)) for k, v in names.items()}
     repo.save(sd, step=1)
     assert_tree_equal(sd, repo.load(1))
-    assert all(k.startswith(("packs/", "manifests/", "config.json")) for k in (o.key for o in repo.store.list()))
+    assert all(k.startswith(("packs/", "segments/", "manifests/", "config.json")) for k in (o.key for o in repo.store.list()))
     with pytest.raises(ValueError, match="limit"):
         repo.save({"y" * 5000: torch.ones(1)}, step=2)
 

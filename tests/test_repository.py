@@ -166,7 +166,7 @@ def test_tensor_names_never_become_object_keys(tmp_path):
     evil = {"../../etc/passwd": torch.ones(3), "a/b\x00c": torch.zeros(2), "ü" * 500: torch.ones(1)}
     repo.save(evil, step=1)
     keys = [o.key for o in repo.store.list()]
-    assert all(k.startswith(("packs/", "manifests/", "config.json")) for k in keys), keys
+    assert all(k.startswith(("packs/", "segments/", "manifests/", "config.json")) for k in keys), keys
     out = repo.load(1)
     assert_tree_equal(evil, out)
     assert not (tmp_path.parent / "etc").exists()
@@ -343,9 +343,9 @@ def test_truncated_manifest_is_a_clear_error():
 def test_corrupted_manifest_is_a_clear_error():
     store, repo = _corrupt_setup()
     doc = json.loads(store.get(manifest_key(1)))
-    doc["tensors"][0]["shards"][0]["chunks"][0][0] = "zz" * 32
+    doc["segments"][0]["digest"] = "zz" * 32
     store.put(manifest_key(1), json.dumps(doc).encode())
-    with pytest.raises(FormatError, match="hash"):
+    with pytest.raises(FormatError, match="step 1.*digest.*hex"):
         Repository(store).checkpoint(1)
     store.put(manifest_key(1), b"\x00\xff garbage")
     with pytest.raises(FormatError):
@@ -355,12 +355,12 @@ def test_corrupted_manifest_is_a_clear_error():
 def test_future_major_version_is_refused():
     store, repo = _corrupt_setup()
     doc = json.loads(store.get(manifest_key(1)))
-    doc["version"] = [2, 0]
+    doc["version"] = [3, 0]
     store.put(manifest_key(1), json.dumps(doc).encode())
-    with pytest.raises(UnsupportedVersionError, match="2.0.*upgrade"):
+    with pytest.raises(UnsupportedVersionError, match="3.0.*upgrade"):
         Repository(store).checkpoint(1)
     # a newer minor version is read
-    doc["version"] = [1, 9]
+    doc["version"] = [2, 9]
     store.put(manifest_key(1), json.dumps(doc).encode())
     Repository(store).load(1)
 
@@ -441,15 +441,19 @@ def test_loading_many_small_tensors_coalesces_requests_across_tensors():
     repo = Repository(store, chunk_size=64 << 10, pack_size=8 << 20, part_size=5 << 20)
     sd = {f"layer{i}.weight": torch.randn(100, 50) for i in range(200)}  # 200 tensors of 20 KB, one pack
     repo.save(sd, step=1)
+    def requests(prefix):
+        return sum(1 for key, _, _ in store.reads if key.startswith(prefix))
+
     store.reset()
     out = Repository(store).load(1)
     assert_tree_equal(sd, out)
-    assert store.calls["get_ranges"] <= 2, store.calls  # not one request per tensor
+    # not one request per tensor: the pack in two, the chunk table in two (header, records)
+    assert requests("packs/") <= 2 and requests("segments/") <= 2, store.reads
     store.reset()
     into = {k: torch.zeros_like(v) for k, v in sd.items()}
     Repository(store).load(1, into=into)
     assert_tree_equal(sd, into)
-    assert store.calls["get_ranges"] <= 2, store.calls
+    assert requests("packs/") <= 2 and requests("segments/") <= 2, store.reads
 
 
 def test_async_saves_reuse_staging_buffers_safely():
@@ -491,3 +495,27 @@ def test_local_stores_get_few_io_threads_and_small_requests_unless_asked(tmp_pat
     assert (remote.options.io_workers, remote.options.max_request) == (defaults.io_workers, defaults.max_request)
     for r in (local, asked, remote):
         r.close()
+
+
+def test_a_manifest_readers_would_refuse_is_never_committed(monkeypatch):
+    from ckptstore import manifest as M
+    from ckptstore.errors import ManifestTooLargeError
+
+    repo = _mem_repo()
+    repo.save({"w": torch.ones(10)}, step=1)
+    monkeypatch.setattr(M, "MAX_MANIFEST_BYTES", 600)
+    with pytest.raises(ManifestTooLargeError, match=r"step 2: the manifest would be \d+ bytes.*nothing was committed.*chunk_size"):
+        repo.save({f"t{i}": torch.ones(10) * i for i in range(20)}, step=2)
+    assert repo.steps() == [1]
+    assert repo.plan_gc().young_packs  # what the refused save uploaded is an orphan for GC
+
+
+def test_pack_ranges_are_capped_by_closing_the_smallest_gaps():
+    from ckptstore.manifest import merge_ranges
+
+    spans = [(i * 10, i * 10 + 5) for i in range(100)] + [(2000, 2010)]
+    merged = merge_ranges(spans, limit=4)
+    assert len(merged) == 4 and merged[-1] == (2000, 2010)  # the one big gap stays open
+    covered = sum(e - s for s, e in merged)
+    assert covered >= sum(e - s for s, e in spans)  # never less than what is used
+    assert merge_ranges([(5, 9), (0, 3), (3, 5), (20, 20)]) == ((0, 9),)

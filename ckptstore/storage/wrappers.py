@@ -62,7 +62,8 @@ class CountingStore(WrapperStore):
 
     ``bytes_read``/``bytes_written`` total the payloads; ``calls`` counts
     operations by name; ``reads`` lists ``(key, start, end)`` of every
-    ranged read.
+    ranged read; ``read_by_prefix`` totals bytes read per top-level key
+    prefix (``"packs"`` data, ``"segments"`` and ``"manifests"`` metadata).
     """
 
     def __init__(self, inner: ObjectStore):
@@ -76,6 +77,8 @@ class CountingStore(WrapperStore):
             self.bytes_written = 0
             self.calls: collections.Counter = collections.Counter()
             self.reads: list[tuple[str, int, int]] = []
+            #: bytes read per top-level key prefix ("packs", "segments", "manifests", ...)
+            self.read_by_prefix: collections.Counter = collections.Counter()
 
     def _count(self, op, read=0, written=0):
         with self._lock:
@@ -86,12 +89,15 @@ class CountingStore(WrapperStore):
     def get(self, key):
         data = self.inner.get(key)
         self._count("get", read=len(data))
+        with self._lock:
+            self.read_by_prefix[key.split("/", 1)[0]] += len(data)
         return data
 
     def get_ranges(self, key, ranges):
         out = self.inner.get_ranges(key, ranges)
         with self._lock:
             self.reads.extend((key, int(s), int(e)) for s, e in ranges)
+            self.read_by_prefix[key.split("/", 1)[0]] += sum(len(b) for b in out)
         self._count("get_ranges", read=sum(len(b) for b in out))
         return out
 

@@ -1,0 +1,194 @@
+"""Reading 2.0 chunk tables: only the records of the shards asked for.
+
+:class:`ChunkTables` turns shards of a 2.0 manifest into their chunk
+references. For each segment involved it reads the header once (cached,
+checked against the root's digest), then range-reads only the blocks of
+records covering the shards asked for, each checked against its digest,
+concurrently across segments. Every reference is checked against the
+root: its pack is one the step lists, its bytes lie inside that pack, and
+a shard's records add up to exactly its box's bytes. 1.0 manifests carry
+their chunks inline and pass through untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import defaultdict
+from typing import Iterable, Iterator
+
+import numpy as np
+
+from . import chunktable as _ct
+from .errors import FormatError, MissingDataError, ObjectNotFoundError
+from .layout import segment_key
+from .manifest import ChunkRef, Manifest, SegmentRef, Shard, TensorEntry, itemsize
+from .runtime import LRUCache, Runtime
+from .storage.base import ObjectStore
+
+#: Segment headers a handle keeps (32 bytes a block of 1024 records, 16 a pack).
+HEADER_CACHE_BYTES = 64 << 20
+
+
+class ChunkTables:
+    """Chunk records of 2.0 shards, read by share; see the module docstring."""
+
+    def __init__(self, store: ObjectStore, runtime: Runtime):
+        self.store = store
+        self.runtime = runtime
+        self._headers: LRUCache[str, _ct.SegmentHeader] = LRUCache(
+            HEADER_CACHE_BYTES, lambda h: 200 + 32 * len(h.digests) + 48 * len(h.packs)
+        )
+
+    # ------------------------------------------------------------ headers
+    def header(self, man: Manifest, seg: SegmentRef) -> _ct.SegmentHeader:
+        h = self._headers.get(seg.id)
+        if h is not None:
+            return h
+        where = f"{self.store.url}: step {man.step}: chunk-table segment {seg.id}"
+        try:
+            (raw,) = self.store.get_ranges(segment_key(seg.id), [(0, seg.header)])
+        except ObjectNotFoundError:
+            raise MissingDataError(f"{where} is missing; the step cannot be restored") from None
+        except ValueError as e:
+            raise FormatError(f"{where} is shorter than the manifest says: {e}") from None
+        h = _ct.parse_header(bytes(raw), seg.digest, where)
+        if h.nrecords != seg.records:
+            raise FormatError(f"{where}: holds {h.nrecords} records, the manifest says {seg.records}")
+        self._headers.put(seg.id, h)
+        return h
+
+    # ------------------------------------------------------------ shards
+    def resolve(self, man: Manifest, wanted: Iterable[tuple[str, int]]) -> dict[tuple[str, int], tuple[ChunkRef, ...]]:
+        """The chunk references of shards ``(tensor key, shard index)`` of ``man``."""
+        out: dict[tuple[str, int], tuple[ChunkRef, ...]] = {}
+        by_seg: dict[int, list[tuple[str, int, int, int]]] = defaultdict(list)
+        for key, i in wanted:
+            t = man.tensors[key]
+            known = t.known_chunks(i)
+            if known is not None:  # 1.0, or a manifest this handle just wrote
+                out[(key, i)] = known
+                continue
+            seg, first, count = (int(x) for x in t.tables()[i])
+            by_seg[seg].append((key, i, first, count))
+        if not by_seg:
+            return out
+
+        def one(seg: int) -> None:
+            out.update(self._read(man, seg, by_seg[seg]))
+
+        if len(by_seg) == 1:
+            one(next(iter(by_seg)))
+        else:
+            for _ in self.runtime.io.map(one, list(by_seg)):
+                pass
+        return out
+
+    def resolved(self, man: Manifest, key: str, indices: Iterable[int] | None = None) -> TensorEntry:
+        """Tensor ``key`` with its shards (all, or ``indices``) carrying their chunks."""
+        t = man.tensors[key]
+        if man.inline:
+            return t
+        idx = range(t.nshards) if indices is None else sorted(set(indices))
+        got = self.resolve(man, ((key, i) for i in idx))
+        shards = list(t.shards)
+        for i in idx:
+            s = shards[i]
+            shards[i] = Shard(s.offsets, s.sizes, got[(key, i)], s.table)
+        return t.with_shards(shards)
+
+    def iter_shards(self, man: Manifest) -> Iterator[tuple[str, int, tuple[ChunkRef, ...]]]:
+        """Every shard's chunks, ``(key, shard index, refs)``, reading one segment at a time."""
+        if man.inline:
+            for key, t in man.tensors.items():
+                for i, s in enumerate(t.shards):
+                    yield key, i, s.chunks
+            return
+        by_seg: dict[int, list[tuple[str, int, int, int]]] = defaultdict(list)
+        for key, t in man.tensors.items():
+            tabs = t.tables()
+            for i in range(t.nshards):
+                seg, first, count = (int(x) for x in tabs[i])
+                by_seg[seg].append((key, i, first, count))
+        for seg in sorted(by_seg):
+            for (key, i), refs in self._read(man, seg, by_seg[seg]).items():
+                yield key, i, refs
+
+    def resolve_all(self, man: Manifest) -> Manifest:
+        """``man`` with every shard's chunks in it (each segment read once); 1.0 as it is.
+
+        For whole-step operations (``cp``, ``diff``): memory grows with the
+        step's chunks.
+        """
+        if man.inline:
+            return man
+        got: dict[str, list] = {key: list(t.shards) for key, t in man.tensors.items()}
+        for key, i, refs in self.iter_shards(man):
+            s = got[key][i]
+            got[key][i] = Shard(s.offsets, s.sizes, refs, s.table)
+        return dataclasses.replace(man, tensors={k: t.with_shards(got[k]) for k, t in man.tensors.items()})
+
+    def iter_chunks(self, man: Manifest) -> Iterator[ChunkRef]:
+        """Every chunk reference of a step (a full read of its chunk tables)."""
+        for _, _, refs in self.iter_shards(man):
+            yield from refs
+
+    # ------------------------------------------------------------ internals
+    def _read(self, man: Manifest, seg: int, items: list[tuple[str, int, int, int]]):
+        sref = man.segments[seg]
+        header = self.header(man, sref)
+        where = f"{self.store.url}: step {man.step}: chunk-table segment {sref.id}"
+        blocks = sorted({b for _, _, f, c in items for b in header.blocks_for(f, c)})
+        runs: list[list[int]] = []
+        for b in blocks:
+            if runs and runs[-1][1] == b - 1:
+                runs[-1][1] = b
+            else:
+                runs.append([b, b])
+        ranges = [(header.block_range(a)[0], header.block_range(b)[1]) for a, b in runs]
+        try:
+            datas = self.store.get_ranges(segment_key(sref.id), ranges) if ranges else []
+        except ObjectNotFoundError:
+            raise MissingDataError(f"{where} is missing; the step cannot be restored") from None
+        except ValueError as e:
+            raise FormatError(f"{where} is shorter than the manifest says: {e}") from None
+        recs: dict[int, np.ndarray] = {}
+        for (a, b), data in zip(runs, datas):
+            mv = memoryview(data)
+            base = header.block_range(a)[0]
+            for blk in range(a, b + 1):
+                lo, hi = header.block_range(blk)
+                recs[blk] = _ct.parse_block(header, blk, bytes(mv[lo - base : hi - base]), where)
+        br = header.block_records
+        out = {}
+        for key, i, first, count in items:
+            if count == 0:
+                rows = np.zeros(0, dtype=_ct.RECORD)
+            else:
+                parts = []
+                for blk in header.blocks_for(first, count):
+                    lo = max(first, blk * br) - blk * br
+                    hi = min(first + count, (blk + 1) * br) - blk * br
+                    parts.append(recs[blk][lo:hi])
+                rows = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            refs = _ct.refs(header, rows)
+            self._check(man, key, i, refs, where)
+            out[(key, i)] = refs
+        return out
+
+    def _check(self, man: Manifest, key: str, i: int, refs: tuple[ChunkRef, ...], where: str) -> None:
+        t = man.tensors[key]
+        offs, sizes = t.boxes()
+        want = math.prod(int(x) for x in sizes[i]) * itemsize(t.dtype)
+        got = sum(r.raw_len for r in refs)
+        if got != want:
+            raise FormatError(f"{where}: tensor {key!r} shard {i}: records hold {got} bytes, the box needs {want}")
+        for r in refs:
+            size = man.packs.get(r.pack)
+            if size is None:
+                raise FormatError(f"{where}: tensor {key!r}: a record names pack {r.pack}, which the step does not list")
+            if r.offset + r.stored_len > size:
+                raise FormatError(
+                    f"{where}: tensor {key!r}: chunk at [{r.offset}, {r.offset + r.stored_len}) is past the end "
+                    f"of pack {r.pack} ({size} bytes)"
+                )
