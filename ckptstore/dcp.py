@@ -33,11 +33,13 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import datetime
 import io
 import math
 import os
 import re
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,9 +75,12 @@ from .manifest import Manifest, PackUsage, SegmentRef, TensorEntry, merge_ranges
 from .repository import Repository
 from .repository import open as _open
 from .save import ChunkWriter, StepCommit, dedup_share, pack_usage, write_segment
+from .tensors import castable
 from .tree import decode_value, encode_value, leaf_values, tensor_paths
 
-__all__ = ["CkptStoreWriter", "CkptStoreReader", "RankWriteError", "split_checkpoint_id"]
+__all__ = ["CkptStoreWriter", "CkptStoreReader", "RankReadError", "RankWriteError", "split_checkpoint_id"]
+
+MiB = 1 << 20
 
 _SCHEMES = ("s3://", "gs://", "gcs://", "file://", "memory://")
 
@@ -114,6 +119,66 @@ class _ItemResult:
     count: int
     stored: int
     info: _RankInfo | None = None  # on the first result of a rank
+
+
+@dataclass(frozen=True)
+class _Held:
+    """The items a rank's local save plan holds, before DCP's dedup drops the replicated ones."""
+
+    keys: tuple  # (fqn, offsets, sizes) of every tensor item, in plan order
+
+
+def _write_key(item) -> tuple | None:
+    """What makes two ranks' write items the same box of the same tensor (None: a bytes item)."""
+    if item.type == WriteItemType.BYTE_IO or item.tensor_data is None or item.tensor_data.chunk is None:
+        return None
+    c = item.tensor_data.chunk
+    return (item.index.fqn, tuple(c.offsets), tuple(c.sizes))
+
+
+def balance_save_plans(plans: list[SavePlan]) -> list[SavePlan]:
+    """Reassign replicated write items so every rank writes about the same bytes.
+
+    DCP's dedup (``dedup_save_plans``) gives each replicated item to the
+    rank with the fewest bytes *so far*, visiting items in plan order, so
+    ranks whose own (sharded) items come later are counted as empty and
+    take most of the replicated bytes. Here each plan's ``storage_data``
+    lists what the rank held before the dedup (:class:`_Held`, from
+    ``prepare_local_plan``); an item held by several ranks is movable
+    between them, every other item stays where it is. Movable items,
+    largest first, go to the holder with the fewest bytes (its fixed items
+    included). Item order within a plan follows the plans' original order.
+    Plans are returned unchanged when any lacks the record (another
+    writer's local plan, or DCP's plan caching sent an empty delta).
+    """
+    if len(plans) < 2 or not all(p.usable and isinstance(p.storage_data, _Held) for p in plans):
+        return plans
+    holders: dict[tuple, list[int]] = {}
+    for r, p in enumerate(plans):
+        for k in p.storage_data.keys:
+            holders.setdefault(k, []).append(r)
+    load = [0] * len(plans)
+    placed = []  # (item, rank it stays on or None, holders)
+    for r, p in enumerate(plans):
+        for item in p.items:
+            k = _write_key(item)
+            h = holders.get(k) if k is not None else None
+            if h is not None and len(h) > 1 and r in h:
+                placed.append([item, None, h])
+            else:
+                placed.append([item, r, None])
+                load[r] += item.tensor_storage_size() or 0
+    movable = sorted((i for i, x in enumerate(placed) if x[1] is None),
+                     key=lambda i: (-(placed[i][0].tensor_storage_size() or 0), i))
+    for i in movable:
+        item, _, h = placed[i]
+        r = min(h, key=lambda q: (load[q], q))
+        placed[i][1] = r
+        load[r] += item.tensor_storage_size() or 0
+    items: list[list] = [[] for _ in plans]
+    for item, r, _ in placed:
+        items[r].append(item)
+    return [dataclasses.replace(p, items=its) for p, its in zip(plans, items)]
 
 
 def _is_url(checkpoint_id) -> bool:
@@ -171,6 +236,10 @@ class CkptStoreWriter(StorageWriter):
         JSON dict stored with the step.
     base:
         Dedup base: ``"latest"`` (default), a step number, or None.
+    balance_replicated:
+        Spread replicated items (held by several ranks, written once) over
+        the ranks holding them by bytes, after DCP's dedup picked one
+        (default True; see :func:`balance_save_plans`).
     **options:
         Repository tunables (``chunk_size``, ``pack_size``, ``workers``...).
     """
@@ -182,12 +251,15 @@ class CkptStoreWriter(StorageWriter):
         storage_options: dict | None = None,
         metadata: dict | None = None,
         base: int | str | None = "latest",
+        *,
+        balance_replicated: bool = True,
         **options,
     ):
         super().__init__()
         self._default_step = None if step is None else _check_step(step)
         self.url, id_step = split_checkpoint_id(url)
         self.step = _pick_step(self.url, id_step, self._default_step, "CkptStoreWriter")
+        self.balance_replicated = bool(balance_replicated)
         self.storage_options = storage_options
         self.user_metadata = dict(metadata or {})
         self.base = base
@@ -214,7 +286,10 @@ class CkptStoreWriter(StorageWriter):
         self.rank = int(rank)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan
+        if not plan.usable or not self.balance_replicated:
+            return plan
+        keys = tuple(k for k in map(_write_key, plan.items) if k is not None)
+        return dataclasses.replace(plan, storage_data=_Held(keys))
 
     def _require_step(self) -> int:
         if self.step is None:
@@ -243,7 +318,7 @@ class CkptStoreWriter(StorageWriter):
         self._base_step = base_step
         return [
             dataclasses.replace(p, storage_data=_GlobalInfo(rank=i, base_step=base_step))
-            for i, p in enumerate(plans)
+            for i, p in enumerate(balance_save_plans(plans))
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -549,12 +624,365 @@ def _tree_from_planner_data(keys: list[str], planner_data) -> dict:
     return to_node(root)
 
 
+# ------------------------------------------------------------------ replicated reads
+#
+# Items several ranks read (the same box of the same stored shard: DDP
+# parameters, replicated DTensors, optimizer state of replicated
+# parameters) are fetched from the store once per job: the coordinator
+# splits them into pieces, gives each piece to one of the ranks that want it
+# (greedy by bytes, counting what each rank reads for itself anyway), and
+# groups the pieces into messages sent from their owner to the other
+# wanting ranks over the reader's process group, in rounds of bounded size.
+# Planning is pure (below); the exchange itself is _Exchanger.
+
+_ALIGN = 64  # byte alignment of pieces packed into one message
+
+
+@dataclass(frozen=True, slots=True)
+class _Offer:
+    """What a rank's local load plan tells the coordinator: it can take part
+    in the exchange, over which group."""
+
+    global_rank: int
+    group_rank: int
+    group_size: int
+
+
 @dataclass(frozen=True)
 class _ReadStep:
     """The step a rank resolved, carried in its local load plan to the coordinator."""
 
     rank: int
     step: int
+    offer: _Offer | None = None  # None: this rank does not exchange (option off, no group, no collectives)
+
+
+@dataclass(frozen=True, slots=True)
+class ReadRegion:
+    """A box of one stored shard that a rank's plan reads, as the exchange planner sees it.
+
+    ``key`` is ``(fqn, shard offsets, storage_offsets, lengths)``: two ranks
+    whose plans hold the same key read the same bytes.
+    """
+
+    key: tuple
+    rows: int  # length of the box's dim 0 (1 for a 0-d tensor)
+    row_bytes: int  # stored bytes of one row of the box
+    fetch: float = 1.0  # stored (compressed) bytes per raw byte: what fetching a byte costs
+    row0: int = 0  # the box's first row within its shard
+    align: int = 1  # a split before shard row b with b % align == 0 cuts no chunk
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.row_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class _Piece:
+    """Rows ``lo:hi`` of a region, at ``offset`` in its message."""
+
+    key: tuple
+    lo: int
+    hi: int
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Message:
+    """Pieces one rank reads and sends to the others that want them, in one round.
+
+    ``dsts`` is filled in the sender's plan only (a receiver needs the sender).
+    """
+
+    id: int
+    round: int
+    src: int
+    dsts: tuple[int, ...]
+    nbytes: int
+    pieces: tuple[_Piece, ...]
+
+
+@dataclass(frozen=True)
+class _Exchange:
+    """One rank's part of the exchange: every message it sends or receives, by round."""
+
+    rounds: int
+    messages: tuple[_Message, ...]
+
+
+@dataclass(frozen=True)
+class _ReadPlan:
+    """What the coordinator hands every rank in ``prepare_global_plan``."""
+
+    rank: int
+    step: int
+    exchange: _Exchange | None  # None: every item is read directly (no collective in read_data)
+
+
+def plan_exchange(
+    wants: list[list[ReadRegion]],
+    *,
+    round_bytes: int = 512 * MiB,
+    min_piece: int = 8 * MiB,
+    solo_bytes: int | None = None,
+    bundle_bytes: int | None = None,
+) -> list[_Exchange | None]:
+    """Assign every region several ranks want to one of them, and plan the messages.
+
+    Pure. ``wants[r]`` lists the regions rank ``r`` reads. A region only one
+    rank wants stays that rank's own read and counts towards its load. The
+    others are cut along dim 0 into pieces of at most
+    ``max(min_piece, replicated bytes / (4 x ranks))`` (at chunk boundaries
+    where rows line up with chunks), and the pieces, largest first, go to the
+    wanting rank with the smallest load so far (fetched bytes: raw bytes x
+    the tensor's stored/raw ratio). A piece of ``solo_bytes`` or more is a
+    message of its own (receivers can take it straight into the
+    destination); smaller pieces with the same owner and the same wanting
+    ranks are packed into messages of up to ``bundle_bytes``. Messages are
+    ordered so that each round mixes owners, and cut into rounds in which no
+    rank sends or receives more than ``round_bytes`` (a message larger than
+    that is a round of its own for the ranks it involves).
+
+    ``solo_bytes`` defaults to ``min_piece / 8``, ``bundle_bytes`` to
+    ``2 x min_piece``.
+
+    Returns one :class:`_Exchange` per rank, or all None when no region is
+    wanted twice (then no rank takes part in any collective).
+    """
+    solo_bytes = max(1, min_piece // 8) if solo_bytes is None else solo_bytes
+    bundle_bytes = 2 * min_piece if bundle_bytes is None else bundle_bytes
+    n = len(wants)
+    regions: dict[tuple, ReadRegion] = {}
+    wanting: dict[tuple, list[int]] = {}
+    for r, regs in enumerate(wants):
+        for g in regs:
+            regions.setdefault(g.key, g)
+            ranks = wanting.setdefault(g.key, [])
+            if not ranks or ranks[-1] != r:
+                ranks.append(r)
+    load = [0.0] * n
+    replicated = []
+    for key, ranks in wanting.items():
+        g = regions[key]
+        if len(ranks) > 1 and g.nbytes > 0:
+            replicated.append(key)
+        else:
+            load[ranks[0]] += g.nbytes * g.fetch
+    if not replicated:
+        return [None] * n
+
+    total = sum(regions[k].nbytes for k in replicated)
+    piece_max = max(min_piece, -(-total // (4 * n)))
+    pieces: list[tuple[tuple, int, int, int]] = []  # key, lo, hi, nbytes
+    for key in replicated:
+        g = regions[key]
+        k = min(g.rows, -(-g.nbytes // piece_max))
+        bounds = [0]
+        for j in range(1, k):
+            b = round(j * g.rows / k)
+            if g.align > 1:
+                b = round((g.row0 + b) / g.align) * g.align - g.row0
+            if bounds[-1] < b < g.rows:
+                bounds.append(b)
+        bounds.append(g.rows)
+        for lo, hi in zip(bounds, bounds[1:]):
+            pieces.append((key, lo, hi, (hi - lo) * g.row_bytes))
+
+    # Largest first, each to the least loaded rank that wants it.
+    owner = [0] * len(pieces)
+    for i in sorted(range(len(pieces)), key=lambda i: (-pieces[i][3] * regions[pieces[i][0]].fetch, i)):
+        key, _, _, nb = pieces[i]
+        o = min(wanting[key], key=lambda r: (load[r], r))
+        owner[i] = o
+        load[o] += nb * regions[key].fetch
+
+    # Messages: per (owner, wanting ranks), in region order.
+    groups: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+    for i, (key, _, _, _) in enumerate(pieces):
+        groups.setdefault((owner[i], tuple(wanting[key])), []).append(i)
+    queues: dict[int, list[tuple[tuple[int, ...], list[tuple[int, int]], int]]] = {}
+    for (src, ranks), idx in groups.items():
+        q = queues.setdefault(src, [])
+        bundle: list[tuple[int, int]] = []
+        size = 0
+        for i in idx:
+            nb = pieces[i][3]
+            if nb >= solo_bytes:
+                q.append((ranks, [(i, 0)], nb))
+                continue
+            if bundle and size + nb > bundle_bytes:
+                q.append((ranks, bundle, size))
+                bundle, size = [], 0
+            bundle.append((i, size))
+            size += -(-nb // _ALIGN) * _ALIGN
+        if bundle:
+            q.append((ranks, bundle, size))
+
+    # Interleave owners (the one that has sent least goes next), then cut rounds.
+    sent = {src: 0 for src in queues}
+    heads = {src: 0 for src in queues}
+    order = []
+    while heads:
+        src = min(heads, key=lambda s: (sent[s], s))
+        ranks, members, nb = queues[src][heads[src]]
+        order.append((src, ranks, members, nb))
+        sent[src] += nb
+        heads[src] += 1
+        if heads[src] == len(queues[src]):
+            del heads[src]
+    per_rank: list[list[_Message]] = [[] for _ in range(n)]
+    rnd = 0
+    charge: dict[int, int] = {}
+    for mid, (src, ranks, members, nb) in enumerate(order):
+        if any(charge.get(r, 0) and charge[r] + nb > round_bytes for r in ranks):
+            rnd += 1
+            charge = {}
+        for r in ranks:
+            charge[r] = charge.get(r, 0) + nb
+        ps = tuple(_Piece(pieces[i][0], pieces[i][1], pieces[i][2], off, pieces[i][3]) for i, off in members)
+        dsts = tuple(r for r in ranks if r != src)
+        per_rank[src].append(_Message(mid, rnd, src, dsts, nb, ps))
+        light = _Message(mid, rnd, src, (), nb, ps)
+        for r in dsts:
+            per_rank[r].append(light)
+    return [_Exchange(rnd + 1, tuple(msgs)) for msgs in per_rank]
+
+
+class RankReadError(CkptStoreError, RuntimeError):
+    """A load failed on one or more ranks; raised on every rank, naming them."""
+
+
+def _backend_devices(group) -> set[str]:
+    """Device types the group's backend moves tensors of (``gloo``: cpu, ``nccl``: cuda)."""
+    name = str(dist.get_backend(group)).lower()
+    if ":" in name:
+        return {part.split(":", 1)[0].strip() for part in name.split(",") if ":" in part}
+    return {"cuda"} if name == "nccl" else {"cpu"}
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's memory as a flat uint8 view (no copy)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _takes_bytes(t: torch.Tensor, dtype: torch.dtype, device: torch.device | None = None) -> bool:
+    """Stored-dtype bytes can be written into (or sent from) ``t``'s memory as they are."""
+    return (
+        t.dtype == dtype
+        and t.is_contiguous()
+        and not t.is_conj()
+        and not t.is_neg()
+        and (device is None or t.device == device)
+    )
+
+
+class _Exchanger:
+    """Status collectives and point-to-point transfers of one load, every wait bounded.
+
+    Every rank calls :meth:`status` at the same points; the first one that
+    finds a failure makes every rank raise :class:`RankReadError` naming the
+    failed ranks and what they said, before any rank waits for data that
+    will never come.
+    """
+
+    def __init__(self, group, rank: int, timeout: float | None, where: str):
+        self.group = group
+        self.rank = rank
+        self.size = dist.get_world_size(group)
+        self.timeout = timeout
+        self.where = where
+        devices = _backend_devices(group)
+        self.cuda_capable = "cuda" in devices and torch.cuda.is_available()
+        self.status_device = torch.device("cpu") if "cpu" in devices else torch.device("cuda", torch.cuda.current_device())
+        self.nccl_style = "cpu" not in devices  # a backend of device tensors only: batched p2p
+        self.device = torch.device("cpu")
+
+    def _wait(self, work, what: str, deadline: float | None = None) -> None:
+        if work is None:
+            return
+        bound = "the group's timeout" if self.timeout is None else f"{self.timeout:g} s (exchange_timeout)"
+        try:
+            if self.timeout is None:
+                ok = work.wait()
+            else:
+                left = self.timeout if deadline is None else max(0.0, deadline - time.monotonic())
+                ok = work.wait(timeout=datetime.timedelta(seconds=left))
+        except Exception as e:
+            said = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise RankReadError(
+                f"{self.where}: rank {self.rank}: {what} failed or did not complete within {bound}: "
+                f"{type(e).__name__}: {said}"
+            ) from e
+        if ok is False:
+            raise RankReadError(f"{self.where}: rank {self.rank}: {what} did not complete within {bound}")
+
+    def status(self, failure: BaseException | None, stage: str, flag: int = 0) -> int:
+        """Every rank's ok/failed (and the largest ``flag``); raises on every rank if any failed."""
+        t = torch.tensor([1 if failure is not None else 0, flag], dtype=torch.int64, device=self.status_device)
+        self._wait(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True),
+                   f"the status exchange {stage}")
+        if int(t[0]) == 0:
+            return int(t[1])
+        text = b""
+        if failure is not None:
+            first = str(failure).strip()
+            text = f"{type(failure).__name__}: {first}".encode("utf-8", "replace")[:_STATUS_TEXT]
+        mine = torch.zeros(_STATUS_TEXT + 3, dtype=torch.uint8)
+        mine[0] = 1 if failure is not None else 0
+        mine[1], mine[2] = len(text) >> 8, len(text) & 0xFF
+        if text:
+            mine[3 : 3 + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+        mine = mine.to(self.status_device)
+        out = [torch.empty_like(mine) for _ in range(self.size)]
+        self._wait(dist.all_gather(out, mine, group=self.group, async_op=True), f"the failure report {stage}")
+        said = {}
+        for r, b in enumerate(out):
+            b = b.cpu()
+            if int(b[0]):
+                n = (int(b[1]) << 8) | int(b[2])
+                said[r] = bytes(b[3 : 3 + n].tolist()).decode("utf-8", "replace")
+        detail = "; ".join(f"rank {r}: {msg}" for r, msg in sorted(said.items()))
+        err = RankReadError(
+            f"{self.where}: the load failed on rank(s) {sorted(said)} {stage}, so no rank waits for "
+            f"replicated data from them ({detail})"
+        )
+        if failure is not None:
+            raise err from failure
+        raise err
+
+    def post(self, sends: list[tuple[torch.Tensor, int, int]], recvs: list[tuple[torch.Tensor, int, int]]):
+        """Start sends ``(tensor, dst, tag)`` and receives ``(tensor, src, tag)``; the works to wait on."""
+        if self.nccl_style:
+            ops = [dist.P2POp(dist.isend, t, group=self.group, group_peer=p, tag=tag) for t, p, tag in sends]
+            ops += [dist.P2POp(dist.irecv, t, group=self.group, group_peer=p, tag=tag) for t, p, tag in recvs]
+            works = dist.batch_isend_irecv(ops) if ops else []
+            peers = [("send to", p) for _, p, _ in sends] + [("receive from", p) for _, p, _ in recvs]
+            return list(zip(works, peers))
+        out = []
+        for t, p, tag in recvs:
+            out.append((dist.irecv(t, group=self.group, group_src=p, tag=tag), ("receive from", p)))
+        for t, p, tag in sends:
+            out.append((dist.isend(t, group=self.group, group_dst=p, tag=tag), ("send to", p)))
+        return out
+
+    def wait_all(self, works, stage: str) -> None:
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        for work, (verb, peer) in works:
+            self._wait(work, f"the {verb} rank {peer} {stage}", deadline)
+
+
+_STATUS_TEXT = 480  # bytes of a failed rank's message that reach the other ranks
+
+
+def _box(item) -> tuple:
+    """The shard-local box ``((start, stop, 1), ...)`` a read item reads."""
+    return tuple((o, o + n, 1) for o, n in zip(item.storage_offsets, item.lengths))
+
+
+def _region_key(item) -> tuple:
+    off = item.storage_index.offset
+    return (item.storage_index.fqn, None if off is None else tuple(off), tuple(item.storage_offsets), tuple(item.lengths))
 
 
 class CkptStoreReader(StorageReader):
@@ -578,6 +1006,28 @@ class CkptStoreReader(StorageReader):
     item_workers:
         Read items processed concurrently (each fans out to coalesced,
         concurrent range reads on the repository's I/O pool).
+    exchange_replicated:
+        Read each region that several ranks want once per job and deliver
+        it to the others over ``process_group`` (default True; used when a
+        process group is up and DCP plans with collectives). False reads
+        every item from the store on every rank that wants it.
+    process_group:
+        The group the exchange runs on: it must be the group DCP loads with
+        (``dcp.load(..., process_group=g)`` needs ``CkptStoreReader(...,
+        process_group=g)``). Default: the default group. When the ranks'
+        plans do not match this group, nothing is exchanged (with a warning).
+    exchange_timeout:
+        Seconds any rank waits for a status or a transfer of the exchange
+        before failing with an error naming what it waited for; None: the
+        group's own timeout.
+    exchange_round_bytes:
+        Most bytes one rank sends or receives in one round of the exchange.
+        A rank holds the buffers of at most two rounds at once.
+    exchange_piece_bytes:
+        Replicated regions larger than this (or than a quarter of each
+        rank's share) are split along dim 0 and read by several ranks;
+        smaller pieces (below an eighth of it) travel packed together.
+        The coordinator's settings of both apply to every rank.
 
     Destination tensors may have another floating dtype than the stored
     one: values are cast like DCP's ``FileSystemReader`` casts them.
@@ -589,6 +1039,12 @@ class CkptStoreReader(StorageReader):
         step: int | None = None,
         storage_options: dict | None = None,
         item_workers: int = 4,
+        *,
+        exchange_replicated: bool = True,
+        process_group=None,
+        exchange_timeout: float | None = None,
+        exchange_round_bytes: int = 512 * MiB,
+        exchange_piece_bytes: int = 8 * MiB,
         **options,
     ):
         super().__init__()
@@ -598,9 +1054,24 @@ class CkptStoreReader(StorageReader):
         self.storage_options = storage_options
         self.options = options
         self.item_workers = item_workers
+        self.exchange_replicated = bool(exchange_replicated)
+        self.process_group = process_group
+        if exchange_timeout is not None and not exchange_timeout > 0:
+            raise ValueError(f"exchange_timeout must be a positive number of seconds or None, got {exchange_timeout!r}")
+        self.exchange_timeout = exchange_timeout
+        if exchange_round_bytes < 1:
+            raise ValueError(f"exchange_round_bytes must be positive, got {exchange_round_bytes!r}")
+        self.exchange_round_bytes = int(exchange_round_bytes)
+        if exchange_piece_bytes < 1:
+            raise ValueError(f"exchange_piece_bytes must be positive, got {exchange_piece_bytes!r}")
+        self.exchange_piece_bytes = int(exchange_piece_bytes)
         self.rank = 0
+        self._use_collectives = True
         self._repo: Repository | None = None
         self._ckpt = None
+        #: This rank's figures of its last ``read_data``: bytes it read for
+        #: itself and for others, sent and received, rounds.
+        self.last_read_stats: dict | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
@@ -633,11 +1104,24 @@ class CkptStoreReader(StorageReader):
         if rank is None:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self.rank = int(rank)
+        self._use_collectives = bool(kwargs.get("use_collectives", True))
         if self._ckpt is None:
             self._ckpt = self._get_repo().checkpoint(self._resolve_step())
 
+    def _group(self):
+        return self.process_group if self.process_group is not None else dist.group.WORLD
+
+    def _offer(self) -> _Offer | None:
+        if not (self.exchange_replicated and self._use_collectives and dist.is_available() and dist.is_initialized()):
+            return None
+        group = self._group()
+        group_rank = dist.get_rank(group)
+        if group_rank < 0:
+            return None  # this process is not in the group
+        return _Offer(dist.get_rank(), group_rank, dist.get_world_size(group))
+
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return dataclasses.replace(plan, storage_data=_ReadStep(self.rank, self._ckpt.step))
+        return dataclasses.replace(plan, storage_data=_ReadStep(self.rank, self._ckpt.step, self._offer()))
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         found = {p.storage_data.rank: p.storage_data.step for p in plans if isinstance(p.storage_data, _ReadStep)}
@@ -650,14 +1134,88 @@ class CkptStoreReader(StorageReader):
                 f"{self._get_repo().url}: the ranks found different latest steps ({seen}): a step was "
                 "committed while the load started. Load again, or pass step= so every rank reads the same step"
             )
-        return plans
+        step = next(iter(found.values()), self._ckpt.step if self._ckpt is not None else None)
+        exchanges = self._plan_exchange(plans)
+        return [
+            dataclasses.replace(p, storage_data=_ReadPlan(i, step, None if exchanges is None else exchanges[i]))
+            for i, p in enumerate(plans)
+        ]
 
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+    def _plan_exchange(self, plans: list[LoadPlan]) -> list[_Exchange | None] | None:
+        """The coordinator's exchange plan, or None when the ranks read everything themselves."""
+        if len(plans) < 2 or self._ckpt is None:
+            return None
+        offers = [p.storage_data.offer if isinstance(p.storage_data, _ReadStep) else None for p in plans]
+        if any(o is None for o in offers):
+            return None  # some rank has it off, or DCP plans without collectives
+        mine = self._offer()
+        problem = None
+        if mine is None:
+            problem = "the coordinator is not in the reader's process group"
+        elif any(o.group_size != len(plans) or o.group_rank != i or p.storage_data.rank != i
+                 for i, (o, p) in enumerate(zip(offers, plans))):
+            problem = (f"DCP planned {len(plans)} ranks, the reader's process group has "
+                       f"{sorted({o.group_size for o in offers})} ranks")
+        elif [o.global_rank for o in offers] != list(dist.get_process_group_ranks(self._group())):
+            problem = "the ranks DCP planned are not the members of the reader's process group"
+        if problem is not None:
+            warnings.warn(
+                f"{self._get_repo().url}: replicated items are read on every rank that wants them (no exchange): "
+                f"{problem}. A load on a sub-group needs CkptStoreReader(..., process_group=<the same group>)",
+                stacklevel=2,
+            )
+            return None
+        man = self._ckpt.manifest
+        repo = self._get_repo()
+        repo.config()  # the repository's chunk size: splits at chunk boundaries where rows allow
+        chunk = repo.options.chunk_size
+        wants: list[list[ReadRegion]] = []
+        cache: dict[tuple, ReadRegion | None] = {}
+        for p in plans:
+            regs = []
+            for item in p.items:
+                if item.type != LoadItemType.TENSOR:
+                    continue
+                key = _region_key(item)
+                g = cache.get(key, False)
+                if g is False:
+                    g = cache[key] = self._region(man, key, item, chunk)
+                if g is not None:
+                    regs.append(g)
+            wants.append(regs)
+        return plan_exchange(wants, round_bytes=self.exchange_round_bytes, min_piece=self.exchange_piece_bytes)
+
+    def _region(self, man: Manifest, key: tuple, item, chunk: int) -> ReadRegion | None:
+        fqn = key[0]
+        entry = man.tensors.get(fqn)
+        if entry is None:
+            return None  # read_data names the missing tensor
+        try:
+            shard = entry.shard(self._ckpt.shard_at(fqn, item.storage_index.offset))
+        except FormatError:
+            return None
+        isz = _m.itemsize(entry.dtype)
+        lengths = tuple(item.lengths)
+        rows = lengths[0] if lengths else 1
+        row_bytes = math.prod(lengths[1:]) * isz if lengths else isz
+        align, row0 = 1, 0
+        if lengths:
+            row0 = item.storage_offsets[0]
+            shard_row = math.prod(shard.sizes[1:]) * isz
+            if tuple(lengths[1:]) == tuple(shard.sizes[1:]) and shard_row and chunk % shard_row == 0:
+                align = chunk // shard_row
+        fetch = entry.stored_bytes / entry.nbytes if entry.nbytes else 1.0
+        return ReadRegion(key, rows, row_bytes, fetch, row0, align)
+
+    # -- read_data ----------------------------------------------------------
+    def _prepare(self, plan: LoadPlan, planner: LoadPlanner, exchanged: set):
+        """Bytes items loaded; tensor items split into direct reads and exchanged regions."""
         ckpt = self._ckpt
         man = ckpt.manifest
         bytes_keys = set((man.dcp or {}).get("bytes", []))
         values = leaf_values(man.tree) if man.dcp is None else {}
-        tensor_jobs = []
+        direct = []
+        regions: dict[tuple, list] = {}  # key -> [(item, entry, shard index, target), ...]
         for item in plan.items:
             fqn = item.storage_index.fqn
             if item.type == LoadItemType.BYTE_IO:
@@ -678,27 +1236,228 @@ class CkptStoreReader(StorageReader):
             if entry is None:
                 raise KeyError(f"{ckpt.repo.url}: step {man.step} has no tensor {fqn!r}")
             index = ckpt.shard_at(fqn, item.storage_index.offset)
-            local = tuple((o, o + n, 1) for o, n in zip(item.storage_offsets, item.lengths))
             target = planner.resolve_tensor(item).detach()
-            tensor_jobs.append((item, entry, index, local, target))
-        # One batch of chunk-table reads for every shard this rank reads.
-        ckpt.resolve([(entry.key, index) for _, entry, index, _, _ in tensor_jobs])
+            key = _region_key(item)
+            if key in exchanged:
+                stored = _m.DTYPES[entry.dtype]
+                if not castable(stored, target.dtype) or tuple(target.shape) != tuple(item.lengths):
+                    raise ValueError(
+                        f"{ckpt.repo.url}: step {man.step}: tensor {fqn!r} is {entry.dtype}; the destination of "
+                        f"its box {tuple(item.storage_offsets)}+{tuple(item.lengths)} is "
+                        f"{str(target.dtype).removeprefix('torch.')}{list(target.shape)}"
+                        " (values are cast only between floating dtypes, or between complex dtypes)"
+                    )
+                regions.setdefault(key, []).append((item, entry, index, target))
+            else:
+                direct.append((item, entry, index, _box(item), target))
+        return direct, regions
+
+    def _read_all(self, jobs) -> None:
+        """Run ``(entry, shard index, box, target)`` reads on ``item_workers`` threads."""
+        if not jobs:
+            return
+        ckpt = self._ckpt
 
         def run(job):
-            _, entry, index, local, target = job
+            entry, index, local, target = job
             (shard,) = ckpt.shards(entry.key, [index])
             ckpt.read_shard(entry, shard, local, target)
 
-        if tensor_jobs:
-            with cf.ThreadPoolExecutor(min(self.item_workers, len(tensor_jobs)), thread_name_prefix="ckpt-dcp") as ex:
-                futures = [ex.submit(run, j) for j in tensor_jobs]
-                for f in futures:
-                    f.result()
-            for item, _, _, _, target in tensor_jobs:
-                planner.commit_tensor(item, target)
+        if len(jobs) == 1:
+            run(jobs[0])
+            return
+        with cf.ThreadPoolExecutor(min(self.item_workers, len(jobs)), thread_name_prefix="ckpt-dcp") as ex:
+            futures = [ex.submit(run, j) for j in jobs]
+            for f in futures:
+                f.result()
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        sd = plan.storage_data
+        ex = sd.exchange if isinstance(sd, _ReadPlan) else None
+        if ex is None:
+            self._read_direct(plan, planner)
+        else:
+            self._read_exchanged(plan, planner, ex)
         fut: Future = Future()
         fut.set_result(None)
         return fut
+
+    def _read_direct(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        direct, _ = self._prepare(plan, planner, set())
+        # One batch of chunk-table reads for every shard this rank reads.
+        self._ckpt.resolve([(entry.key, index) for _, entry, index, _, _ in direct])
+        self._read_all([(entry, index, local, target) for _, entry, index, local, target in direct])
+        for item, _, _, _, target in direct:
+            planner.commit_tensor(item, target)
+        n = sum(t.numel() * _m.itemsize(e.dtype) for _, e, _, _, t in direct)
+        self.last_read_stats = {"rank": self.rank, "exchange": False, "direct_bytes": n, "owned_bytes": 0,
+                                "sent_bytes": 0, "received_bytes": 0, "rounds": 0}
+
+    def _read_exchanged(self, plan: LoadPlan, planner: LoadPlanner, ex: _Exchange) -> None:
+        """Read what this rank owns, exchange replicated pieces round by round, every wait bounded.
+
+        Collectives happen only in :meth:`_Exchanger.status` (once per
+        round) and the transfers after it; a failure anywhere else is kept
+        and reported at the next status, so every rank stops at the same
+        point instead of waiting for a peer that has given up.
+        """
+        ckpt = self._ckpt
+        where = f"{ckpt.repo.url}: step {ckpt.step}"
+        xg = _Exchanger(self._group(), dist.get_rank(self._group()), self.exchange_timeout, where)
+        me = xg.rank
+        stats = {"rank": me, "exchange": True, "direct_bytes": 0, "owned_bytes": 0, "sent_bytes": 0,
+                 "received_bytes": 0, "rounds": ex.rounds}
+        by_round: list[list[_Message]] = [[] for _ in range(ex.rounds)]
+        for m in ex.messages:
+            by_round[m.round].append(m)
+        exchanged = {p.key for m in ex.messages for p in m.pieces}
+        failure: BaseException | None = None
+        direct: list = []
+        regions: dict = {}
+        not_cuda = 1
+        try:
+            direct, regions = self._prepare(plan, planner, exchanged)
+            missing = exchanged - set(regions)
+            if missing:
+                raise CkptStoreError(f"{where}: the exchange plan names regions this rank does not read: "
+                                     f"{sorted(k[0] for k in missing)[:5]}")
+            owned = [(regions[p.key][0][1], regions[p.key][0][2]) for m in ex.messages if m.src == me for p in m.pieces]
+            ckpt.resolve([(e.key, i) for _, e, i, _, _ in direct] + [(e.key, i) for e, i in owned])
+            targets = [t for lst in regions.values() for (_, _, _, t) in lst]
+            not_cuda = 0 if xg.cuda_capable and targets and all(t.device.type == "cuda" for t in targets) else 1
+        except BaseException as e:  # reported to every rank at the first status
+            failure = e
+
+        def piece_view(t: torch.Tensor, p: _Piece) -> torch.Tensor:
+            return t[p.lo : p.hi] if t.dim() else t
+
+        def read_round(msgs: list[_Message], with_direct: bool):
+            """Read this rank's own pieces of a round (and its direct items); the send sources."""
+            jobs, after, sources = [], [], {}
+            if with_direct:
+                jobs += [(entry, index, local, target) for _, entry, index, local, target in direct]
+                stats["direct_bytes"] += sum(t.numel() * _m.itemsize(e.dtype) for _, e, _, _, t in direct)
+            for m in msgs:
+                if m.src != me:
+                    continue
+                buf = torch.empty(m.nbytes, dtype=torch.uint8) if len(m.pieces) > 1 else None
+                for p in m.pieces:
+                    item, entry, index, target = regions[p.key][0]
+                    stored = _m.DTYPES[entry.dtype]
+                    box = _box(item)
+                    if box:
+                        box = ((box[0][0] + p.lo, box[0][0] + p.hi, 1),) + box[1:]
+                    dest = piece_view(target, p)
+                    if buf is not None:
+                        src = buf[p.offset : p.offset + p.nbytes].view(stored).reshape(dest.shape)
+                        after.append((src, [dest]))
+                    elif _takes_bytes(dest, stored):
+                        src = dest
+                    else:
+                        src = torch.empty(dest.shape, dtype=stored)
+                        after.append((src, [dest]))
+                    jobs.append((entry, index, box, src))
+                    for _, _, _, other in regions[p.key][1:]:  # the same box twice in this rank's plan
+                        after.append((src, [piece_view(other, p)]))
+                    if buf is None:
+                        sources[m.id] = src
+                    stats["owned_bytes"] += p.nbytes
+                if buf is not None:
+                    sources[m.id] = buf
+            self._read_all(jobs)
+            with torch.no_grad():
+                for src, dests in after:
+                    for d in dests:
+                        d.copy_(src)
+            return sources
+
+        def post_round(msgs: list[_Message], sources: dict, r: int):
+            sends, recvs, copies, keep = [], [], [], []
+            dev = xg.device
+            for m in msgs:
+                if m.src == me:
+                    src = sources[m.id]
+                    if src.device != dev:
+                        src = src.to(dev)
+                    flat = _as_bytes(src)
+                    keep.append(flat)
+                    for d in m.dsts:
+                        sends.append((flat, d, m.id))
+                    stats["sent_bytes"] += len(m.dsts) * sum(p.nbytes for p in m.pieces)
+                    continue
+                stats["received_bytes"] += sum(p.nbytes for p in m.pieces)
+                if len(m.pieces) == 1:
+                    p = m.pieces[0]
+                    lst = regions[p.key]
+                    stored = _m.DTYPES[lst[0][1].dtype]
+                    dest = piece_view(lst[0][3], p)
+                    if _takes_bytes(dest, stored, dev):
+                        buf = dest
+                        rest = [piece_view(t, p) for *_, t in lst[1:]]
+                    else:
+                        buf = torch.empty(dest.shape, dtype=stored, device=dev)
+                        rest = [piece_view(t, p) for *_, t in lst]
+                    if rest:
+                        copies.append((buf, rest))
+                    recvs.append((_as_bytes(buf), m.src, m.id))
+                    continue
+                buf = torch.empty(m.nbytes, dtype=torch.uint8, device=dev)
+                recvs.append((buf, m.src, m.id))
+                for p in m.pieces:
+                    lst = regions[p.key]
+                    stored = _m.DTYPES[lst[0][1].dtype]
+                    dest0 = piece_view(lst[0][3], p)
+                    slot = buf[p.offset : p.offset + p.nbytes].view(stored).reshape(dest0.shape)
+                    copies.append((slot, [piece_view(t, p) for *_, t in lst]))
+            works = xg.post(sends, recvs)
+            return works, copies, keep, r
+
+        def finish_round(pending) -> None:
+            works, copies, _keep, r = pending
+            xg.wait_all(works, f"(round {r + 1} of {ex.rounds})")
+            with torch.no_grad():
+                for src, dests in copies:
+                    for d in dests:
+                        d.copy_(src)
+
+        pending = None
+        for r in range(ex.rounds):
+            sources = {}
+            if failure is None:
+                try:
+                    sources = read_round(by_round[r], with_direct=(r == 0))
+                except BaseException as e:
+                    failure = e
+            if pending is not None:
+                done, pending = pending, None
+                finish_round_failure = None
+                try:
+                    finish_round(done)
+                except RankReadError:
+                    raise  # a transfer that never completed: the group cannot be trusted any more
+                except BaseException as e:
+                    finish_round_failure = e
+                if failure is None:
+                    failure = finish_round_failure
+            flag = xg.status(failure, f"in round {r + 1} of {ex.rounds}", not_cuda if r == 0 else 0)
+            if r == 0:
+                xg.device = (torch.device("cuda", torch.cuda.current_device())
+                             if (xg.cuda_capable and flag == 0) or xg.nccl_style else torch.device("cpu"))
+            try:
+                pending = post_round(by_round[r], sources, r)
+            except RankReadError:
+                raise
+            except BaseException as e:
+                raise RankReadError(f"{where}: rank {me}: starting the transfers of round {r + 1} failed: "
+                                    f"{type(e).__name__}: {e}") from e
+        if pending is not None:
+            finish_round(pending)  # after the last status: a failure here is this rank's alone
+        for lst in regions.values():
+            for item, _, _, target in lst:
+                planner.commit_tensor(item, target)
+        for item, _, _, _, target in direct:
+            planner.commit_tensor(item, target)
+        self.last_read_stats = stats
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
