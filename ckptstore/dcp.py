@@ -22,7 +22,13 @@ written or read by this module.
 
 Load: each read item becomes a box of one stored shard; the range-reading
 loader fetches only the chunks covering it (coalesced, concurrent,
-verified) and writes into the destination tensor.
+verified) and writes into the destination tensor. A box several ranks read
+(replicated state) is fetched once per job: the coordinator gives each
+piece of it to one of those ranks, balanced by bytes, and the owner sends
+it to the others over the process group (:func:`plan_exchange`,
+``CkptStoreReader(exchange_replicated=...)``). On save, replicated items
+that DCP's dedup left to one rank are rebalanced the same way
+(:func:`balance_save_plans`).
 
 A step saved here is an ordinary step (``repo.checkpoint(step).read``,
 ``repo.load`` assemble shards); a step saved with ``repo.save`` loads
@@ -95,6 +101,8 @@ class _GlobalInfo:
 
     rank: int
     base_step: int | None
+    # rows of a replicated item this rank writes: (fqn, offsets of the part) -> (the item, lo, hi)
+    parts: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -136,49 +144,132 @@ def _write_key(item) -> tuple | None:
     return (item.index.fqn, tuple(c.offsets), tuple(c.sizes))
 
 
-def balance_save_plans(plans: list[SavePlan]) -> list[SavePlan]:
+def _write_bytes(item) -> int:
+    """Bytes a write item writes: its chunk's, not the whole tensor's (``WriteItem.tensor_storage_size``,
+    which DCP's dedup counts, is the global tensor's size even for one shard of it)."""
+    td = item.tensor_data
+    if td is None or td.chunk is None:
+        return 0
+    return math.prod(td.chunk.sizes) * torch.empty((), dtype=td.properties.dtype).element_size()
+
+
+def balance_save_plans(
+    plans: list[SavePlan], *, chunk_size: int = 4 * MiB, min_part: int = 16 * MiB
+) -> tuple[list[SavePlan], list[dict]]:
     """Reassign replicated write items so every rank writes about the same bytes.
 
-    DCP's dedup (``dedup_save_plans``) gives each replicated item to the
-    rank with the fewest bytes *so far*, visiting items in plan order, so
-    ranks whose own (sharded) items come later are counted as empty and
-    take most of the replicated bytes. Here each plan's ``storage_data``
-    lists what the rank held before the dedup (:class:`_Held`, from
-    ``prepare_local_plan``); an item held by several ranks is movable
-    between them, every other item stays where it is. Movable items,
-    largest first, go to the holder with the fewest bytes (its fixed items
-    included). Item order within a plan follows the plans' original order.
-    Plans are returned unchanged when any lacks the record (another
-    writer's local plan, or DCP's plan caching sent an empty delta).
+    DCP's dedup (``dedup_save_plans``, torch 2.13) gives each replicated
+    item to the rank with the fewest bytes *so far*, visiting items in plan
+    order (rank 0's first), so the other ranks' own items are not counted
+    yet when most replicated items are placed; and it counts a shard as
+    its whole tensor (``WriteItem.tensor_storage_size``). Here each plan's
+    ``storage_data`` lists what the rank held before the dedup
+    (:class:`_Held`, from ``prepare_local_plan``); an item held by several
+    ranks is movable between them, every other item stays where it is.
+
+    A movable item larger than ``max(min_part, 4 x chunk_size, all bytes /
+    (4 x ranks))`` with more than one row is cut along dim 0 into parts of
+    about that size (at chunk boundaries where rows line up with chunks, so
+    the chunks are those of the whole item and dedup against an uncut base
+    still matches); the step then stores it as that many shards. Movable
+    items and parts, largest first, go to the holder with the fewest bytes
+    (its fixed items included). Item order within a plan follows the
+    plans' original order.
+
+    Returns the plans and, per rank, ``{(fqn, part offsets): (item, lo, hi)}``
+    for the parts it writes. Plans come back unchanged when any lacks the
+    record (another writer's local plan, or DCP's plan caching sent an
+    empty delta).
     """
-    if len(plans) < 2 or not all(p.usable and isinstance(p.storage_data, _Held) for p in plans):
-        return plans
+    n = len(plans)
+    if n < 2 or not all(p.usable and isinstance(p.storage_data, _Held) for p in plans):
+        return plans, [{} for _ in plans]
     holders: dict[tuple, list[int]] = {}
     for r, p in enumerate(plans):
         for k in p.storage_data.keys:
             holders.setdefault(k, []).append(r)
-    load = [0] * len(plans)
-    placed = []  # (item, rank it stays on or None, holders)
+    load = [0] * n
+    placed = []  # [item, rank (None: movable), holders, part (lo, hi) or None]
     for r, p in enumerate(plans):
         for item in p.items:
             k = _write_key(item)
             h = holders.get(k) if k is not None else None
             if h is not None and len(h) > 1 and r in h:
-                placed.append([item, None, h])
+                placed.append([item, None, h, None])
             else:
-                placed.append([item, r, None])
-                load[r] += item.tensor_storage_size() or 0
-    movable = sorted((i for i, x in enumerate(placed) if x[1] is None),
-                     key=lambda i: (-(placed[i][0].tensor_storage_size() or 0), i))
-    for i in movable:
-        item, _, h = placed[i]
-        r = min(h, key=lambda q: (load[q], q))
+                placed.append([item, r, None, None])
+                load[r] += _write_bytes(item)
+    total = sum(_write_bytes(x[0]) for x in placed)
+    part_max = max(min_part, 4 * chunk_size, -(-total // (4 * n)))
+    cut = []
+    for x in placed:
+        item = x[0]
+        nb = _write_bytes(item)
+        sizes = tuple(item.tensor_data.chunk.sizes) if item.tensor_data is not None else ()
+        if x[1] is not None or nb <= part_max or len(sizes) == 0 or sizes[0] < 2:
+            cut.append(x)
+            continue
+        rows = sizes[0]
+        row_bytes = nb // rows
+        align = chunk_size // row_bytes if row_bytes and chunk_size % row_bytes == 0 else 1
+        k = min(rows, -(-nb // part_max))
+        bounds = [0]
+        for j in range(1, k):
+            b = round(round(j * rows / k) / align) * align
+            if bounds[-1] < b < rows:
+                bounds.append(b)
+        bounds.append(rows)
+        for lo, hi in zip(bounds, bounds[1:]):
+            cut.append([item, None, x[2], (lo, hi)])
+    placed = cut
+
+    def size(x) -> int:
+        return _write_bytes(x[0]) if x[3] is None else _write_bytes(x[0]) // x[0].tensor_data.chunk.sizes[0] * (x[3][1] - x[3][0])
+
+    for i in sorted((i for i, x in enumerate(placed) if x[1] is None), key=lambda i: (-size(placed[i]), i)):
+        r = min(placed[i][2], key=lambda q: (load[q], q))
         placed[i][1] = r
-        load[r] += item.tensor_storage_size() or 0
+        load[r] += size(placed[i])
     items: list[list] = [[] for _ in plans]
-    for item, r, _ in placed:
+    parts: list[dict] = [{} for _ in plans]
+    for item, r, _, part in placed:
+        if part is not None:
+            item, whole = _part_item(item, *part), item
+            parts[r][(item.index.fqn, tuple(item.index.offset))] = (whole, part[0], part[1])
         items[r].append(item)
-    return [dataclasses.replace(p, items=its) for p, its in zip(plans, items)]
+    return [dataclasses.replace(p, items=its) for p, its in zip(plans, items)], parts
+
+
+def _part_item(item, lo: int, hi: int):
+    """Rows ``lo:hi`` of a tensor write item, as a write item of its own (a shard of the step)."""
+    c = item.tensor_data.chunk
+    offsets = torch.Size((c.offsets[0] + lo, *c.offsets[1:]))
+    sizes = torch.Size((hi - lo, *c.sizes[1:]))
+    return dataclasses.replace(
+        item,
+        index=dataclasses.replace(item.index, offset=offsets, index=None),
+        tensor_data=dataclasses.replace(item.tensor_data, chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes)),
+    )
+
+
+def _split_metadata(metadata: Metadata, parts: list[dict]) -> Metadata:
+    """DCP's metadata with each cut item's chunk replaced by its parts' chunks."""
+    cuts: dict[str, dict[tuple, list]] = {}
+    for rank_parts in parts:
+        for whole, lo, hi in rank_parts.values():
+            c = _part_item(whole, lo, hi).tensor_data.chunk
+            cuts.setdefault(whole.index.fqn, {}).setdefault(tuple(whole.tensor_data.chunk.offsets), []).append(c)
+    if not cuts:
+        return metadata
+    sdm = dict(metadata.state_dict_metadata)
+    for fqn, by_offsets in cuts.items():
+        md = sdm[fqn]
+        chunks = []
+        for c in md.chunks:
+            pieces = by_offsets.get(tuple(c.offsets))
+            chunks.extend(sorted(pieces, key=lambda x: x.offsets[0]) if pieces else [c])
+        sdm[fqn] = dataclasses.replace(md, chunks=chunks)
+    return dataclasses.replace(metadata, state_dict_metadata=sdm)
 
 
 def _is_url(checkpoint_id) -> bool:
@@ -269,6 +360,7 @@ class CkptStoreWriter(StorageWriter):
         self._repo: Repository | None = None
         self._base_step: int | None = None
         self._commit: StepCommit | None = None
+        self._parts: list[dict] = []
         self.last_rank_stats: dict | None = None
 
     # -- DCP protocol -------------------------------------------------------
@@ -316,25 +408,27 @@ class CkptStoreWriter(StorageWriter):
                 "or CkptStoreWriter(url, step=M))"
             ) from None
         self._base_step = base_step
+        plans, self._parts = balance_save_plans(plans, chunk_size=repo.options.chunk_size)
         return [
-            dataclasses.replace(p, storage_data=_GlobalInfo(rank=i, base_step=base_step))
-            for i, p in enumerate(balance_save_plans(plans))
+            dataclasses.replace(p, storage_data=_GlobalInfo(rank=i, base_step=base_step, parts=self._parts[i] or None))
+            for i, p in enumerate(plans)
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         info = plan.storage_data if isinstance(plan.storage_data, _GlobalInfo) else None
         rank = info.rank if info is not None else self.rank
         base_step = info.base_step if info is not None else None
+        parts = (info.parts if info is not None else None) or {}
         fut: Future = Future()
         try:
-            fut.set_result(self._write_items(plan, planner, rank, base_step))
+            fut.set_result(self._write_items(plan, planner, rank, base_step, parts))
         except BaseException as e:
             raise RankWriteError(
                 f"rank {rank}: writing step {self.step} of {self.url} failed: {type(e).__name__}: {e}"
             ) from e
         return fut
 
-    def _write_items(self, plan: SavePlan, planner: SavePlanner, rank: int, base_step) -> list[WriteResult]:
+    def _write_items(self, plan: SavePlan, planner: SavePlanner, rank: int, base_step, parts) -> list[WriteResult]:
         repo = self._get_repo()
         repo.config()  # adopt the repository's chunk size (dedup needs the same cut)
         # Dedup against this rank's share of the base: the base's shards that
@@ -349,7 +443,12 @@ class CkptStoreWriter(StorageWriter):
         pending = []
         try:
             for item in plan.items:
-                data = planner.resolve_data(item)
+                part = parts.get((item.index.fqn, tuple(item.index.offset))) if parts and item.index.offset else None
+                if part is not None:  # rows of a replicated item (balance_save_plans)
+                    whole, lo, hi = part
+                    data = planner.resolve_data(whole).narrow(0, lo, hi - lo)
+                else:
+                    data = planner.resolve_data(item)
                 if item.type == WriteItemType.BYTE_IO:
                     buf = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
                     t = torch.frombuffer(bytearray(buf), dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
@@ -405,7 +504,8 @@ class CkptStoreWriter(StorageWriter):
             raise CkptStoreError(f"{repo.url}: finish() without prepare_global_plan() on the coordinator")
         try:
             man = build_manifest(
-                self.step, metadata, results, base_step=self._base_step, user_metadata=self.user_metadata
+                self.step, _split_metadata(metadata, self._parts), results, base_step=self._base_step,
+                user_metadata=self.user_metadata,
             )
             missing = [p for p, size in man.packs.items() if size is None]
             if missing:  # a reused pack the base manifest did not list: ask the store
@@ -1325,7 +1425,7 @@ class CkptStoreReader(StorageReader):
             ckpt.resolve([(e.key, i) for _, e, i, _, _ in direct] + [(e.key, i) for e, i in owned])
             targets = [t for lst in regions.values() for (_, _, _, t) in lst]
             not_cuda = 0 if xg.cuda_capable and targets and all(t.device.type == "cuda" for t in targets) else 1
-        except BaseException as e:  # reported to every rank at the first status
+        except Exception as e:  # reported to every rank at the first status
             failure = e
 
         def piece_view(t: torch.Tensor, p: _Piece) -> torch.Tensor:
@@ -1426,7 +1526,7 @@ class CkptStoreReader(StorageReader):
             if failure is None:
                 try:
                     sources = read_round(by_round[r], with_direct=(r == 0))
-                except BaseException as e:
+                except Exception as e:
                     failure = e
             if pending is not None:
                 done, pending = pending, None
@@ -1435,7 +1535,7 @@ class CkptStoreReader(StorageReader):
                     finish_round(done)
                 except RankReadError:
                     raise  # a transfer that never completed: the group cannot be trusted any more
-                except BaseException as e:
+                except Exception as e:
                     finish_round_failure = e
                 if failure is None:
                     failure = finish_round_failure
@@ -1447,7 +1547,7 @@ class CkptStoreReader(StorageReader):
                 pending = post_round(by_round[r], sources, r)
             except RankReadError:
                 raise
-            except BaseException as e:
+            except Exception as e:
                 raise RankReadError(f"{where}: rank {me}: starting the transfers of round {r + 1} failed: "
                                     f"{type(e).__name__}: {e}") from e
         if pending is not None:

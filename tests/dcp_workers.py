@@ -484,3 +484,32 @@ def exchange_failure_worker(rank, world, port, url, out_dir):
             json.dump(out, f)
     finally:
         _shutdown()
+
+
+def cuda_exchange_worker(rank, world, port, url, out_dir):
+    """Replicated tensors loaded into CUDA destinations with the exchange on: over NCCL
+    (CUDA buffers) with a GPU per rank, else over gloo (CPU buffers) on one GPU."""
+    import datetime
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    nccl = torch.cuda.device_count() >= world
+    device = torch.device("cuda", rank if nccl else 0)
+    torch.cuda.set_device(device)
+    dist.init_process_group("cpu:gloo,cuda:nccl" if nccl else "gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        g = torch.Generator().manual_seed(12)
+        src = {"big": torch.randn(1024, 1024, generator=g), "mid": torch.randn(300, 200, generator=g),
+               "cast": torch.randn(512, 512, generator=g), **{f"b{i}": torch.randn(64, generator=g) for i in range(10)}}
+        dcp.save(src, storage_writer=CkptStoreWriter(url, step=1, **SMALL))
+        dest = {k: torch.zeros_like(v, device=device) for k, v in src.items()}
+        dest["cast"] = torch.zeros(512, 512, dtype=torch.bfloat16, device=device)
+        reader = CkptStoreReader(url, step=1, exchange_timeout=60, exchange_piece_bytes=1 << 20)
+        dcp.load(dest, storage_reader=reader)
+        torch.cuda.synchronize()
+        bad = [k for k, v in src.items() if not torch.equal(dest[k].cpu(), v.to(dest[k].dtype))]
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump({"bad": bad, "stats": reader.last_read_stats, "nccl": nccl}, f)
+    finally:
+        _shutdown()

@@ -8,13 +8,23 @@ backend behind a CountingStore per rank.
 from __future__ import annotations
 
 import json
+import math
 import socket
 
+import pytest
+import torch
 import torch.multiprocessing as mp
+from hypothesis import given, settings, strategies as st
+from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 import ckptstore
+from ckptstore.dcp import ReadRegion, balance_save_plans, plan_exchange
 
 from . import dcp_workers as W
+
+MiB = 1 << 20
 
 
 def _port() -> int:
@@ -53,7 +63,11 @@ def test_fully_replicated_state_is_fetched_once_and_balanced(tmp_path):
         assert st["exchange"] and st["received_bytes"] > 0 and st["sent_bytes"] > 0
         assert st["owned_bytes"] + st["received_bytes"] == logical
     saved = [r["save"]["logical_bytes"] for r in ranks]
-    assert sum(saved) == logical  # DCP's dedup wrote every tensor once
+    # the save: DCP's dedup wrote every tensor once; the writer cut the 96 MiB embedding
+    # into parts so the writes are balanced too
+    assert sum(saved) == logical
+    assert max(saved) <= 1.2 * sum(saved) / world, saved
+    assert len(man.tensors["emb"].shards) > 1 and len(man.tensors["layer0.w"].shards) == 1
     print("save", saved, "packs on", on, "off", off)
 
 
@@ -93,3 +107,184 @@ def test_failed_rank_fails_every_rank_naming_it_and_subgroups(tmp_path):
         assert r["subgroup_default"] is None and r["subgroup_default_equal"]
         assert not r["subgroup_default_stats"]["exchange"]
     assert ranks[1]["subgroup_default_warnings"] and "process_group" in ranks[1]["subgroup_default_warnings"][0]
+
+
+# ------------------------------------------------------------ the plans, without processes
+def _check_exchange(wants, plans, round_bytes):
+    """Every region wanted twice is cut into pieces covering it once, each read by one
+    wanting rank and delivered to every other; the ranks' views of a message agree."""
+    n = len(wants)
+    wanting: dict[tuple, list[int]] = {}
+    regions = {}
+    for r, regs in enumerate(wants):
+        for g in regs:
+            wanting.setdefault(g.key, [])
+            if r not in wanting[g.key]:
+                wanting[g.key].append(r)
+            regions[g.key] = g
+    replicated = {k for k, rs in wanting.items() if len(rs) > 1 and regions[k].nbytes}
+    if not replicated:
+        assert plans == [None] * n
+        return
+    assert all(p is not None for p in plans) and len({p.rounds for p in plans}) == 1
+    by_id: dict[int, object] = {}
+    got: dict[int, set] = {r: set() for r in range(n)}
+    for r, p in enumerate(plans):
+        assert [m.id for m in p.messages] == sorted(m.id for m in p.messages)
+        for m in p.messages:
+            assert r == m.src or r in wanting[m.pieces[0].key]
+            if r == m.src:
+                by_id[m.id] = m
+            for piece in m.pieces:
+                got[r].add((piece.key, piece.lo, piece.hi))
+    pieces: dict[tuple, list] = {}
+    per_round: dict[tuple[int, int], int] = {}
+    for m in by_id.values():
+        ranks = sorted({m.src, *m.dsts})
+        end = 0
+        for piece in sorted(m.pieces, key=lambda q: q.offset):
+            assert sorted(wanting[piece.key]) == ranks, "a message goes to exactly the ranks wanting its pieces"
+            assert piece.offset >= end and piece.offset % 64 == 0
+            end = piece.offset + piece.nbytes
+            assert piece.nbytes == (piece.hi - piece.lo) * regions[piece.key].row_bytes
+            pieces.setdefault(piece.key, []).append((piece.lo, piece.hi))
+        assert end <= m.nbytes
+        for q in ranks:
+            per_round[(m.round, q)] = per_round.get((m.round, q), 0) + m.nbytes
+        for q in m.dsts:  # the receivers' copy of the message is the sender's
+            light = next(x for x in plans[q].messages if x.id == m.id)
+            assert (light.round, light.src, light.pieces) == (m.round, m.src, m.pieces)
+    assert set(pieces) == replicated
+    for key, spans in pieces.items():
+        spans.sort()
+        assert spans[0][0] == 0 and spans[-1][1] == regions[key].rows
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), "pieces neither overlap nor leave gaps"
+        for r in wanting[key]:
+            assert {(key, lo, hi) for lo, hi in spans} <= got[r]
+    for (rnd, q), total in per_round.items():
+        alone = [m for m in by_id.values() if m.round == rnd and q in (m.src, *m.dsts)]
+        assert total <= round_bytes or len(alone) == 1, (rnd, q, total)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(2, 6),
+    specs=st.lists(st.tuples(st.integers(1, 300), st.integers(1, 64), st.integers(0, 63)), min_size=1, max_size=25),
+    round_kib=st.integers(16, 2048),
+)
+def test_plan_exchange_pieces_cover_every_replicated_region_once(n, specs, round_kib):
+    wants = [[] for _ in range(n)]
+    for i, (rows, row_kib, mask) in enumerate(specs):
+        g = ReadRegion(("t%d" % i, (0, 0), (0, 0), (rows, 1)), rows, row_kib * 1024, align=1 + i % 3)
+        ranks = [r for r in range(n) if mask >> r & 1] or [i % n]
+        for r in ranks:
+            wants[r].append(g)
+    round_bytes = round_kib * 1024
+    plans = plan_exchange(wants, round_bytes=round_bytes, min_piece=1 * MiB)
+    _check_exchange(wants, plans, round_bytes)
+
+
+def test_plan_exchange_balances_bytes_and_cuts_at_chunk_boundaries():
+    # fully replicated on 4 ranks; one region is 40% of the bytes
+    n = 4
+    big = ReadRegion(("emb", (0, 0), (0, 0), (40960, 1024)), 40960, 4096, align=256)  # 160 MiB; 1 MiB chunks
+    rest = [ReadRegion((f"w{i}", (0, 0), (0, 0), (1024, 1024)), 1024, 4096, align=256) for i in range(60)]
+    small = [ReadRegion((f"b{i}", (0,), (0,), (1024,)), 1, 4096) for i in range(50)]
+    wants = [[big, *rest, *small] for _ in range(n)]
+    plans = plan_exchange(wants)
+    _check_exchange(wants, plans, 512 * MiB)
+    owned = [sum(p.nbytes for m in plans[r].messages if m.src == r for p in m.pieces) for r in range(n)]
+    assert sum(owned) == big.nbytes + 60 * 4 * MiB + 50 * 4096
+    assert max(owned) <= 1.2 * sum(owned) / n, owned
+    cuts = {p.lo for m in plans[0].messages for p in m.pieces if p.key[0] == "emb"} - {0}
+    assert cuts and all(c % 256 == 0 for c in cuts), cuts  # every cut is a chunk boundary
+    # small pieces travel packed: far fewer messages than regions
+    assert len({m.id for m in plans[0].messages}) < 60 + 50
+
+    # one rank's own (unshared) bytes count: the others take the replicated ones
+    wants = [[ReadRegion(("mine", (0,), (0,), (1,)), 100, 1 * MiB)], [], []]
+    shared = [ReadRegion((f"s{i}", (0,), (0,), (1,)), 1, 1 * MiB) for i in range(100)]
+    for w in wants:
+        w.extend(shared)
+    plans = plan_exchange(wants)
+    owned = [sum(p.nbytes for m in plans[r].messages if m.src == r for p in m.pieces) for r in range(3)]
+    assert owned[0] == 0 and owned[1] == owned[2] == 50 * MiB
+
+
+def test_plan_exchange_is_off_without_replicated_regions():
+    a = ReadRegion(("a", (0,), (0,), (8,)), 8, 4)
+    b = ReadRegion(("b", (0,), (0,), (8,)), 8, 4)
+    empty = ReadRegion(("e", (0,), (0,), (0,)), 0, 4)
+    assert plan_exchange([[a, empty], [b, empty]]) == [None, None]
+
+
+def _item(fqn, offsets, sizes, shape):
+    return WriteItem(
+        index=MetadataIndex(fqn, torch.Size(offsets)),
+        type=WriteItemType.SHARD,
+        tensor_data=TensorWriteData(
+            chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
+            properties=TensorProperties(dtype=torch.float32),
+            size=torch.Size(shape),
+        ),
+    )
+
+
+def _held(plan):
+    from ckptstore.dcp import CkptStoreWriter
+
+    w = CkptStoreWriter("memory://unused", step=1)
+    return w.prepare_local_plan(plan)
+
+
+def _bytes(plans):
+    """Bytes each plan writes (its chunks' bytes)."""
+    return [sum(math.prod(i.tensor_data.chunk.sizes) * 4 for i in p.items) for p in plans]
+
+
+def _ddp_fsdp_plans(n):
+    """Each of ``n`` ranks holds its FSDP shards (model first), then every replicated DDP tensor."""
+    local = []
+    for r in range(n):
+        items = [_item(f"fsdp.{layer}.w", (256 // n * r, 0), (256 // n, 512), (256, 512)) for layer in range(8)]
+        for layer in range(6):
+            items.append(_item(f"ddp.{layer}.w", (0, 0), (256, 256), (256, 256)))  # 256 KiB replicated
+            items.append(_item(f"ddp.{layer}.b", (0,), (256,), (256,)))
+        local.append(_held(SavePlan(items)))
+    return local
+
+
+def test_balance_save_plans_spreads_replicated_writes_by_bytes():
+    for n in (2, 4):
+        local = _ddp_fsdp_plans(n)
+        dcp_plans = dedup_save_plans(local)
+        dcp_sizes = _bytes(dcp_plans)
+        ours, parts = balance_save_plans(dcp_plans)
+        assert parts == [{}] * n  # nothing large enough to cut
+        sizes = _bytes(ours)
+        print(n, "ranks: DCP's dedup", dcp_sizes, "balanced", sizes)
+        if n == 2:
+            # DCP's dedup visits rank 0's items first and counts the other ranks' shards
+            # only after it placed the replicated items: rank 1 writes 1.27x the mean
+            # (a finding on torch 2.13; if DCP changes, this assert goes)
+            assert max(dcp_sizes) > 1.2 * sum(dcp_sizes) / n
+        assert max(sizes) <= 1.2 * sum(sizes) / n and max(sizes) <= max(dcp_sizes), sizes
+        assert sum(sizes) == sum(dcp_sizes)
+        # the same items, each once; the shards stay on their rank
+        assert sorted((i.index.fqn, tuple(i.index.offset)) for p in ours for i in p.items) == sorted(
+            (i.index.fqn, tuple(i.index.offset)) for p in dcp_plans for i in p.items)
+        for r, p in enumerate(ours):
+            assert all(i.index.offset[0] == 256 // n * r for i in p.items if i.index.fqn.startswith("fsdp"))
+    # plans without the writer's record (another writer, DCP's plan caching) are left alone
+    bare = dedup_save_plans([SavePlan(p.items) for p in local])
+    assert balance_save_plans(bare) == (bare, [{}] * n)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_exchange_into_cuda_destinations(tmp_path):
+    world = 2
+    url = str(tmp_path / "repo")
+    mp.spawn(W.cuda_exchange_worker, args=(world, _port(), url, str(tmp_path)), nprocs=world, join=True)
+    for r in _ranks(tmp_path, world):
+        assert r["bad"] == [] and r["stats"]["exchange"] and r["stats"]["received_bytes"] > 0, r
