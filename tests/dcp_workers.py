@@ -345,6 +345,10 @@ def replicated_worker(rank, world, port, url, out_dir):
                 "stats": reader.last_read_stats,
             }
             reader.close()
+        # the same state again: every part of the cut embedding dedups against step 1
+        writer = CkptStoreWriter(url, step=2, **REPLICATED_OPTS)
+        dcp.save(sd, storage_writer=writer)
+        out["save2"] = writer.last_rank_stats
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(out, f)
     finally:

@@ -68,6 +68,7 @@ def test_fully_replicated_state_is_fetched_once_and_balanced(tmp_path):
     assert sum(saved) == logical
     assert max(saved) <= 1.2 * sum(saved) / world, saved
     assert len(man.tensors["emb"].shards) > 1 and len(man.tensors["layer0.w"].shards) == 1
+    assert [r["save2"]["new_bytes"] for r in ranks] == [0] * world  # the parts dedup like whole tensors
     print("save", saved, "packs on", on, "off", off)
 
 
