@@ -803,12 +803,23 @@ class _Message:
     pieces: tuple[_Piece, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class _Gather:
+    """One round's all-gather of pieces every rank wants: each rank contributes
+    ``parts[rank]`` (packed at their offsets, padded to ``nbytes``)."""
+
+    round: int
+    nbytes: int
+    parts: tuple[tuple[_Piece, ...], ...]
+
+
 @dataclass(frozen=True)
 class _Exchange:
-    """One rank's part of the exchange: every message it sends or receives, by round."""
+    """One rank's part of the exchange: the all-gathers and the messages it sends or receives, by round."""
 
     rounds: int
     messages: tuple[_Message, ...]
+    gathers: tuple[_Gather, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -820,6 +831,10 @@ class _ReadPlan:
     exchange: _Exchange | None  # None: every item is read directly (no collective in read_data)
 
 
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
 def plan_exchange(
     wants: list[list[ReadRegion]],
     *,
@@ -828,7 +843,7 @@ def plan_exchange(
     solo_bytes: int | None = None,
     bundle_bytes: int | None = None,
 ) -> list[_Exchange | None]:
-    """Assign every region several ranks want to one of them, and plan the messages.
+    """Assign every region several ranks want to one of them, and plan the transfers.
 
     Pure. ``wants[r]`` lists the regions rank ``r`` reads. A region only one
     rank wants stays that rank's own read and counts towards its load. The
@@ -836,13 +851,21 @@ def plan_exchange(
     ``max(min_piece, replicated bytes / (4 x ranks))`` (at chunk boundaries
     where rows line up with chunks), and the pieces, largest first, go to the
     wanting rank with the smallest load so far (fetched bytes: raw bytes x
-    the tensor's stored/raw ratio). A piece of ``solo_bytes`` or more is a
-    message of its own (receivers can take it straight into the
-    destination); smaller pieces with the same owner and the same wanting
-    ranks are packed into messages of up to ``bundle_bytes``. Messages are
-    ordered so that each round mixes owners, and cut into rounds in which no
-    rank sends or receives more than ``round_bytes`` (a message larger than
-    that is a round of its own for the ranks it involves).
+    the tensor's stored/raw ratio).
+
+    Pieces every rank wants (DDP, fully replicated) travel by all-gather, in
+    rounds in which each rank contributes at most ``round_bytes / ranks``
+    (so each gathers at most ``round_bytes``; pieces are cut to fit): a ring
+    all-gather sends and receives each byte once per rank, where sending from
+    the owner to every other rank would load the owner's link ``ranks - 1``
+    times. Pieces a subset wants (a replica group of HSDP, say) travel point
+    to point from owner to the other wanting ranks: a piece of
+    ``solo_bytes`` or more as a message of its own (receivers can take it
+    straight into the destination), smaller ones with the same owner and
+    the same wanting ranks packed into messages of up to ``bundle_bytes``;
+    messages are ordered so that each round mixes owners and cut into
+    rounds in which no rank holds more than ``round_bytes`` of them (a
+    larger message is a round of its own). All-gather rounds come first.
 
     ``solo_bytes`` defaults to ``min_piece / 8``, ``bundle_bytes`` to
     ``2 x min_piece``.
@@ -874,10 +897,12 @@ def plan_exchange(
 
     total = sum(regions[k].nbytes for k in replicated)
     piece_max = max(min_piece, -(-total // (4 * n)))
+    share_max = max(_ALIGN, round_bytes // n)  # one rank's contribution to one all-gather
     pieces: list[tuple[tuple, int, int, int]] = []  # key, lo, hi, nbytes
     for key in replicated:
         g = regions[key]
-        k = min(g.rows, -(-g.nbytes // piece_max))
+        cap = min(piece_max, share_max) if len(wanting[key]) == n else piece_max
+        k = min(g.rows, -(-g.nbytes // cap))
         bounds = [0]
         for j in range(1, k):
             b = round(j * g.rows / k)
@@ -897,10 +922,38 @@ def plan_exchange(
         owner[i] = o
         load[o] += nb * regions[key].fetch
 
-    # Messages: per (owner, wanting ranks), in region order.
+    def piece(i: int, offset: int) -> _Piece:
+        key, lo, hi, nb = pieces[i]
+        return _Piece(key, lo, hi, offset, nb)
+
+    # All-gathers: each rank's pieces every rank wants, in order, in shares of at most share_max.
+    shares: list[list[tuple[_Piece, ...]]] = [[] for _ in range(n)]
+    open_share: list[list[_Piece]] = [[] for _ in range(n)]
+    used = [0] * n
+    for i, (key, _, _, nb) in enumerate(pieces):
+        if len(wanting[key]) != n:
+            continue
+        o = owner[i]
+        if open_share[o] and used[o] + nb > share_max:
+            shares[o].append(tuple(open_share[o]))
+            open_share[o], used[o] = [], 0
+        open_share[o].append(piece(i, used[o]))
+        used[o] += _aligned(nb)
+    for o in range(n):
+        if open_share[o]:
+            shares[o].append(tuple(open_share[o]))
+    nrounds = max(len(x) for x in shares)
+    gathers = []
+    for g in range(nrounds):
+        parts = tuple(shares[q][g] if g < len(shares[q]) else () for q in range(n))
+        size = max((p.offset + _aligned(p.nbytes) for ps in parts for p in ps), default=0)
+        gathers.append(_Gather(g, size, parts))
+
+    # Point to point: per (owner, wanting ranks), in region order.
     groups: dict[tuple[int, tuple[int, ...]], list[int]] = {}
     for i, (key, _, _, _) in enumerate(pieces):
-        groups.setdefault((owner[i], tuple(wanting[key])), []).append(i)
+        if len(wanting[key]) != n:
+            groups.setdefault((owner[i], tuple(wanting[key])), []).append(i)
     queues: dict[int, list[tuple[tuple[int, ...], list[tuple[int, int]], int]]] = {}
     for (src, ranks), idx in groups.items():
         q = queues.setdefault(src, [])
@@ -915,7 +968,7 @@ def plan_exchange(
                 q.append((ranks, bundle, size))
                 bundle, size = [], 0
             bundle.append((i, size))
-            size += -(-nb // _ALIGN) * _ALIGN
+            size += _aligned(nb)
         if bundle:
             q.append((ranks, bundle, size))
 
@@ -932,7 +985,7 @@ def plan_exchange(
         if heads[src] == len(queues[src]):
             del heads[src]
     per_rank: list[list[_Message]] = [[] for _ in range(n)]
-    rnd = 0
+    rnd = nrounds
     charge: dict[int, int] = {}
     for mid, (src, ranks, members, nb) in enumerate(order):
         if any(charge.get(r, 0) and charge[r] + nb > round_bytes for r in ranks):
@@ -940,13 +993,15 @@ def plan_exchange(
             charge = {}
         for r in ranks:
             charge[r] = charge.get(r, 0) + nb
-        ps = tuple(_Piece(pieces[i][0], pieces[i][1], pieces[i][2], off, pieces[i][3]) for i, off in members)
+        ps = tuple(piece(i, off) for i, off in members)
         dsts = tuple(r for r in ranks if r != src)
         per_rank[src].append(_Message(mid, rnd, src, dsts, nb, ps))
         light = _Message(mid, rnd, src, (), nb, ps)
         for r in dsts:
             per_rank[r].append(light)
-    return [_Exchange(rnd + 1, tuple(msgs)) for msgs in per_rank]
+    rounds = rnd + 1 if order else nrounds
+    gathers_t = tuple(gathers)
+    return [_Exchange(rounds, tuple(msgs), gathers_t) for msgs in per_rank]
 
 
 class RankReadError(CkptStoreError, RuntimeError):
@@ -1057,19 +1112,19 @@ class _Exchanger:
             ops = [dist.P2POp(dist.isend, t, group=self.group, group_peer=p, tag=tag) for t, p, tag in sends]
             ops += [dist.P2POp(dist.irecv, t, group=self.group, group_peer=p, tag=tag) for t, p, tag in recvs]
             works = dist.batch_isend_irecv(ops) if ops else []
-            peers = [("send to", p) for _, p, _ in sends] + [("receive from", p) for _, p, _ in recvs]
+            peers = [f"send to rank {p}" for _, p, _ in sends] + [f"receive from rank {p}" for _, p, _ in recvs]
             return list(zip(works, peers))
         out = []
         for t, p, tag in recvs:
-            out.append((dist.irecv(t, group=self.group, group_src=p, tag=tag), ("receive from", p)))
+            out.append((dist.irecv(t, group=self.group, group_src=p, tag=tag), f"receive from rank {p}"))
         for t, p, tag in sends:
-            out.append((dist.isend(t, group=self.group, group_dst=p, tag=tag), ("send to", p)))
+            out.append((dist.isend(t, group=self.group, group_dst=p, tag=tag), f"send to rank {p}"))
         return out
 
     def wait_all(self, works, stage: str) -> None:
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
-        for work, (verb, peer) in works:
-            self._wait(work, f"the {verb} rank {peer} {stage}", deadline)
+        for work, what in works:
+            self._wait(work, f"the {what} {stage}", deadline)
 
 
 _STATUS_TEXT = 480  # bytes of a failed rank's message that reach the other ranks
@@ -1391,7 +1446,8 @@ class CkptStoreReader(StorageReader):
             planner.commit_tensor(item, target)
         n = sum(t.numel() * _m.itemsize(e.dtype) for _, e, _, _, t in direct)
         self.last_read_stats = {"rank": self.rank, "exchange": False, "direct_bytes": n, "owned_bytes": 0,
-                                "sent_bytes": 0, "received_bytes": 0, "rounds": 0}
+                                "sent_bytes": 0, "received_bytes": 0, "rounds": 0, "all_gathers": 0,
+                                "messages": 0}
 
     def _read_exchanged(self, plan: LoadPlan, planner: LoadPlanner, ex: _Exchange) -> None:
         """Read what this rank owns, exchange replicated pieces round by round, every wait bounded.
@@ -1406,11 +1462,14 @@ class CkptStoreReader(StorageReader):
         xg = _Exchanger(self._group(), dist.get_rank(self._group()), self.exchange_timeout, where)
         me = xg.rank
         stats = {"rank": me, "exchange": True, "direct_bytes": 0, "owned_bytes": 0, "sent_bytes": 0,
-                 "received_bytes": 0, "rounds": ex.rounds}
+                 "received_bytes": 0, "rounds": ex.rounds, "all_gathers": len(ex.gathers),
+                 "messages": len(ex.messages)}
         by_round: list[list[_Message]] = [[] for _ in range(ex.rounds)]
         for m in ex.messages:
             by_round[m.round].append(m)
+        gather_of: dict[int, _Gather] = {g.round: g for g in ex.gathers}
         exchanged = {p.key for m in ex.messages for p in m.pieces}
+        exchanged.update(p.key for g in ex.gathers for ps in g.parts for p in ps)
         failure: BaseException | None = None
         direct: list = []
         regions: dict = {}
@@ -1421,7 +1480,9 @@ class CkptStoreReader(StorageReader):
             if missing:
                 raise CkptStoreError(f"{where}: the exchange plan names regions this rank does not read: "
                                      f"{sorted(k[0] for k in missing)[:5]}")
-            owned = [(regions[p.key][0][1], regions[p.key][0][2]) for m in ex.messages if m.src == me for p in m.pieces]
+            mine = [p for m in ex.messages if m.src == me for p in m.pieces]
+            mine += [p for g in ex.gathers for p in g.parts[me]]
+            owned = [(regions[p.key][0][1], regions[p.key][0][2]) for p in mine]
             ckpt.resolve([(e.key, i) for _, e, i, _, _ in direct] + [(e.key, i) for e, i in owned])
             targets = [t for lst in regions.values() for (_, _, _, t) in lst]
             not_cuda = 0 if xg.cuda_capable and targets and all(t.device.type == "cuda" for t in targets) else 1
@@ -1431,12 +1492,32 @@ class CkptStoreReader(StorageReader):
         def piece_view(t: torch.Tensor, p: _Piece) -> torch.Tensor:
             return t[p.lo : p.hi] if t.dim() else t
 
-        def read_round(msgs: list[_Message], with_direct: bool):
+        def piece_box(item, p: _Piece) -> tuple:
+            box = _box(item)
+            return ((box[0][0] + p.lo, box[0][0] + p.hi, 1),) + box[1:] if box else box
+
+        def slot(buf: torch.Tensor, base: int, p: _Piece) -> torch.Tensor:
+            """Piece ``p`` in a flat byte buffer, as a tensor of its stored dtype and shape."""
+            _, entry, _, target = regions[p.key][0]
+            shape = piece_view(target, p).shape
+            return buf[base + p.offset : base + p.offset + p.nbytes].view(_m.DTYPES[entry.dtype]).reshape(shape)
+
+        def read_round(msgs: list[_Message], gather: _Gather | None, with_direct: bool):
             """Read this rank's own pieces of a round (and its direct items); the send sources."""
             jobs, after, sources = [], [], {}
             if with_direct:
                 jobs += [(entry, index, local, target) for _, entry, index, local, target in direct]
                 stats["direct_bytes"] += sum(t.numel() * _m.itemsize(e.dtype) for _, e, _, _, t in direct)
+            if gather is not None:
+                share = torch.zeros(gather.nbytes, dtype=torch.uint8)
+                for p in gather.parts[me]:
+                    item, entry, index, _ = regions[p.key][0]
+                    src = slot(share, 0, p)
+                    jobs.append((entry, index, piece_box(item, p), src))
+                    after.append((src, [piece_view(t, p) for *_, t in regions[p.key]]))
+                    stats["owned_bytes"] += p.nbytes
+                    stats["sent_bytes"] += (xg.size - 1) * p.nbytes
+                sources["gather"] = share
             for m in msgs:
                 if m.src != me:
                     continue
@@ -1444,12 +1525,10 @@ class CkptStoreReader(StorageReader):
                 for p in m.pieces:
                     item, entry, index, target = regions[p.key][0]
                     stored = _m.DTYPES[entry.dtype]
-                    box = _box(item)
-                    if box:
-                        box = ((box[0][0] + p.lo, box[0][0] + p.hi, 1),) + box[1:]
+                    box = piece_box(item, p)
                     dest = piece_view(target, p)
                     if buf is not None:
-                        src = buf[p.offset : p.offset + p.nbytes].view(stored).reshape(dest.shape)
+                        src = slot(buf, 0, p)
                         after.append((src, [dest]))
                     elif _takes_bytes(dest, stored):
                         src = dest
@@ -1471,9 +1550,21 @@ class CkptStoreReader(StorageReader):
                         d.copy_(src)
             return sources
 
-        def post_round(msgs: list[_Message], sources: dict, r: int):
+        def prepare_round(msgs: list[_Message], gather: _Gather | None, sources: dict, r: int):
+            """The round's send and receive buffers (allocated before its status, so running
+            out of memory is reported to every rank, not left to their transfer timeouts)."""
             sends, recvs, copies, keep = [], [], [], []
             dev = xg.device
+            if gather is not None:
+                share = sources["gather"].to(dev)
+                out = torch.empty(xg.size * gather.nbytes, dtype=torch.uint8, device=dev)
+                keep.append((share, out))
+                for q, ps in enumerate(gather.parts):
+                    if q == me:
+                        continue
+                    for p in ps:
+                        copies.append((slot(out, q * gather.nbytes, p), [piece_view(t, p) for *_, t in regions[p.key]]))
+                        stats["received_bytes"] += p.nbytes
             for m in msgs:
                 if m.src == me:
                     src = sources[m.id]
@@ -1504,13 +1595,8 @@ class CkptStoreReader(StorageReader):
                 buf = torch.empty(m.nbytes, dtype=torch.uint8, device=dev)
                 recvs.append((buf, m.src, m.id))
                 for p in m.pieces:
-                    lst = regions[p.key]
-                    stored = _m.DTYPES[lst[0][1].dtype]
-                    dest0 = piece_view(lst[0][3], p)
-                    slot = buf[p.offset : p.offset + p.nbytes].view(stored).reshape(dest0.shape)
-                    copies.append((slot, [piece_view(t, p) for *_, t in lst]))
-            works = xg.post(sends, recvs)
-            return works, copies, keep, r
+                    copies.append((slot(buf, 0, p), [piece_view(t, p) for *_, t in regions[p.key]]))
+            return sends, recvs, copies, keep, r
 
         def finish_round(pending) -> None:
             works, copies, _keep, r = pending
@@ -1520,36 +1606,43 @@ class CkptStoreReader(StorageReader):
                     for d in dests:
                         d.copy_(src)
 
+        # The transport: CPU buffers on a group with a CPU backend, CUDA buffers on an NCCL-only
+        # group; a group with both uses CUDA when every rank's exchanged destinations are on CUDA,
+        # which takes one status more before any reading.
+        if xg.nccl_style:
+            xg.device = torch.device("cuda", torch.cuda.current_device())
+        elif xg.cuda_capable:
+            if xg.status(failure, "before reading", not_cuda) == 0:
+                xg.device = torch.device("cuda", torch.cuda.current_device())
         pending = None
         for r in range(ex.rounds):
-            sources = {}
+            ready = None
             if failure is None:
                 try:
-                    sources = read_round(by_round[r], with_direct=(r == 0))
+                    g = gather_of.get(r)
+                    ready = prepare_round(by_round[r], g, read_round(by_round[r], g, with_direct=(r == 0)), r)
                 except Exception as e:
                     failure = e
             if pending is not None:
                 done, pending = pending, None
-                finish_round_failure = None
                 try:
                     finish_round(done)
                 except RankReadError:
                     raise  # a transfer that never completed: the group cannot be trusted any more
                 except Exception as e:
-                    finish_round_failure = e
-                if failure is None:
-                    failure = finish_round_failure
-            flag = xg.status(failure, f"in round {r + 1} of {ex.rounds}", not_cuda if r == 0 else 0)
-            if r == 0:
-                xg.device = (torch.device("cuda", torch.cuda.current_device())
-                             if (xg.cuda_capable and flag == 0) or xg.nccl_style else torch.device("cpu"))
+                    failure = failure or e
+            xg.status(failure, f"in round {r + 1} of {ex.rounds}")
+            sends, recvs, copies, keep, _ = ready
             try:
-                pending = post_round(by_round[r], sources, r)
-            except RankReadError:
-                raise
+                works = xg.post(sends, recvs)
+                if r in gather_of:
+                    share, out = keep[0]
+                    works.append((dist.all_gather_into_tensor(out, share, group=xg.group, async_op=True),
+                                  "all-gather of every rank's share"))
             except Exception as e:
                 raise RankReadError(f"{where}: rank {me}: starting the transfers of round {r + 1} failed: "
                                     f"{type(e).__name__}: {e}") from e
+            pending = (works, copies, keep, r)
         if pending is not None:
             finish_round(pending)  # after the last status: a failure here is this rank's alone
         for lst in regions.values():

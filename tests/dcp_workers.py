@@ -386,6 +386,12 @@ def _mixed_extras(mesh, fill=None):
         ex["rep_t"] = torch.full((700, 300), fill).t()
     ex["rep_dt"] = distribute_tensor(ex["rep_dt"], mesh, [Replicate()])
     ex["big"] = distribute_tensor(ex["big"], mesh, [Shard(0)])
+    # HSDP-style: sharded over one mesh dim, replicated over the other: pairs of ranks share a shard
+    g = torch.Generator().manual_seed(10)
+    mesh2 = init_device_mesh("cpu", (2, 2))
+    for name, shape in (("hsdp", (400, 300)), ("hsdp_small", (64, 10))):
+        t = torch.randn(shape, generator=g) if fill is None else torch.full(shape, fill)
+        ex[name] = distribute_tensor(t, mesh2, [Replicate(), Shard(0)])
     return ex
 
 
@@ -419,16 +425,20 @@ def mixed_worker(rank, world, port, url, out_dir):
 
 
 class _FaultyReader(CkptStoreReader):
-    """On rank ``fail_rank``, every pack read fails."""
+    """On rank ``fail_rank``, the first ranged read of a pack succeeds and every later one fails."""
 
     fail_rank = 1
 
     def _get_repo(self):
         repo = super()._get_repo()  # first called from read_metadata, before DCP names the rank
         if dist.get_rank() == self.fail_rank and not isinstance(repo.store, FaultStore):
-            repo.store = FaultStore(
-                repo.store, [("*", "packs/*", lambda op, k: StorageError(f"injected failure: {op} {k}"), None)]
-            )
+            calls = []
+
+            def after_first(op, key):
+                calls.append(key)
+                return None if len(calls) == 1 else StorageError(f"injected failure: {op} {key}")
+
+            repo.store = FaultStore(repo.store, [("get_ranges", "packs/*", after_first, None)])
             repo.tables.store = repo.fetcher.store = repo.relocations.store = repo.store
         return repo
 
@@ -449,10 +459,12 @@ def exchange_failure_worker(rank, world, port, url, out_dir):
     try:
         sd = _replicated_small()
         expected = {k: v.clone() for k, v in sd.items()}
-        dcp.save(sd, storage_writer=CkptStoreWriter(url, step=1, **SMALL))
-        # 3 messages of 4 tensors (one per owner), 1 MiB rounds: one message per round;
-        # rank 1 owns the second, so round 1's data has been exchanged when it fails.
-        opts = dict(exchange_timeout=30, exchange_round_bytes=1 << 20)
+        # one chunk per tensor: reading one tensor is one ranged GET
+        dcp.save(sd, storage_writer=CkptStoreWriter(url, step=1, **dict(SMALL, chunk_size=256 << 10)))
+        # every rank owns 4 of the 12 tensors; all-gather rounds of 3 x 256 KiB carry one
+        # tensor per rank: 4 rounds. Rank 1 reads its first tensor, then fails in round 2,
+        # after round 1's data has been exchanged.
+        opts = dict(exchange_timeout=30, exchange_round_bytes=3 * (256 << 10))
 
         def attempt(name, reader, dest, group=None):
             try:

@@ -87,6 +87,8 @@ def test_mixed_ddp_fsdp_saves_balanced_and_loads_bit_exact_with_exchange(tmp_pat
     off = [r["exchange=False"] for r in ranks]
     assert all(not r["stats"]["exchange"] for r in off)
     assert all(r["stats"]["exchange"] and r["stats"]["rounds"] > 1 for r in on)
+    # fully replicated tensors went by all-gather, the HSDP shards (pairs of ranks) point to point
+    assert all(r["stats"]["all_gathers"] > 1 and r["stats"]["messages"] > 0 for r in on)
     assert sum(r["packs"] for r in on) < 0.5 * sum(r["packs"] for r in off)
     print("save", saved, "packs on", [r["packs"] for r in on], "off", [r["packs"] for r in off])
 
@@ -98,10 +100,11 @@ def test_failed_rank_fails_every_rank_naming_it_and_subgroups(tmp_path):
     ranks = _ranks(tmp_path, world)
     for r in ranks:
         err = r["pack_reads_fail"]
-        assert err is not None and "rank(s) [1]" in err and "injected failure" in err and "round 2 of 3" in err, err
+        assert err is not None and "rank(s) [1]" in err and "injected failure" in err and "round 2 of 4" in err, err
         err = r["bad_destination"]
         assert err is not None and "rank(s) [2]" in err and "'t5'" in err and "int32" in err, err
         assert r["clean"] is None and r["clean_equal"] and r["clean_stats"]["exchange"]
+        assert r["clean_stats"]["all_gathers"] == 4 and r["clean_stats"]["owned_bytes"] == 4 * 256 * 1024
     for r in ranks[1:]:
         assert r["subgroup_passed"] is None and r["subgroup_passed_equal"]
         assert r["subgroup_passed_stats"]["exchange"] and r["subgroup_passed_stats"]["received_bytes"] > 0
@@ -155,6 +158,23 @@ def _check_exchange(wants, plans, round_bytes):
         for q in m.dsts:  # the receivers' copy of the message is the sender's
             light = next(x for x in plans[q].messages if x.id == m.id)
             assert (light.round, light.src, light.pieces) == (m.round, m.src, m.pieces)
+    for g in plans[0].gathers:  # every rank has the same all-gathers
+        assert all(p.gathers == plans[0].gathers for p in plans)
+        assert len(g.parts) == n
+        for q, ps in enumerate(g.parts):
+            end = 0
+            for piece in ps:
+                assert sorted(wanting[piece.key]) == list(range(n)), "all-gathers carry what every rank wants"
+                assert piece.offset >= end and piece.offset % 64 == 0
+                end = piece.offset + piece.nbytes
+                pieces.setdefault(piece.key, []).append((piece.lo, piece.hi))
+                for r in range(n):
+                    got[r].add((piece.key, piece.lo, piece.hi))
+            assert end <= g.nbytes
+            assert end <= max(64, round_bytes // n) or len(ps) == 1, (end, round_bytes, n)
+        assert g.nbytes == max(p.offset + -(-p.nbytes // 64) * 64 for ps in g.parts for p in ps)
+    rounds = {g.round for g in plans[0].gathers}
+    assert rounds == set(range(len(rounds))) and all(m.round >= len(rounds) for m in by_id.values())
     assert set(pieces) == replicated
     for key, spans in pieces.items():
         spans.sort()
@@ -194,13 +214,26 @@ def test_plan_exchange_balances_bytes_and_cuts_at_chunk_boundaries():
     wants = [[big, *rest, *small] for _ in range(n)]
     plans = plan_exchange(wants)
     _check_exchange(wants, plans, 512 * MiB)
-    owned = [sum(p.nbytes for m in plans[r].messages if m.src == r for p in m.pieces) for r in range(n)]
+    # fully replicated: all-gathers only, each rank's share of a round at most 512 MiB / 4
+    assert all(p.messages == () for p in plans) and plans[0].gathers
+    owned = [sum(p.nbytes for g in plans[0].gathers for p in g.parts[r]) for r in range(n)]
     assert sum(owned) == big.nbytes + 60 * 4 * MiB + 50 * 4096
     assert max(owned) <= 1.2 * sum(owned) / n, owned
-    cuts = {p.lo for m in plans[0].messages for p in m.pieces if p.key[0] == "emb"} - {0}
+    cuts = {p.lo for g in plans[0].gathers for ps in g.parts for p in ps if p.key[0] == "emb"} - {0}
     assert cuts and all(c % 256 == 0 for c in cuts), cuts  # every cut is a chunk boundary
-    # small pieces travel packed: far fewer messages than regions
-    assert len({m.id for m in plans[0].messages}) < 60 + 50
+    # the rounds are full: about all bytes / 512 MiB of them
+    assert len(plans[0].gathers) <= 2 * -(-sum(owned) // (512 * MiB))
+
+    # replicated within pairs (HSDP-style replica groups): point to point, small pieces packed
+    pairs = [[] for _ in range(n)]
+    for i in range(40):
+        g = ReadRegion((f"p{i}", (0,), (0,), (1,)), 1, 64 * 1024 if i % 2 else 2 * MiB)
+        for r in ((0, 2), (1, 3))[i % 2]:
+            pairs[r].append(g)
+    plans = plan_exchange(pairs, round_bytes=8 * MiB)
+    _check_exchange(pairs, plans, 8 * MiB)
+    assert plans[0].gathers == () and plans[0].rounds > 1
+    assert len({m.id for p in plans for m in p.messages}) < 40  # the 64 KiB ones travel packed
 
     # one rank's own (unshared) bytes count: the others take the replicated ones
     wants = [[ReadRegion(("mine", (0,), (0,), (1,)), 100, 1 * MiB)], [], []]
@@ -208,7 +241,7 @@ def test_plan_exchange_balances_bytes_and_cuts_at_chunk_boundaries():
     for w in wants:
         w.extend(shared)
     plans = plan_exchange(wants)
-    owned = [sum(p.nbytes for m in plans[r].messages if m.src == r for p in m.pieces) for r in range(3)]
+    owned = [sum(p.nbytes for g in plans[0].gathers for p in g.parts[r]) for r in range(3)]
     assert owned[0] == 0 and owned[1] == owned[2] == 50 * MiB
 
 
