@@ -11,10 +11,12 @@ square matrices, the rest in smaller matrices and 100 vectors; random bits
 as fp32 (incompressible). It is saved once through DCP (``CkptStoreWriter``,
 DCP's dedup, ckptstore's balance; ``pack_size`` 64 MiB, ``chunk_size``
 4 MiB), then loaded with ``dcp.load`` into the same (zeroed) tensors with
-``CkptStoreReader(exchange_replicated=False)`` (every rank fetches
-everything, as before) and ``exchange_replicated=True`` (each region is
-fetched by one rank and sent to the others), alternating, ``--repeat``
-times each. Every load is checked bit for bit against the saved bytes
+``CkptStoreReader(exchange_replicated=False)`` (``off``: every rank
+fetches everything, as before) and ``exchange_replicated=True`` (each
+region is fetched by one rank and delivered to the others), point to
+point (``p2p``, the default below 16 ranks) and by all-gather
+(``all-gather``, ``exchange_all_gather_ranks=2``), alternating the order,
+``--repeat`` times each. Every load is checked bit for bit against the saved bytes
 (BLAKE3 per tensor); a mismatch exits non-zero.
 
 Columns: seconds = the slowest rank's ``dcp.load`` (a barrier before the
@@ -101,18 +103,20 @@ def worker(rank: int, world: int, port: int, cfg: dict) -> None:
         dcp.save(sd, storage_writer=writer)
         save_s = time.perf_counter() - t0
         rows = []
+        modes = ["off", "p2p", "all-gather"]
         for rep in range(cfg["repeat"]):
-            for exchange in (False, True) if rep % 2 == 0 else (True, False):
+            for mode in modes if rep % 2 == 0 else modes[::-1]:
                 for v in sd.values():
                     v.zero_()
-                reader = CountingReader(url, step=1, storage_options=so, exchange_replicated=exchange, **OPTS)
+                reader = CountingReader(url, step=1, storage_options=so, exchange_replicated=mode != "off",
+                                        exchange_all_gather_ranks=2 if mode == "all-gather" else 1 << 30, **OPTS)
                 dist.barrier()
                 t0 = time.perf_counter()
                 dcp.load(sd, storage_reader=reader)
                 took = time.perf_counter() - t0
                 store = reader._repo.store
                 got = _digest(sd)
-                rows.append({"exchange": exchange, "rep": rep, "seconds": took,
+                rows.append({"exchange": mode, "rep": rep, "seconds": took,
                              "packs": store.read_by_prefix["packs"], "gets": store.calls["get_ranges"],
                              "stats": reader.last_read_stats, "bad": [k for k in want if got[k] != want[k]]})
                 reader.close()
@@ -179,7 +183,7 @@ def main(argv=None) -> int:
     for name, res in results.items():
         ranks = res["ranks"]
         nrows = len(ranks[0]["rows"])
-        for exchange in (False, True):
+        for exchange in ("off", "p2p", "all-gather"):
             runs = []
             for i in range(nrows):
                 rs = [r["rows"][i] for r in ranks]
@@ -190,7 +194,7 @@ def main(argv=None) -> int:
             best, rs = min(runs, key=lambda t: t[0])
             packs = [x["packs"] for x in rs]
             mean = sum(packs) / len(packs)
-            print(f"| {name} | {'on' if exchange else 'off'} | {best:.2f} | "
+            print(f"| {name} | {exchange} | {best:.2f} | "
                   f"{', '.join(f'{s:.2f}' for s, _ in runs)} | {sum(packs) / MiB:.1f} MiB | "
                   f"{max(packs) / mean:.3f} | {sum(x['gets'] for x in rs)} | "
                   f"{max(x['stats']['sent_bytes'] for x in rs) / MiB:.1f} MiB |")

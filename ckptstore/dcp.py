@@ -842,6 +842,7 @@ def plan_exchange(
     min_piece: int = 8 * MiB,
     solo_bytes: int | None = None,
     bundle_bytes: int | None = None,
+    gather_min_ranks: int = 16,
 ) -> list[_Exchange | None]:
     """Assign every region several ranks want to one of them, and plan the transfers.
 
@@ -853,13 +854,16 @@ def plan_exchange(
     wanting rank with the smallest load so far (fetched bytes: raw bytes x
     the tensor's stored/raw ratio).
 
-    Pieces every rank wants (DDP, fully replicated) travel by all-gather, in
-    rounds in which each rank contributes at most ``round_bytes / ranks``
-    (so each gathers at most ``round_bytes``; pieces are cut to fit): a ring
-    all-gather sends and receives each byte once per rank, where sending from
-    the owner to every other rank would load the owner's link ``ranks - 1``
-    times. Pieces a subset wants (a replica group of HSDP, say) travel point
-    to point from owner to the other wanting ranks: a piece of
+    On ``gather_min_ranks`` ranks or more, pieces every rank wants (DDP,
+    fully replicated) travel by all-gather, in rounds in which each rank
+    contributes at most ``round_bytes / ranks`` (so each gathers at most
+    ``round_bytes``; pieces are cut to fit): a ring all-gather takes ``ranks
+    - 1`` steps of one message per rank, where point to point every rank
+    sends and receives ``ranks - 1`` messages per piece it owns. On fewer
+    ranks, and for pieces a subset wants (a replica group of HSDP, say),
+    pieces travel point to point from owner to the other wanting ranks
+    (received straight into destinations, no copy out of a gathered
+    buffer): a piece of
     ``solo_bytes`` or more as a message of its own (receivers can take it
     straight into the destination), smaller ones with the same owner and
     the same wanting ranks packed into messages of up to ``bundle_bytes``;
@@ -898,10 +902,11 @@ def plan_exchange(
     total = sum(regions[k].nbytes for k in replicated)
     piece_max = max(min_piece, -(-total // (4 * n)))
     share_max = max(_ALIGN, round_bytes // n)  # one rank's contribution to one all-gather
+    gather = n >= gather_min_ranks
     pieces: list[tuple[tuple, int, int, int]] = []  # key, lo, hi, nbytes
     for key in replicated:
         g = regions[key]
-        cap = min(piece_max, share_max) if len(wanting[key]) == n else piece_max
+        cap = min(piece_max, share_max) if gather and len(wanting[key]) == n else piece_max
         k = min(g.rows, -(-g.nbytes // cap))
         bounds = [0]
         for j in range(1, k):
@@ -931,7 +936,7 @@ def plan_exchange(
     open_share: list[list[_Piece]] = [[] for _ in range(n)]
     used = [0] * n
     for i, (key, _, _, nb) in enumerate(pieces):
-        if len(wanting[key]) != n:
+        if not gather or len(wanting[key]) != n:
             continue
         o = owner[i]
         if open_share[o] and used[o] + nb > share_max:
@@ -942,7 +947,7 @@ def plan_exchange(
     for o in range(n):
         if open_share[o]:
             shares[o].append(tuple(open_share[o]))
-    nrounds = max(len(x) for x in shares)
+    nrounds = max(len(x) for x in shares)  # 0 without all-gathers
     gathers = []
     for g in range(nrounds):
         parts = tuple(shares[q][g] if g < len(shares[q]) else () for q in range(n))
@@ -952,7 +957,7 @@ def plan_exchange(
     # Point to point: per (owner, wanting ranks), in region order.
     groups: dict[tuple[int, tuple[int, ...]], list[int]] = {}
     for i, (key, _, _, _) in enumerate(pieces):
-        if len(wanting[key]) != n:
+        if not gather or len(wanting[key]) != n:
             groups.setdefault((owner[i], tuple(wanting[key])), []).append(i)
     queues: dict[int, list[tuple[tuple[int, ...], list[tuple[int, int]], int]]] = {}
     for (src, ranks), idx in groups.items():
@@ -1176,13 +1181,19 @@ class CkptStoreReader(StorageReader):
         before failing with an error naming what it waited for; None: the
         group's own timeout.
     exchange_round_bytes:
-        Most bytes one rank sends or receives in one round of the exchange.
-        A rank holds the buffers of at most two rounds at once.
+        Most bytes of buffers one rank holds for one round of the exchange
+        (an all-gather's output, or its point-to-point messages); a rank
+        holds the buffers of at most two rounds at once.
     exchange_piece_bytes:
         Replicated regions larger than this (or than a quarter of each
         rank's share) are split along dim 0 and read by several ranks;
         smaller pieces (below an eighth of it) travel packed together.
-        The coordinator's settings of both apply to every rank.
+    exchange_all_gather_ranks:
+        On groups of at least this many ranks, regions every rank reads
+        travel by all-gather (a ring: ``ranks - 1`` steps of one message per
+        rank); on smaller groups point to point, received straight into the
+        destinations. The coordinator's settings of these three apply to
+        every rank.
 
     Destination tensors may have another floating dtype than the stored
     one: values are cast like DCP's ``FileSystemReader`` casts them.
@@ -1200,6 +1211,7 @@ class CkptStoreReader(StorageReader):
         exchange_timeout: float | None = None,
         exchange_round_bytes: int = 512 * MiB,
         exchange_piece_bytes: int = 8 * MiB,
+        exchange_all_gather_ranks: int = 16,
         **options,
     ):
         super().__init__()
@@ -1220,6 +1232,7 @@ class CkptStoreReader(StorageReader):
         if exchange_piece_bytes < 1:
             raise ValueError(f"exchange_piece_bytes must be positive, got {exchange_piece_bytes!r}")
         self.exchange_piece_bytes = int(exchange_piece_bytes)
+        self.exchange_all_gather_ranks = int(exchange_all_gather_ranks)
         self.rank = 0
         self._use_collectives = True
         self._repo: Repository | None = None
@@ -1338,7 +1351,8 @@ class CkptStoreReader(StorageReader):
                 if g is not None:
                     regs.append(g)
             wants.append(regs)
-        return plan_exchange(wants, round_bytes=self.exchange_round_bytes, min_piece=self.exchange_piece_bytes)
+        return plan_exchange(wants, round_bytes=self.exchange_round_bytes, min_piece=self.exchange_piece_bytes,
+                             gather_min_ranks=self.exchange_all_gather_ranks)
 
     def _region(self, man: Manifest, key: tuple, item, chunk: int) -> ReadRegion | None:
         fqn = key[0]

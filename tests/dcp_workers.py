@@ -464,7 +464,7 @@ def exchange_failure_worker(rank, world, port, url, out_dir):
         # every rank owns 4 of the 12 tensors; all-gather rounds of 3 x 256 KiB carry one
         # tensor per rank: 4 rounds. Rank 1 reads its first tensor, then fails in round 2,
         # after round 1's data has been exchanged.
-        opts = dict(exchange_timeout=30, exchange_round_bytes=3 * (256 << 10))
+        opts = dict(exchange_timeout=30, exchange_round_bytes=3 * (256 << 10), exchange_all_gather_ranks=2)
 
         def attempt(name, reader, dest, group=None):
             try:
