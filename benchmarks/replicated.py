@@ -23,9 +23,10 @@ Columns: seconds = the slowest rank's ``dcp.load`` (a barrier before the
 clock starts), best of the repeats; pack bytes fetched from the store
 (total over ranks, and the largest rank over the mean); ranged GET
 requests (total); the exchange's bytes sent by the busiest rank. Servers:
-moto (``ckptstore.testing.moto``) in a child process, SeaweedFS (``weed
-server -s3``, ``ckptstore.testing.seaweedfs``), both on loopback; on the
-2-core machine the server, the ranks and gloo share the same two CPUs.
+moto (``ckptstore.testing.moto``, threads of the parent process, which
+is otherwise idle while the ranks run), SeaweedFS (``weed server -s3``,
+``ckptstore.testing.seaweedfs``), both on loopback; on the 2-core machine
+the server, the ranks and gloo share the same two CPUs.
 """
 
 from __future__ import annotations
@@ -130,12 +131,21 @@ def worker(rank: int, world: int, port: int, cfg: dict) -> None:
         dist.destroy_process_group()
 
 
-def _servers(names):
-    from .save_load import moto_subprocess
+def _loadavg() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "?"
 
+
+def _servers(names):
+    """Each server in turn (only ckptstore.testing's starters: no other benchmark module is needed)."""
     for name in names:
         if name == "moto":
-            with moto_subprocess() as server:
+            from ckptstore.testing.moto import MotoServer
+
+            # threads of this (otherwise idle) parent process; the ranks are processes of their own
+            with MotoServer() as server:
                 server.create_bucket(BUCKET)
                 yield name, server.storage_options()
         elif name == "seaweedfs":
@@ -160,11 +170,9 @@ def main(argv=None) -> int:
 
     from ckptstore.testing.moto import free_port
 
-    from .save_load import loadavg
-
     command = f"{sys.executable} -m benchmarks.replicated" + "".join(
         " " + shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
-    print(f"command: {command}\n{os.cpu_count()} CPUs, {args.ranks} ranks, load average at start {loadavg()}",
+    print(f"command: {command}\n{os.cpu_count()} CPUs, {args.ranks} ranks, load average at start {_loadavg()}",
           flush=True)
     target = importlib.import_module("benchmarks.replicated").worker
     results, bad = {}, False
@@ -176,7 +184,7 @@ def main(argv=None) -> int:
         mp.spawn(target, args=(args.ranks, free_port(), cfg), nprocs=args.ranks, join=True)
         with open(out) as f:
             results[name] = json.load(f)
-    print(f"\nload average at end {loadavg()}")
+    print(f"\nload average at end {_loadavg()}")
     print(f"\n| store | exchange | seconds (best) | all runs | pack bytes fetched | largest rank / mean | "
           f"ranged GETs | busiest rank sent |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")

@@ -906,7 +906,7 @@ def plan_exchange(
     pieces: list[tuple[tuple, int, int, int]] = []  # key, lo, hi, nbytes
     for key in replicated:
         g = regions[key]
-        cap = min(piece_max, share_max) if gather and len(wanting[key]) == n else piece_max
+        cap = min(piece_max, share_max) if len(wanting[key]) == n else piece_max
         k = min(g.rows, -(-g.nbytes // cap))
         bounds = [0]
         for j in range(1, k):
@@ -931,53 +931,64 @@ def plan_exchange(
         key, lo, hi, nb = pieces[i]
         return _Piece(key, lo, hi, offset, nb)
 
-    # All-gathers: each rank's pieces every rank wants, in order, in shares of at most share_max.
-    shares: list[list[tuple[_Piece, ...]]] = [[] for _ in range(n)]
-    open_share: list[list[_Piece]] = [[] for _ in range(n)]
-    used = [0] * n
-    for i, (key, _, _, nb) in enumerate(pieces):
-        if not gather or len(wanting[key]) != n:
-            continue
-        o = owner[i]
-        if open_share[o] and used[o] + nb > share_max:
-            shares[o].append(tuple(open_share[o]))
-            open_share[o], used[o] = [], 0
-        open_share[o].append(piece(i, used[o]))
-        used[o] += _aligned(nb)
-    for o in range(n):
-        if open_share[o]:
-            shares[o].append(tuple(open_share[o]))
-    nrounds = max(len(x) for x in shares)  # 0 without all-gathers
-    gathers = []
-    for g in range(nrounds):
-        parts = tuple(shares[q][g] if g < len(shares[q]) else () for q in range(n))
-        size = max((p.offset + _aligned(p.nbytes) for ps in parts for p in ps), default=0)
-        gathers.append(_Gather(g, size, parts))
-
-    # Point to point: per (owner, wanting ranks), in region order.
-    groups: dict[tuple[int, tuple[int, ...]], list[int]] = {}
-    for i, (key, _, _, _) in enumerate(pieces):
-        if not gather or len(wanting[key]) != n:
-            groups.setdefault((owner[i], tuple(wanting[key])), []).append(i)
-    queues: dict[int, list[tuple[tuple[int, ...], list[tuple[int, int]], int]]] = {}
-    for (src, ranks), idx in groups.items():
-        q = queues.setdefault(src, [])
-        bundle: list[tuple[int, int]] = []
-        size = 0
+    def bundled(idx: list[int]) -> list[tuple[list[tuple[int, int]], int]]:
+        """Pieces as messages: ``solo_bytes`` or more alone, smaller ones packed up to ``bundle_bytes``."""
+        out, bundle, size = [], [], 0
         for i in idx:
             nb = pieces[i][3]
             if nb >= solo_bytes:
-                q.append((ranks, [(i, 0)], nb))
+                out.append(([(i, 0)], nb))
                 continue
             if bundle and size + nb > bundle_bytes:
-                q.append((ranks, bundle, size))
+                out.append((bundle, size))
                 bundle, size = [], 0
             bundle.append((i, size))
             size += _aligned(nb)
         if bundle:
-            q.append((ranks, bundle, size))
+            out.append((bundle, size))
+        return out
 
-    # Interleave owners (the one that has sent least goes next), then cut rounds.
+    # Pieces every rank wants: each rank's own, in order, in shares of at most share_max; round g
+    # carries every rank's g-th share, so every rank sends and receives about as much as any other.
+    shares: list[list[list[int]]] = [[] for _ in range(n)]
+    used = [0] * n
+    for i, (key, _, _, nb) in enumerate(pieces):
+        if len(wanting[key]) != n:
+            continue
+        o = owner[i]
+        if not shares[o] or (shares[o][-1] and used[o] + nb > share_max):
+            shares[o].append([])
+            used[o] = 0
+        shares[o][-1].append(i)
+        used[o] += _aligned(nb)
+    nrounds = max(len(x) for x in shares)
+    gathers = []
+    full: list[tuple[int, int, list[tuple[int, int]], int]] = []  # round, src, (piece, offset), bytes
+    for g in range(nrounds):
+        if gather:
+            parts = []
+            for q in range(n):
+                ps, off = [], 0
+                for i in (shares[q][g] if g < len(shares[q]) else []):
+                    ps.append(piece(i, off))
+                    off += _aligned(pieces[i][3])
+                parts.append(tuple(ps))
+            size = max((p.offset + _aligned(p.nbytes) for ps in parts for p in ps), default=0)
+            gathers.append(_Gather(g, size, tuple(parts)))
+        else:
+            for q in range(n):
+                if g < len(shares[q]):
+                    full += [(g, q, members, nb) for members, nb in bundled(shares[q][g])]
+
+    # Pieces a subset wants: per (owner, wanting ranks), in region order, owners interleaved
+    # (the one that has sent least goes next), cut into rounds after the ones above.
+    queues: dict[int, list[tuple[tuple[int, ...], list[tuple[int, int]], int]]] = {}
+    groups: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+    for i, (key, _, _, _) in enumerate(pieces):
+        if len(wanting[key]) != n:
+            groups.setdefault((owner[i], tuple(wanting[key])), []).append(i)
+    for (src, ranks), idx in groups.items():
+        queues.setdefault(src, []).extend((ranks, members, nb) for members, nb in bundled(idx))
     sent = {src: 0 for src in queues}
     heads = {src: 0 for src in queues}
     order = []
@@ -989,21 +1000,29 @@ def plan_exchange(
         heads[src] += 1
         if heads[src] == len(queues[src]):
             del heads[src]
+
     per_rank: list[list[_Message]] = [[] for _ in range(n)]
-    rnd = nrounds
-    charge: dict[int, int] = {}
-    for mid, (src, ranks, members, nb) in enumerate(order):
-        if any(charge.get(r, 0) and charge[r] + nb > round_bytes for r in ranks):
-            rnd += 1
-            charge = {}
-        for r in ranks:
-            charge[r] = charge.get(r, 0) + nb
+    everyone = tuple(range(n))
+
+    def emit(mid: int, rnd: int, src: int, ranks: tuple[int, ...], members, nb: int) -> None:
         ps = tuple(piece(i, off) for i, off in members)
         dsts = tuple(r for r in ranks if r != src)
         per_rank[src].append(_Message(mid, rnd, src, dsts, nb, ps))
         light = _Message(mid, rnd, src, (), nb, ps)
         for r in dsts:
             per_rank[r].append(light)
+
+    for mid, (rnd, src, members, nb) in enumerate(full):
+        emit(mid, rnd, src, everyone, members, nb)
+    rnd = nrounds
+    charge: dict[int, int] = {}
+    for mid, (src, ranks, members, nb) in enumerate(order, start=len(full)):
+        if any(charge.get(r, 0) and charge[r] + nb > round_bytes for r in ranks):
+            rnd += 1
+            charge = {}
+        for r in ranks:
+            charge[r] = charge.get(r, 0) + nb
+        emit(mid, rnd, src, ranks, members, nb)
     rounds = rnd + 1 if order else nrounds
     gathers_t = tuple(gathers)
     return [_Exchange(rounds, tuple(msgs), gathers_t) for msgs in per_rank]
@@ -1143,6 +1162,32 @@ def _box(item) -> tuple:
 def _region_key(item) -> tuple:
     off = item.storage_index.offset
     return (item.storage_index.fqn, None if off is None else tuple(off), tuple(item.storage_offsets), tuple(item.lengths))
+
+
+def _read_region(man: Manifest, key: tuple, item, chunk: int, shard_sizes: dict) -> ReadRegion | None:
+    """The planner's view of one read item; ``chunk`` 0: only its bytes matter (read by one rank)."""
+    entry = man.tensors.get(key[0])
+    if entry is None:
+        return None  # read_data names the missing tensor
+    isz = _m.itemsize(entry.dtype)
+    lengths = tuple(item.lengths)
+    rows = lengths[0] if lengths else 1
+    row_bytes = math.prod(lengths[1:]) * isz if lengths else isz
+    fetch = entry.stored_bytes / entry.nbytes if entry.nbytes else 1.0
+    align, row0 = 1, 0
+    if chunk and lengths:
+        sizes = shard_sizes.get(key[0])
+        if sizes is None:
+            offs, szs = entry.boxes()
+            sizes = shard_sizes[key[0]] = {tuple(o): tuple(n) for o, n in zip(offs.tolist(), szs.tolist())}
+        shard = sizes.get(key[1] if key[1] is not None else (0,) * len(entry.shape))
+        if shard is None:
+            return None  # read_data names the missing shard
+        row0 = item.storage_offsets[0]
+        shard_row = math.prod(shard[1:]) * isz
+        if tuple(lengths[1:]) == tuple(shard[1:]) and shard_row and chunk % shard_row == 0:
+            align = chunk // shard_row
+    return ReadRegion(key, rows, row_bytes, fetch, row0, align)
 
 
 class CkptStoreReader(StorageReader):
@@ -1333,48 +1378,37 @@ class CkptStoreReader(StorageReader):
                 stacklevel=2,
             )
             return None
+        # Which ranks read each region; nothing more to do when none is read twice (FSDP).
+        keyed: list[list[tuple[tuple, Any]]] = []
+        count: dict[tuple, int] = {}
+        for p in plans:
+            mine = {}
+            for item in p.items:
+                if item.type == LoadItemType.TENSOR:
+                    mine.setdefault(_region_key(item), item)
+            for key in mine:
+                count[key] = count.get(key, 0) + 1
+            keyed.append(list(mine.items()))
+        if not any(c > 1 for c in count.values()):
+            return None
         man = self._ckpt.manifest
         repo = self._get_repo()
         repo.config()  # the repository's chunk size: splits at chunk boundaries where rows allow
         chunk = repo.options.chunk_size
-        wants: list[list[ReadRegion]] = []
+        shard_sizes: dict[str, dict[tuple, tuple]] = {}  # fqn -> shard offsets -> sizes
         cache: dict[tuple, ReadRegion | None] = {}
-        for p in plans:
+        wants: list[list[ReadRegion]] = []
+        for mine in keyed:
             regs = []
-            for item in p.items:
-                if item.type != LoadItemType.TENSOR:
-                    continue
-                key = _region_key(item)
+            for key, item in mine:
                 g = cache.get(key, False)
                 if g is False:
-                    g = cache[key] = self._region(man, key, item, chunk)
+                    g = cache[key] = _read_region(man, key, item, chunk if count[key] > 1 else 0, shard_sizes)
                 if g is not None:
                     regs.append(g)
             wants.append(regs)
         return plan_exchange(wants, round_bytes=self.exchange_round_bytes, min_piece=self.exchange_piece_bytes,
                              gather_min_ranks=self.exchange_all_gather_ranks)
-
-    def _region(self, man: Manifest, key: tuple, item, chunk: int) -> ReadRegion | None:
-        fqn = key[0]
-        entry = man.tensors.get(fqn)
-        if entry is None:
-            return None  # read_data names the missing tensor
-        try:
-            shard = entry.shard(self._ckpt.shard_at(fqn, item.storage_index.offset))
-        except FormatError:
-            return None
-        isz = _m.itemsize(entry.dtype)
-        lengths = tuple(item.lengths)
-        rows = lengths[0] if lengths else 1
-        row_bytes = math.prod(lengths[1:]) * isz if lengths else isz
-        align, row0 = 1, 0
-        if lengths:
-            row0 = item.storage_offsets[0]
-            shard_row = math.prod(shard.sizes[1:]) * isz
-            if tuple(lengths[1:]) == tuple(shard.sizes[1:]) and shard_row and chunk % shard_row == 0:
-                align = chunk // shard_row
-        fetch = entry.stored_bytes / entry.nbytes if entry.nbytes else 1.0
-        return ReadRegion(key, rows, row_bytes, fetch, row0, align)
 
     # -- read_data ----------------------------------------------------------
     def _prepare(self, plan: LoadPlan, planner: LoadPlanner, exchanged: set):
