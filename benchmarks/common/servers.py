@@ -30,8 +30,10 @@ class S3Server:
     """
 
     def __init__(self, name: str, endpoint: str, key: str, secret: str, storage_options: dict,
-                 pid: int | None = None, bucket: str | None = None, info: dict | None = None):
+                 pid: int | None = None, bucket: str | None = None, info: dict | None = None, starter=None):
         self.name, self.endpoint, self.key, self.secret = name, endpoint, key, secret
+        #: The ``ckptstore.testing`` object that started the server (None in a copy from :meth:`spec`).
+        self.starter = starter
         self._storage_options = storage_options
         self.pid, self.bucket = pid, bucket
         self.info = dict(info or {})
@@ -68,13 +70,10 @@ class S3Server:
 
     # ------------------------------------------------------------ objects
     def create_bucket(self, name: str) -> None:
-        """Create a bucket (one of ours that exists is fine); the first one is :attr:`bucket`."""
-        try:
-            self.client().create_bucket(Bucket=name)
-        except Exception as e:
-            code = getattr(e, "response", {}).get("Error", {}).get("Code")
-            if code not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
-                raise
+        """Create a bucket through the starter (an existing one is fine); the first one is :attr:`bucket`."""
+        if self.starter is None:
+            raise RuntimeError(f"{self.name}: a handle from spec() cannot create buckets")
+        self.starter.create_bucket(name)
         if self.bucket is None:
             self.bucket = name
 
@@ -155,9 +154,12 @@ def moto_process(bucket: str | None = None):
         # Not started here: the handle gives the endpoint and storage options.
         handle = MotoServer(port=port)
         srv = S3Server("moto", handle.endpoint, MOTO_KEY, MOTO_KEY, handle.storage_options(), pid=proc.pid,
-                       info={"server": "moto (ThreadedMotoServer in a child process)"})
-        with _serving(srv, bucket):
-            yield srv
+                       info={"server": "moto (ThreadedMotoServer in a child process)"}, starter=handle)
+        try:
+            with _serving(srv, bucket):
+                yield srv
+        finally:
+            handle.stop()  # closes its client; the server is the child's
     finally:
         try:
             proc.stdin.close()
@@ -172,7 +174,7 @@ def moto_thread(bucket: str | None = None):
     """A :class:`MotoServer` in a thread of this process (shares the GIL, the RSS and the CPU counters)."""
     with MotoServer() as m:
         srv = S3Server("moto", m.endpoint, MOTO_KEY, MOTO_KEY, m.storage_options(), pid=None,
-                       info={"server": "moto (ThreadedMotoServer in this process)"})
+                       info={"server": "moto (ThreadedMotoServer in this process)"}, starter=m)
         with _serving(srv, bucket):
             yield srv
 
@@ -185,7 +187,8 @@ def seaweedfs(bucket: str | None = None, key: str = "ckptrunkey", secret: str = 
     with SeaweedFS(key=key, secret=secret) as weed:
         srv = S3Server("seaweedfs", weed.endpoint, weed.key, weed.secret, weed.storage_options(), pid=weed.pid,
                        info={"server": f"SeaweedFS {weed.version} ({weed.binary})",
-                             "command": shlex.join(weed.command), "ready_seconds": weed.ready_seconds})
+                             "command": shlex.join(weed.command), "ready_seconds": weed.ready_seconds},
+                       starter=weed)
         with _serving(srv, bucket):
             yield srv
 
