@@ -29,7 +29,6 @@ from .common.verify import bits_equal
 # main's benchmarks/load_module.py and scale.py (written after this branch
 # forked) import these two names from here; they are the shared helpers.
 # Once they import from .common.measure, these aliases can go.
-Sampler, rss = RssSampler, rss_now
 
 
 def main(argv=None) -> int:
