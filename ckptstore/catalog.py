@@ -164,14 +164,7 @@ class Catalog:
         m = self._manifests.get(step)
         if m is not None:
             return m
-        key = manifest_key(step)
-        try:
-            info = self.store.head(key)
-            if info.size > _m.MAX_MANIFEST_BYTES:
-                raise FormatError(f"{self.url}: step {step}: manifest is {info.size} bytes, over the limit")
-            raw = self.store.get(key)
-        except ObjectNotFoundError:
-            raise StepNotFoundError(f"{self.url}: step {step} is not committed") from None
+        raw = self._manifest_bytes(step)
         try:
             m = _m.from_json(raw, expect_step=step)
         except FormatError as e:
@@ -218,18 +211,21 @@ class Catalog:
         m = self._manifests.get(step)
         if m is not None:
             return refs_of(m)
+        raw = self._manifest_bytes(step)
+        try:
+            return parse_refs(raw, expect_step=step, intern=intern)
+        except FormatError as e:
+            raise type(e)(f"{self.url}: step {step}: {e}") from None
+
+    def _manifest_bytes(self, step: int) -> bytes:
         key = manifest_key(step)
         try:
             info = self.store.head(key)
             if info.size > _m.MAX_MANIFEST_BYTES:
                 raise FormatError(f"{self.url}: step {step}: manifest is {info.size} bytes, over the limit")
-            raw = self.store.get(key)
+            return self.store.get(key)
         except ObjectNotFoundError:
             raise StepNotFoundError(f"{self.url}: step {step} is not committed") from None
-        try:
-            return parse_refs(raw, expect_step=step, intern=intern)
-        except FormatError as e:
-            raise type(e)(f"{self.url}: step {step}: {e}") from None
 
     def remember(self, m: Manifest) -> None:
         """Cache a manifest this handle just committed."""
