@@ -440,6 +440,20 @@ def _common_fields(doc: dict, expect_step: int | None):
     return step, created, base_step, metadata, stats
 
 
+def _dtype_and_shape(t: dict, w: str) -> tuple[str, tuple[int, ...]]:
+    """A tensor entry's dtype and shape, bounded (both versions)."""
+    dtype = t["dtype"]
+    if type(dtype) is not str or dtype not in DTYPES:
+        _fail(w, f"unknown dtype {dtype!r:.40}")
+    shape = _list(t["shape"], w + " shape")
+    if len(shape) > MAX_DIMS:
+        _fail(w, f"{len(shape)} dimensions, over the limit {MAX_DIMS}")
+    shape = tuple(_int(d, w + " shape", 0, MAX_TENSOR_BYTES) for d in shape)
+    if math.prod(shape) * DTYPES[dtype].itemsize > MAX_TENSOR_BYTES:
+        _fail(w, f"shape {shape} is over the {MAX_TENSOR_BYTES}-byte limit")
+    return dtype, shape
+
+
 def from_json(data: bytes, expect_step: int | None = None) -> Manifest:
     """Parse and validate a manifest (1.x or 2.x); raises :class:`FormatError` on any defect."""
     doc, version = _load_doc(data)
@@ -475,16 +489,8 @@ def from_json(data: bytes, expect_step: int | None = None) -> Manifest:
         if key in tensors:
             _fail(w + ".key", f"duplicate tensor key {key!r}")
         w = f"tensor {key!r}"
-        dtype = t["dtype"]
-        if type(dtype) is not str or dtype not in DTYPES:
-            _fail(w, f"unknown dtype {dtype!r:.40}")
-        shape = _list(t["shape"], w + " shape")
-        if len(shape) > MAX_DIMS:
-            _fail(w, f"{len(shape)} dimensions, over the limit {MAX_DIMS}")
-        shape = tuple(_int(d, w + " shape", 0, MAX_TENSOR_BYTES) for d in shape)
+        dtype, shape = _dtype_and_shape(t, w)
         isz = DTYPES[dtype].itemsize
-        if math.prod(shape) * isz > MAX_TENSOR_BYTES:
-            _fail(w, f"shape {shape} is over the {MAX_TENSOR_BYTES}-byte limit")
         shards = []
         for j, s in enumerate(_list(t["shards"], w + " shards")):
             ws = f"{w} shard {j}"
@@ -808,15 +814,7 @@ def _from_doc_v2(doc: dict, version: tuple[int, int], expect_step: int | None) -
         t = _obj(t, w, {"key", "dtype", "shape", "shards", "stored", "chunks"}, {"split"})
         key = _str(t["key"], w + ".key")
         w = f"tensor {key!r}"
-        dtype = t["dtype"]
-        if type(dtype) is not str or dtype not in DTYPES:
-            _fail(w, f"unknown dtype {dtype!r:.40}")
-        shape = _list(t["shape"], w + " shape")
-        if len(shape) > MAX_DIMS:
-            _fail(w, f"{len(shape)} dimensions, over the limit {MAX_DIMS}")
-        shape = tuple(_int(d, w + " shape", 0, MAX_TENSOR_BYTES) for d in shape)
-        if math.prod(shape) * DTYPES[dtype].itemsize > MAX_TENSOR_BYTES:
-            _fail(w, f"shape {shape} is over the {MAX_TENSOR_BYTES}-byte limit")
+        dtype, shape = _dtype_and_shape(t, w)
         n = _int(t["shards"], w + " shards", 0, MAX_SHARDS)
         split = t.get("split")
         if split is not None:
