@@ -58,12 +58,14 @@ TOMBSTONE_CACHE_BYTES = 64 << 20
 
 
 def refs_weight(r: StepRefs) -> int:
-    return 512 + 150 * len(r.packs) + (700 * len(r.chunks) if r.chunks is not None else 0)
+    ranges = sum(len(u.ranges) for u in r.use.values()) if r.use else 0
+    return 512 + 350 * len(r.packs) + 80 * ranges + (700 * len(r.chunks) if r.chunks is not None else 0)
 
 
 def manifest_weight(m: Manifest) -> int:
     """Estimated bytes a parsed manifest holds in memory (about 700 a chunk it holds)."""
-    return 2048 + 100 * len(m.packs) + sum(t.weight() for t in m.tensors.values())
+    ranges = sum(len(u.ranges) for u in m.pack_use.values())
+    return 2048 + 350 * len(m.packs) + 80 * ranges + 200 * len(m.segments) + sum(t.weight() for t in m.tensors.values())
 
 
 class Catalog:
