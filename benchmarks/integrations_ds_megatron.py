@@ -37,7 +37,6 @@ import argparse
 import json
 import os
 import shlex
-import socket
 import statistics
 import sys
 import tempfile
@@ -48,21 +47,10 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-MiB = 1 << 20
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def dir_bytes(path: str) -> int:
-    total = 0
-    for root, _, files in os.walk(path):
-        for f in files:
-            total += os.lstat(os.path.join(root, f)).st_size
-    return total
+from benchmarks.common.measure import dir_bytes, loadavg  # noqa: E402
+from benchmarks.common.report import mib, write_results  # noqa: E402
+from benchmarks.common.servers import free_port  # noqa: E402
+from benchmarks.common.verify import bits_equal  # noqa: E402
 
 
 def _timed(fn):
@@ -148,7 +136,7 @@ def ds_worker(rank, world, port, args, tmp, out_path):
                 cds.attach(fresh, url)
             t_load, _ = _timed(lambda: fresh.load_checkpoint(save_dir, tag=f"global_step{args.steps}"))
             got = _ds_fingerprint(fresh)
-            ok = all(torch.equal(got[k], want[k]) for k in want)
+            ok = all(bits_equal(got[k], want[k]) for k in want)
             flag = torch.tensor([int(ok)])
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)
             if not int(flag):
@@ -258,7 +246,7 @@ def mg_worker(rank, world, port, args, tmp, out_path):
         t_load, loaded = _timed(lambda: dist_checkpointing.load(_mg_sharded(parallel_state, fresh), d,
                                                                 sharded_strategy=strat))
         for i, w in enumerate(want):
-            if not torch.equal(loaded[f"l{i}"][f"l{i}.weight"], w):
+            if not bits_equal(loaded[f"l{i}"][f"l{i}.weight"], w):
                 raise AssertionError(f"Megatron {backend}: layer {i} differs after restore")
         if rank == 0:
             row = {"stack": "megatron-tp2", "backend": backend, "save_s": saves,
@@ -281,10 +269,6 @@ def mg_worker(rank, world, port, args, tmp, out_path):
 
 
 # ================================================================ main
-def _human(n: int) -> str:
-    return f"{n / MiB:.1f} MiB"
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hidden", type=int, default=1024)
@@ -300,23 +284,21 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="ckpt-int-bench-") as tmp:
         if args.only in (None, "ds"):
             out = os.path.join(tmp, "ds.json")
-            mp.spawn(ds_worker, args=(2, _port(), args, tmp, out), nprocs=2, join=True)
+            mp.spawn(ds_worker, args=(2, free_port(), args, tmp, out), nprocs=2, join=True)
             rows += json.load(open(out))
         if args.only in (None, "megatron"):
             out = os.path.join(tmp, "mg.json")
-            mp.spawn(mg_worker, args=(2, _port(), args, tmp, out), nprocs=2, join=True)
+            mp.spawn(mg_worker, args=(2, free_port(), args, tmp, out), nprocs=2, join=True)
             rows += json.load(open(out))
     print(f"{'stack':<16} {'backend':<28} {'save (median)':>13} {'restore':>8} {'stored after all saves':>23}")
     for r in rows:
         print(f"{r['stack']:<16} {r['backend']:<28} {r['save_median_s']:>12.3f}s {r['restore_s']:>7.3f}s "
-              f"{_human(r['stored_bytes']):>23}")
+              f"{mib(r['stored_bytes']):>23}")
         if "new_bytes_per_step" in r:
-            print(f"{'':<16} {'  new bytes per step':<28} " + ", ".join(_human(b) for b in r["new_bytes_per_step"]))
+            print(f"{'':<16} {'  new bytes per step':<28} " + ", ".join(mib(b) for b in r["new_bytes_per_step"]))
     command = "python -m benchmarks.integrations_ds_megatron " + shlex.join(argv if argv is not None else sys.argv[1:])
-    print(f"\ncommand: {command.strip()}; load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"\ncommand: {command.strip()}; load average at the end: {loadavg()}")
     if args.json:
-        from benchmarks.save_load import write_results
-
         write_results(args.json, command.strip(), {"args": vars(args), "rows": rows})
     return 0
 

@@ -43,13 +43,11 @@ import time
 
 import torch
 
-from .save_load import dir_bytes, env_info, human, loadavg, write_results
+from .common.measure import Timer, dir_bytes, loadavg, median
+from .common.report import env_info, format_table, human, write_results
+from .common.verify import VerificationError, verify
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-
-class VerificationError(AssertionError):
-    """A restore returned data that differs from the model's."""
 
 
 def build_model(hidden: int, layers: int):
@@ -80,15 +78,14 @@ class Tokens(torch.utils.data.Dataset):
 
 
 def check(expected: dict, got: dict, what: str) -> None:
-    for k, v in expected.items():
-        if not torch.equal(got[k], v):
-            raise VerificationError(f"{what}: tensor {k!r} differs")
+    """Every tensor of ``expected`` in ``got``, bit for bit (``got`` may hold more)."""
+    verify(expected, got, what, exact_keys=False)
 
 
 def timed(fn):
-    t0 = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - t0, out
+    with Timer() as tm:
+        out = fn()
+    return tm.seconds, out
 
 
 # ---------------------------------------------------------------- Hugging Face
@@ -230,11 +227,6 @@ def bench_lightning(args, tmp: str) -> dict:
 
 
 # ---------------------------------------------------------------- report
-def median(xs):
-    s = sorted(xs)
-    return s[len(s) // 2] if s else float("nan")
-
-
 def report(res: dict, command: str) -> None:
     hf_res, lt = res["hf"], res["lightning"]
     print(f"model: {human(hf_res['logical_bytes'])} of fp32 weights, {human(hf_res['frozen_bytes'])} frozen; "
@@ -255,9 +247,7 @@ def report(res: dict, command: str) -> None:
                  human(lb["torch-files"])))
     rows.append(("lightning", "CkptStoreCheckpointIO", save_cell(ls["ckptstore"]), f"{lr['ckptstore']:.2f}",
                  human(lb["ckptstore"])))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+    print(format_table(list(rows[0]), [list(r) for r in rows[1:]], left=len(rows[0]), rule=False))
     fp = hf_res["from_pretrained_seconds"]
     print(f"from_pretrained of the last step: folder {fp['folder']:.2f} s, lazy_state_dict {fp['lazy_state_dict']:.2f} s")
     print("ckptstore StepInfo per save (hf):")

@@ -45,8 +45,9 @@ from torch import nn
 
 import ckptstore
 
-from .peak_memory import Sampler, rss
-from .save_load import write_results
+from .common.measure import RssSampler as Sampler
+from .common.measure import rss_now as rss
+from .common.report import write_results
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -12,47 +12,23 @@ budget; also for a load into preallocated tensors.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
 
 import torch
 
 import ckptstore
 
-MiB = 1 << 20
+from .common.measure import MiB, RssSampler, rss_now
+from .common.report import command_line, write_results
+from .common.verify import bits_equal
 
-
-def rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-class Sampler:
-    def __init__(self, period: float = 0.005):
-        self.period = period
-        self.peak = 0
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, rss())
-            time.sleep(self.period)
-
-    def __enter__(self):
-        self.peak = rss()
-        self._t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._t.join()
-        self.peak = max(self.peak, rss())
+# main's benchmarks/load_module.py and scale.py (written after this branch
+# forked) import these two names from here; they are the shared helpers.
+# Once they import from .common.measure, these aliases can go.
 
 
 def main(argv=None) -> int:
@@ -78,33 +54,33 @@ def main(argv=None) -> int:
         tmp = tempfile.mkdtemp(prefix="ckpt-peak-")
         url = os.path.join(tmp, "repo")
     repo = ckptstore.open(url, max_inflight_bytes=args.budget_mib * MiB)
-    base = rss()
+    base = rss_now()
     t0 = time.perf_counter()
-    with Sampler() as s:
+    with RssSampler() as s:
         info = repo.save(sd, step=1)
     save_s = time.perf_counter() - t0
     save_extra = s.peak - base
     dest = {k: torch.zeros_like(v) for k, v in sd.items()}  # touched: RSS counts them before the load
-    base2 = rss()
+    base2 = rss_now()
     t0 = time.perf_counter()
-    with Sampler() as s2:
+    with RssSampler() as s2:
         repo.load(1, into=dest)
     load_s = time.perf_counter() - t0
     load_extra = s2.peak - base2
-    ok = all(torch.equal(dest[k], v) for k, v in sd.items())
+    ok = all(bits_equal(dest[k], v) for k, v in sd.items())
     repo.close()
     if tmp:
         shutil.rmtree(tmp, ignore_errors=True)
     logical = info.logical_bytes
-    print("command:", " ".join([sys.executable, "-m", "benchmarks.peak_memory", *(argv if argv is not None else sys.argv[1:])]))
+    command = command_line("benchmarks.peak_memory", argv)
+    print("command:", command)
     print(f"state dict {logical / 2**30:.2f} GiB in {len(sd)} tensors; budget max_inflight_bytes = {args.budget_mib} MiB")
     print(f"save: {save_s:.1f} s, peak RSS above the state dict: {save_extra / MiB:.0f} MiB")
     print(f"load(into=): {load_s:.1f} s, peak RSS above the destination: {load_extra / MiB:.0f} MiB; bit-exact: {ok}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"logical_bytes": logical, "budget_bytes": args.budget_mib * MiB, "save_seconds": save_s,
-                       "save_extra_bytes": save_extra, "load_seconds": load_s, "load_extra_bytes": load_extra,
-                       "equal": ok}, f, indent=2)
+        write_results(args.json, command, {
+            "logical_bytes": logical, "budget_bytes": args.budget_mib * MiB, "save_seconds": save_s,
+            "save_extra_bytes": save_extra, "load_seconds": load_s, "load_extra_bytes": load_extra, "equal": ok})
     return 0 if ok else 1
 
 

@@ -23,7 +23,7 @@ import json
 import os
 import sys
 
-MiB = 1 << 20
+from .common.measure import MiB
 
 # One colour per kind of operation, used in every chart.
 C_SAVE = "#4C72B0"

@@ -26,210 +26,31 @@ shots (``--repeat N``: fastest of N) on a warm page cache; see
 from __future__ import annotations
 
 import argparse
-import gc
-import json
 import os
-import platform
-import resource
-import select
-import shlex
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 import warnings
-from contextlib import contextmanager
 
 import torch
 
 import ckptstore
 
-MiB = 1 << 20
-GiB = 1 << 30
+from .common.data import build_state_dict
+from .common.measure import GiB, MiB, Timer, dir_bytes, loadavg, rss_now, rss_peak, rss_peak_children
+from .common.report import command_line, env_line, format_table, human, write_results
+from .common.servers import moto_process, moto_thread
+from .common.verify import VerificationError, nbytes, scrub, verify
+
 BUCKET = "ckptbench"
 S3_PACK_SIZE = 64 * MiB
 SLICE_ROWS = 128
 
 
-class VerificationError(AssertionError):
-    """A load returned data that differs from what was saved."""
-
-
-# ---------------------------------------------------------------- data
-def build_state_dict(size_gib: float, seed: int = 0) -> dict[str, torch.Tensor]:
-    """A flat ``model.state_dict()``-like dict of fp32 randn tensors.
-
-    About 3/8 of the bytes are 4096x4096 matrices (64 MiB each); the rest are
-    transformer-like layers at hidden size 1024 (four 1024x1024 attention
-    projections, three 1024x4096 / 4096x1024 MLP matrices, norms and biases).
-    """
-    g = torch.Generator().manual_seed(seed)
-    target = int(size_gib * GiB)
-    big_bytes = 4096 * 4096 * 4
-    n_big = max(1, round(0.375 * target / big_bytes))
-    h, f = 1024, 4096
-    layer_bytes = (4 * h * h + 3 * h * f) * 4
-    n_layers = max(1, round((target - n_big * big_bytes) / layer_bytes))
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=g, dtype=torch.float32)
-
-    sd: dict[str, torch.Tensor] = {}
-    sd["embed_tokens.weight"] = randn(4096, 4096)
-    for i in range(n_layers):
-        p = f"layers.{i}."
-        sd[p + "input_norm.weight"] = randn(h)
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            sd[p + f"attn.{name}.weight"] = randn(h, h)
-        sd[p + "attn.o_proj.bias"] = randn(h)
-        sd[p + "post_norm.weight"] = randn(h)
-        sd[p + "mlp.gate_proj.weight"] = randn(f, h)
-        sd[p + "mlp.up_proj.weight"] = randn(f, h)
-        sd[p + "mlp.down_proj.weight"] = randn(h, f)
-        sd[p + "mlp.down_proj.bias"] = randn(h)
-    for i in range(n_big - 2):
-        sd[f"adapters.{i}.weight"] = randn(4096, 4096)
-    sd["final_norm.weight"] = randn(4096)
-    if n_big >= 2:
-        sd["lm_head.weight"] = randn(4096, 4096)
-    return sd
-
-
-def nbytes(sd) -> int:
-    return sum(t.numel() * t.element_size() for t in iter_tensors(sd))
-
-
-def iter_tensors(sd):
-    for v in sd.values():
-        if isinstance(v, dict):
-            yield from iter_tensors(v)
-        elif isinstance(v, torch.Tensor):
-            yield v
-
-
 def empty_like(sd: dict) -> dict:
     """Preallocated destination tensors (pages touched once, outside timing)."""
     return {k: torch.zeros_like(v) for k, v in sd.items()}
-
-
-def scrub(sd: dict) -> None:
-    """Overwrite a destination so that stale data cannot pass verification."""
-    for t in sd.values():
-        t.fill_(float("nan"))
-
-
-def verify(expected: dict, got, what: str) -> None:
-    """Every tensor of ``expected`` present in ``got``, bit-exact."""
-    if not isinstance(got, dict):
-        raise VerificationError(f"{what}: returned {type(got).__name__}, not a dict")
-    missing = [k for k in expected if k not in got]
-    extra = [k for k in got if k not in expected]
-    if missing or extra:
-        raise VerificationError(f"{what}: missing keys {missing[:5]}, unexpected keys {extra[:5]}")
-    for k, t in expected.items():
-        u = got[k]
-        if not isinstance(u, torch.Tensor):
-            raise VerificationError(f"{what}: {k!r} is {type(u).__name__}, not a tensor")
-        if u.dtype != t.dtype or u.shape != t.shape:
-            raise VerificationError(f"{what}: {k!r} is {u.dtype}{list(u.shape)}, expected {t.dtype}{list(t.shape)}")
-        # Compare bit patterns: exact even for NaN payloads and -0.0.
-        if not torch.equal(u.view(torch.int32), t.view(torch.int32)):
-            bad = (u.view(torch.int32) != t.view(torch.int32)).sum().item()
-            raise VerificationError(f"{what}: {k!r} differs from the saved tensor in {bad} elements")
-
-
-# ---------------------------------------------------------------- measuring
-def rss_now() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def rss_peak() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def cpu_self() -> float:
-    """User + system CPU seconds of this process (all threads)."""
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
-#: pid of the moto server child while one runs (its CPU time is read from /proc).
-SERVER_PID: int | None = None
-
-
-def proc_cpu(pid: int | None) -> float | None:
-    """User + system CPU seconds of process ``pid`` so far (from /proc), or None."""
-    if pid is None:
-        return None
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def cpu_server() -> float | None:
-    return proc_cpu(SERVER_PID)
-
-
-def write_results(path: str, command: str, fields: dict) -> None:
-    """Write a benchmark's JSON: command, argv, time, env, ``fields``, load average at the end."""
-    doc = {"command": command, "argv": sys.argv, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "env": env_info(),
-           **fields, "loadavg_end": loadavg()}
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1, default=str)
-    print(f"results written to {path}")
-
-
-def env_info() -> dict:
-    """Versions and machine, as every benchmark's JSON records them."""
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "ckptstore": ckptstore.__version__,
-        "cpus": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "platform": platform.platform(),
-    }
-
-
-class Timer:
-    """Wall clock plus CPU seconds of this process and of the moto child."""
-
-    def __enter__(self):
-        gc.collect()
-        self.cpu0, self.srv0 = cpu_self(), cpu_server()
-        self.flt0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        self.t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        self.seconds = time.perf_counter() - self.t0
-        self.cpu = cpu_self() - self.cpu0
-        self.minflt = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - self.flt0
-        srv = cpu_server()
-        self.server_cpu = srv - self.srv0 if srv is not None and self.srv0 is not None else None
-
-
-def loadavg() -> str:
-    try:
-        return " ".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        return "?"
-
-
-def dir_bytes(path: str) -> int:
-    total = 0
-    for dirpath, _, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(dirpath, name)).st_size
-            except FileNotFoundError:
-                pass
-    return total
 
 
 class Results:
@@ -291,20 +112,7 @@ class Results:
                 f"{r['server_cpu_seconds']:.2f}" if r["server_cpu_seconds"] is not None else "-",
                 f"{r['rss_peak_bytes'] / GiB:.2f} GiB",
             ])
-        widths = [max(len(head[i]), *(len(l[i]) for l in lines)) for i in range(len(head))]
-        fmt = lambda cells: "  ".join(  # noqa: E731
-            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
-        )
-        sep = "  ".join("-" * w for w in widths)
-        return "\n".join([fmt(head), sep] + [fmt(l) for l in lines])
-
-
-def human(n: int) -> str:
-    if n < 10 * 1024:
-        return f"{n} B"
-    if n < 10 * MiB:
-        return f"{n / 1024:.1f} KiB"
-    return f"{n / MiB:.1f} MiB"
+        return format_table(head, lines, left=1)
 
 
 # ---------------------------------------------------------------- torch
@@ -350,12 +158,12 @@ def bench_dcp(sd: dict, like: dict, tmp: str, res: Results) -> None:
 
 # ---------------------------------------------------------------- ckptstore
 def bench_ckptstore(section: str, url: str, storage_options, options: dict, sd: dict, like: dict,
-                    res: Results, report: dict) -> None:
+                    res: Results, report: dict, server_pid: int | None = None) -> None:
     infos = []
     repo = ckptstore.open(url, storage_options=storage_options, **options)
     try:
         for step, label in ((1, "save step 1"), (2, "save step 2 (same data)")):
-            with Timer() as tm:
+            with Timer(server_pid) as tm:
                 info = repo.save(sd, step=step)
             infos.append(info.as_dict())
             note = (f"new {human(info.new_bytes)} -> {human(info.stored_bytes)} "
@@ -369,14 +177,14 @@ def bench_ckptstore(section: str, url: str, storage_options, options: dict, sd: 
     # A fresh handle for loads, as a restarted job has: no manifest cache.
     repo = ckptstore.open(url, storage_options=storage_options, **options)
     try:
-        with Timer() as tm:
+        with Timer(server_pid) as tm:
             loaded = repo.load(1)
         res.add(section, "load(1)", "load", tm)
         verify(sd, loaded, f"{section} load(1)")
         del loaded
 
         scrub(like)
-        with Timer() as tm:
+        with Timer(server_pid) as tm:
             out = repo.load(1, into=like)
         res.add(section, "load(1, into=preallocated)", "load", tm)
         if out is not like:
@@ -384,7 +192,7 @@ def bench_ckptstore(section: str, url: str, storage_options, options: dict, sd: 
         verify(sd, like, f"{section} load(1, into=...)")
 
         key = "embed_tokens.weight"
-        with Timer() as tm:
+        with Timer(server_pid) as tm:
             part = repo.checkpoint(1).read(key, (slice(0, SLICE_ROWS), slice(None)))
         want = sd[key][:SLICE_ROWS]
         res.add(section, f"read {key}[:{SLICE_ROWS}]", "read", tm, logical=want.numel() * want.element_size())
@@ -392,53 +200,6 @@ def bench_ckptstore(section: str, url: str, storage_options, options: dict, sd: 
     finally:
         repo.close()
     report[section] = {"url": url, "options": options, "saves": infos, "stats": stats}
-
-
-@contextmanager
-def moto_subprocess():
-    """A MotoServer in a child process (own GIL, own memory)."""
-    from ckptstore.testing.moto import MotoServer, free_port
-
-    port = free_port()
-    code = (
-        "import sys\n"
-        "from ckptstore.testing.moto import MotoServer\n"
-        "s = MotoServer(port=int(sys.argv[1])).start()\n"
-        "print('ready', flush=True)\n"
-        "sys.stdin.read()\n"
-        "s.stop()\n"
-    )
-    proc = subprocess.Popen([sys.executable, "-c", code, str(port)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
-    try:
-        ready, _, _ = select.select([proc.stdout], [], [], 120)
-        line = proc.stdout.readline() if ready else ""
-        if line.strip() != "ready":
-            raise RuntimeError(f"moto server child did not start (exit code {proc.poll()})")
-        # Not started here: used for its endpoint, storage_options() and create_bucket().
-        handle = MotoServer(port=port)
-        global SERVER_PID
-        SERVER_PID = proc.pid
-        try:
-            yield handle
-        finally:
-            SERVER_PID = None
-            handle.stop()
-    finally:
-        try:
-            proc.stdin.close()
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-@contextmanager
-def moto_in_process():
-    from ckptstore.testing.moto import MotoServer
-
-    with MotoServer() as server:
-        yield server
 
 
 # ---------------------------------------------------------------- main
@@ -453,11 +214,10 @@ def run_suite(args, sd: dict, like: dict, res: Results, report: dict) -> None:
         bench_ckptstore("ckpt-local", os.path.join(tmp, "repo"), None, local_opts, sd, like, res, report)
         shutil.rmtree(os.path.join(tmp, "repo"))
         if not args.skip_s3:
-            server_cm = moto_in_process() if args.moto_in_process else moto_subprocess()
+            server_cm = moto_thread(BUCKET) if args.moto_in_process else moto_process(BUCKET)
             with server_cm as server:
-                server.create_bucket(BUCKET)
                 bench_ckptstore("ckpt-s3moto", f"s3://{BUCKET}/bench", server.storage_options(), s3_opts,
-                                sd, like, res, report)
+                                sd, like, res, report, server_pid=server.pid)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -491,13 +251,9 @@ def main(argv=None) -> int:
     if args.repeat < 1:
         ap.error("--repeat must be at least 1")
 
-    command = f"{sys.executable} -m benchmarks.save_load" + "".join(
-        " " + shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)
-    )
+    command = command_line("benchmarks.save_load", argv)
     print(f"command: {command}", flush=True)
-    print(f"python {platform.python_version()}, torch {torch.__version__}, ckptstore {ckptstore.__version__}, "
-          f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, "
-          f"load average at start {loadavg()}", flush=True)
+    print(env_line(), flush=True)
 
     t0 = time.perf_counter()
     sd = build_state_dict(args.size_gib, args.seed)
@@ -531,7 +287,7 @@ def main(argv=None) -> int:
         run_suite(args, sd, like, res, report)
         runs.append(res)
         if not args.skip_s3 and not args.moto_in_process:
-            moto_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+            moto_rss = rss_peak_children()
     total = time.perf_counter() - started
     res = best_of(runs)
     res.finish()

@@ -9,6 +9,7 @@ public facade built on it.
 
 from __future__ import annotations
 
+import re
 from typing import Iterator
 
 from . import manifest as _m
@@ -49,17 +50,22 @@ from .runtime import LRUCache, Runtime
 from .storage.base import ObjectInfo, ObjectStore
 from .tables import ChunkTables
 
+#: ``"step":N,"created":X`` as the writers of both manifest versions begin them.
+_CREATED = re.compile(rb'^\{"format":"ckptstore\.manifest","version":\[\d+,\d+\],"step":(\d+),"created":(-?[0-9.eE+-]+),')
+
 #: Tombstones whose parsed manifests a handle keeps (they are write-once).
 TOMBSTONE_CACHE_BYTES = 64 << 20
 
 
 def refs_weight(r: StepRefs) -> int:
-    return 512 + 150 * len(r.packs) + (700 * len(r.chunks) if r.chunks is not None else 0)
+    ranges = sum(len(u.ranges) for u in r.use.values()) if r.use else 0
+    return 512 + 350 * len(r.packs) + 80 * ranges + (700 * len(r.chunks) if r.chunks is not None else 0)
 
 
 def manifest_weight(m: Manifest) -> int:
     """Estimated bytes a parsed manifest holds in memory (about 700 a chunk it holds)."""
-    return 2048 + 100 * len(m.packs) + sum(t.weight() for t in m.tensors.values())
+    ranges = sum(len(u.ranges) for u in m.pack_use.values())
+    return 2048 + 350 * len(m.packs) + 80 * ranges + 200 * len(m.segments) + sum(t.weight() for t in m.tensors.values())
 
 
 class Catalog:
@@ -160,14 +166,7 @@ class Catalog:
         m = self._manifests.get(step)
         if m is not None:
             return m
-        key = manifest_key(step)
-        try:
-            info = self.store.head(key)
-            if info.size > _m.MAX_MANIFEST_BYTES:
-                raise FormatError(f"{self.url}: step {step}: manifest is {info.size} bytes, over the limit")
-            raw = self.store.get(key)
-        except ObjectNotFoundError:
-            raise StepNotFoundError(f"{self.url}: step {step} is not committed") from None
+        raw = self._manifest_bytes(step)
         try:
             m = _m.from_json(raw, expect_step=step)
         except FormatError as e:
@@ -183,6 +182,27 @@ class Catalog:
         """A step's manifest with every shard's chunks in it (2.0: all its chunk tables read)."""
         return self.tables.resolve_all(self.manifest(step))
 
+    def step_created(self, step: int) -> float:
+        """A committed step's creation time, from the first bytes of its manifest.
+
+        Writers put ``"created"`` among the first fields; a manifest where it
+        is not found there is parsed whole (its references read and dropped).
+        """
+        step = check_step(step)
+        m = self._manifests.get(step)
+        if m is not None:
+            return m.created
+        key = manifest_key(step)
+        try:
+            info = self.store.head(key)
+            (head,) = self.store.get_ranges(key, [(0, min(info.size, 512))])
+        except ObjectNotFoundError:
+            raise StepNotFoundError(f"{self.url}: step {step} is not committed") from None
+        found = _CREATED.search(bytes(head))
+        if found is not None and int(found.group(1)) == step:
+            return float(found.group(2))
+        return self.step_refs(step).created
+
     def step_refs(self, step: int, intern: dict | None = None) -> StepRefs:
         """What a committed step references (packs, live bytes, segments), without caching its root.
 
@@ -193,18 +213,21 @@ class Catalog:
         m = self._manifests.get(step)
         if m is not None:
             return refs_of(m)
+        raw = self._manifest_bytes(step)
+        try:
+            return parse_refs(raw, expect_step=step, intern=intern)
+        except FormatError as e:
+            raise type(e)(f"{self.url}: step {step}: {e}") from None
+
+    def _manifest_bytes(self, step: int) -> bytes:
         key = manifest_key(step)
         try:
             info = self.store.head(key)
             if info.size > _m.MAX_MANIFEST_BYTES:
                 raise FormatError(f"{self.url}: step {step}: manifest is {info.size} bytes, over the limit")
-            raw = self.store.get(key)
+            return self.store.get(key)
         except ObjectNotFoundError:
             raise StepNotFoundError(f"{self.url}: step {step} is not committed") from None
-        try:
-            return parse_refs(raw, expect_step=step, intern=intern)
-        except FormatError as e:
-            raise type(e)(f"{self.url}: step {step}: {e}") from None
 
     def remember(self, m: Manifest) -> None:
         """Cache a manifest this handle just committed."""
@@ -272,19 +295,20 @@ class Catalog:
         """Lease key -> mtime."""
         return {o.key: o.mtime for o in self.store.list(LEASE_PREFIX)}
 
-    def tombstones(self) -> dict[str, tuple[float, StepRefs | None]]:
-        """Tombstone key -> (mtime, what the deleted step references, or None if unreadable)."""
-        out = {}
-        for o in self.store.list(TOMBSTONE_PREFIX):
-            hit = self._tombstones.get(o.key)
-            if hit is None:
-                try:
-                    hit = (parse_tombstone(self.store.get(o.key), o.key),)
-                except ObjectNotFoundError:
-                    continue  # expired meanwhile
-                self._tombstones.put(o.key, hit)
-            out[o.key] = (o.mtime, hit[0])
-        return out
+    def tombstone_keys(self) -> dict[str, float]:
+        """Tombstone key -> mtime."""
+        return {o.key: o.mtime for o in self.store.list(TOMBSTONE_PREFIX)}
+
+    def tombstone_refs(self, key: str) -> StepRefs | None:
+        """What the deleted step a tombstone keeps references (None if unreadable or gone); cached."""
+        hit = self._tombstones.get(key)
+        if hit is None:
+            try:
+                hit = (parse_tombstone(self.store.get(key), key),)
+            except ObjectNotFoundError:
+                return None  # expired meanwhile
+            self._tombstones.put(key, hit)
+        return hit[0]
 
     def packs(self) -> dict[str, ObjectInfo]:
         """Pack id -> what the store lists for it."""

@@ -9,8 +9,9 @@ without a lock, is in ``docs/gc.md``.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 from . import pack as _pack
 from .catalog import Catalog
@@ -257,17 +258,18 @@ class GCResult:
 # ---------------------------------------------------------------------- state
 @dataclass
 class _State:
-    """What GC reads from the store.
+    """What GC lists: steps (with their creation times), tombstones, leases, packs, segments.
 
-    Steps and tombstones are kept as :class:`~ckptstore.manifest.StepRefs`:
-    a 2.0 step is its pack list (with live bytes) and segment list, never
-    its chunk tables, so GC's memory and time are bounded by packs, not
-    chunks. 1.0 steps carry their chunk references (their manifests do).
+    No step's references are held here: they are read one step at a time
+    when needed (:func:`_step_refs`) and folded into a :class:`_Refs`, so
+    GC's memory is bounded by the repository's packs, not by steps times
+    packs, nor by chunks (2.0 steps are followed by their pack lists; 1.0
+    steps carry their chunk references).
     """
 
     now: float
-    manifests: dict[int, StepRefs]
-    tombstones: dict[str, tuple[float, StepRefs | None]]  # key -> (mtime, references)
+    steps: dict[int, float]  # step -> created
+    tombstones: dict[str, float]  # key -> mtime
     leases: dict[str, float]  # key -> mtime
     packs: dict[str, tuple[int, float]]  # id -> (size, mtime)
     relocations: set[str]  # pack ids with a relocation record
@@ -280,48 +282,71 @@ class _State:
         return self.now - mtime - self.res
 
 
-def _read_manifests(cat: Catalog) -> dict[int, StepRefs]:
+def _read_steps(cat: Catalog) -> dict[int, float]:
+    """Every committed step with its creation time (a few bytes of each manifest)."""
     out = {}
-    intern: dict[str, str] = {}
     for step in cat.steps():
         try:
-            out[step] = cat.step_refs(step, intern)
+            out[step] = cat.step_created(step)
         except StepNotFoundError:
             continue  # deleted meanwhile
     return out
 
 
+def _step_refs(cat: Catalog, steps: Iterable[int], stats: dict | None = None) -> Iterator[StepRefs]:
+    """What each of ``steps`` references, read one at a time (steps deleted meanwhile are skipped)."""
+    intern: dict[str, str] = {}
+    for step in steps:
+        try:
+            r = cat.step_refs(step, intern)
+        except StepNotFoundError:
+            continue
+        if stats is not None:
+            for k in ("logical_bytes", "new_bytes", "stored_bytes"):
+                stats[k] = stats.get(k, 0) + int(r.stats.get(k, 0) or 0)
+        yield r
+
+
 def _read_state(cat: Catalog, now: float, clock: Clock | None = None) -> _State:
     leases = cat.leases()
-    tombstones = cat.tombstones()
+    tombstones = cat.tombstone_keys()
     packs = {pid: (o.size, o.mtime) for pid, o in cat.packs().items()}
     segments = {sid: (o.size, o.mtime) for sid, o in cat.segments().items()}
     relocs = cat.relocated_packs()
     listed_at = (clock or cat.clock).time()  # manifests are listed last: deletions are timed from here (G3)
-    state = _State(now, _read_manifests(cat), tombstones, leases, packs, relocs, segments, cat.store.mtime_resolution)
+    state = _State(now, _read_steps(cat), tombstones, leases, packs, relocs, segments, cat.store.mtime_resolution)
     state.listed_at = listed_at
     return state
 
 
-def _protecting_tombstones(state: _State, grace: float) -> list[StepRefs]:
+def _protecting_tombstones(cat: Catalog, state: _State, grace: float) -> list[StepRefs]:
     """Tombstones that still protect their packs and segments.
 
     A deleted step's objects stay referenced while the tombstone is younger
     than the grace period and some lease that started before the deletion is
     itself younger than the grace period: only such a saver can have read
     the step as its dedup base (savers write their lease before reading it).
+    Only those tombstones are read.
     """
     margin = safety_margin(grace)
     out = []
-    for _key, (tmtime, refs) in state.tombstones.items():
-        if refs is None or state.age(tmtime) > grace:
+    for key, tmtime in state.tombstones.items():
+        if state.age(tmtime) > grace:
             continue
         if any(
             lmtime <= tmtime + margin + state.res and state.age(lmtime) <= grace
             for lmtime in state.leases.values()
         ):
-            out.append(refs)
+            refs = cat.tombstone_refs(key)
+            if refs is not None:
+                out.append(refs)
     return out
+
+
+def _users(cat: Catalog, state: _State, grace: float) -> Iterator[StepRefs]:
+    """Every committed step of ``state`` and every protecting tombstone, one at a time."""
+    yield from _step_refs(cat, sorted(state.steps))
+    yield from _protecting_tombstones(cat, state, grace)
 
 
 @dataclass
@@ -337,9 +362,17 @@ class _Refs:
 
     packs: set[str] = field(default_factory=set)
     chunks: dict[str, set[tuple[int, int, str]]] = field(default_factory=dict)
-    ranges: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    ranges: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
     segments: set[str] = field(default_factory=set)
+
+    def add_ranges(self, pid: str, ranges: tuple[tuple[int, int], ...]) -> None:
+        """Fold one step's ranges of a pack into the union (most steps repeat the last one's)."""
+        have = self.ranges.get(pid)
+        if have is None or have == ranges:
+            self.ranges[pid] = ranges
+        else:
+            self.ranges[pid] = merge_ranges(have + ranges)
 
     def live_bytes(self, pid: str) -> int:
         spans = list(self.ranges.get(pid, ()))
@@ -370,7 +403,7 @@ def _referenced(view: RelocationView, steps: Iterable[StepRefs], existing: dict[
                     out.chunks.setdefault(hop.pack, set()).add((hop.offset, hop.stored_len, hop.hash))
             continue
         for pid, u in r.use.items():
-            out.ranges.setdefault(pid, []).extend(u.ranges)
+            out.add_ranges(pid, u.ranges)
             if u.chunks:
                 out.counts[pid] = max(out.counts.get(pid, 0), u.chunks)
         for pid in r.packs:
@@ -387,7 +420,7 @@ def _follow_pack(view: RelocationView, pid: str, existing, relocs, out: _Refs, h
     for c in (view.table(pid) or {}).values():
         moved.setdefault(c.pack, []).append((c.offset, c.offset + c.stored_len))
     for new, spans in moved.items():
-        out.ranges.setdefault(new, []).extend(spans)
+        out.add_ranges(new, merge_ranges(spans))
         if new not in out.packs:
             _follow_pack(view, new, existing, relocs, out, hops + 1)
 
@@ -477,23 +510,24 @@ def plan_gc(
     )
     state = _read_state(repo, now, gclock)
     tags = repo.tags()
-    created = {s: m.created for s, m in state.manifests.items()}
-    keep = select_steps(created, tags, policy, now)
-    delete = [s for s in sorted(state.manifests) if s not in keep]
+    keep = select_steps(state.steps, tags, policy, now)
+    delete = [s for s in sorted(state.steps) if s not in keep]
 
     # Live leases: savers in flight. Their fresh packs are protected by the
     # age rule; keeping the newest step keeps their likely dedup base.
     live_leases = tuple(k for k, t in state.leases.items() if state.age(t) <= g)
     stale_leases = tuple(k for k, t in state.leases.items() if state.age(t) > g)
 
-    kept_manifests = [state.manifests[s] for s in sorted(keep)]
-    tomb_manifests = _protecting_tombstones(state, g)
     # Steps deleted by this run will be tombstoned; while live leases exist
     # their packs stay protected (execute re-checks).
-    pending = [state.manifests[s] for s in delete] if live_leases else []
     view = repo.relocations.view()
-    live = _referenced(view, kept_manifests, state.packs, state.relocations)
-    prot = _referenced(view, tomb_manifests + pending, state.packs, state.relocations)
+    kept_stats: dict = {}
+    live = _referenced(view, _step_refs(repo, sorted(keep), kept_stats), state.packs, state.relocations)
+    prot = _referenced(
+        view,
+        itertools.chain(_protecting_tombstones(repo, state, g), _step_refs(repo, delete if live_leases else ())),
+        state.packs, state.relocations,
+    )
 
     delete_packs, young, protected = [], [], []
     for pid, (size, mtime) in sorted(state.packs.items()):
@@ -535,14 +569,14 @@ def plan_gc(
         elif state.age(u.initiated) > g and _older_than_all(u.initiated, state, g):
             uploads.append(u)
 
-    expired = tuple(k for k, (t, _) in state.tombstones.items() if state.age(t) > g)
+    expired = tuple(k for k, t in state.tombstones.items() if state.age(t) > g)
     # Ratios from what each kept step recorded (bounded by steps, not chunks):
     # logical bytes over the bytes they first stored; ckptstore stats counts exactly.
-    logical = sum(int(m.stats.get("logical_bytes", 0)) for m in kept_manifests)
-    uraw = sum(int(m.stats.get("new_bytes", 0)) for m in kept_manifests)
-    ustored = sum(int(m.stats.get("stored_bytes", 0)) for m in kept_manifests)
+    logical = kept_stats.get("logical_bytes", 0)
+    uraw = kept_stats.get("new_bytes", 0)
+    ustored = kept_stats.get("stored_bytes", 0)
     stats = {
-        "steps": len(state.manifests),
+        "steps": len(state.steps),
         "packs": len(state.packs),
         "segments": len(state.segments),
         "stored_bytes": stored,
@@ -622,21 +656,21 @@ def _execute(plan: GCPlan, cat: Catalog, progress) -> GCResult:
     def reread():
         st = _read_state(cat, clock.time(), clock)
         view = cat.relocations.view()
-        users = list(st.manifests.values()) + _protecting_tombstones(st, g)
-        return st, view, users, _referenced(view, users, st.packs, st.relocations)
+        return st, view, _referenced(view, _users(cat, st, g), st.packs, st.relocations)
 
-    state, view, users, refs = reread()
-    moved_needs: dict[str, set[str]] = {}
-    if relocated:  # exactly which chunks of the repacked packs are used now
-        found = _chunks_in(cat, users, set(relocated), view, state.packs, state.relocations)
-        moved_needs = {pid: {h for _, _, h in found.get(pid, ())} for pid in relocated}
+    def needs(st, view) -> dict[str, set[str]]:
+        # exactly which chunks of the repacked packs are used now
+        found = _chunks_in(cat, _users(cat, st, g), set(relocated), view, st.packs, st.relocations)
+        return {pid: {h for _, _, h in found.get(pid, ())} for pid in relocated}
+
+    state, view, refs = reread()
+    moved_needs = needs(state, view) if relocated else {}
     todo = [pid for pid, _ in plan.delete_packs] + list(relocated)
     for i, pid in enumerate(todo):
         if clock.time() - state.listed_at > safety_margin(g) / 2:
-            state, view, users, refs = reread()
+            state, view, refs = reread()
             if relocated:
-                found = _chunks_in(cat, users, set(relocated), view, state.packs, state.relocations)
-                moved_needs = {p: {h for _, _, h in found.get(p, ())} for p in relocated}
+                moved_needs = needs(state, view)
         info = state.packs.get(pid)
         if info is None:
             res.skipped_packs.append((pid, "already gone"))
@@ -659,7 +693,7 @@ def _execute(plan: GCPlan, cat: Catalog, progress) -> GCResult:
         progress("packs", i + 1, len(todo))
 
     # 3b. Chunk-table segments no step (or protecting tombstone) names, old enough.
-    state, view, users, refs = reread()
+    state, view, refs = reread()
     for sid, _ in plan.delete_segments:
         info = state.segments.get(sid)
         if info is None or sid in refs.segments or state.age(info[1]) <= g:
@@ -683,10 +717,7 @@ def _execute(plan: GCPlan, cat: Catalog, progress) -> GCResult:
     for key in plan.stale_leases:
         store.delete(key)
     state = _read_state(cat, clock.time(), clock)
-    needed = _referenced(
-        cat.relocations.view(), list(state.manifests.values()) + _protecting_tombstones(state, g),
-        state.packs, state.relocations,
-    )
+    needed = _referenced(cat.relocations.view(), _users(cat, state, g), state.packs, state.relocations)
     for pid in state.relocations:
         if pid not in needed.packs and pid not in state.packs:
             store.delete(relocation_key(pid))
@@ -704,9 +735,8 @@ def _repack(cat: Catalog, plan: GCPlan, res: GCResult, progress) -> dict[str, di
     store = cat.store
     clock = plan.clock or cat.clock
     state = _read_state(cat, clock.time(), clock)
-    users = list(state.manifests.values()) + _protecting_tombstones(state, plan.grace)
-    live_chunks = _chunks_in(cat, users, {u.pack for u in plan.repack}, cat.relocations.view(),
-                             state.packs, state.relocations)
+    live_chunks = _chunks_in(cat, _users(cat, state, plan.grace), {u.pack for u in plan.repack},
+                             cat.relocations.view(), state.packs, state.relocations)
     writer = PackWriter(store, cat.runtime, cat.options, window=4)
     moved: dict[str, dict[str, ChunkRef]] = {}
     try:
@@ -765,7 +795,7 @@ def space_accounting(repo: Catalog) -> dict:
     chunks: dict[str, set[tuple[int, int, str]]] = {}
     uniq: dict[str, tuple[int, int]] = {}
     logical = 0
-    for r in state.manifests.values():
+    for r in _step_refs(repo, sorted(state.steps)):
         if r.chunks is not None:
             it = r.chunks
         else:
@@ -795,7 +825,7 @@ def space_accounting(repo: Catalog) -> dict:
     ustored = sum(s for _, s in uniq.values())
     return {
         "url": repo.url,
-        "steps": len(state.manifests),
+        "steps": len(state.steps),
         "packs": len(state.packs),
         "segments": len(state.segments),
         "stored_bytes": stored,

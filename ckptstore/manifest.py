@@ -407,8 +407,8 @@ def check_version(v, what: str = "manifest") -> tuple[int, int]:
     return v[0], v[1]
 
 
-def from_json(data: bytes, expect_step: int | None = None) -> Manifest:
-    """Parse and validate a manifest (1.x or 2.x); raises :class:`FormatError` on any defect."""
+def _load_doc(data: bytes) -> tuple[dict, tuple[int, int]]:
+    """The manifest's JSON object and version, bounded and checked to be a manifest."""
     if len(data) > MAX_MANIFEST_BYTES:
         raise FormatError(f"manifest is {len(data)} bytes, over the {MAX_MANIFEST_BYTES}-byte limit")
     try:
@@ -417,19 +417,15 @@ def from_json(data: bytes, expect_step: int | None = None) -> Manifest:
         raise FormatError(f"manifest is not valid JSON (truncated or corrupted?): {e}") from None
     if type(doc) is not dict or doc.get("format") != FORMAT:
         raise FormatError("object is not a ckptstore manifest (missing or wrong 'format' field)")
-    version = check_version(doc.get("version"))
-    if version[0] >= 2:
-        return _from_doc_v2(doc, version, expect_step)
-    doc = _obj(
-        doc,
-        "",
-        {"format", "version", "step", "created", "packs", "tensors", "tree"},
-        {"metadata", "stats", "base_step", "dcp"},
-    )
-    step = _int(doc["step"], "step")
+    return doc, check_version(doc.get("version"))
+
+
+def _common_fields(doc: dict, expect_step: int | None):
+    """``(step, created, base_step, metadata, stats)``, the fields both versions share."""
+    step = _int(doc.get("step"), "step")
     if expect_step is not None and step != expect_step:
         _fail("step", f"manifest says step {step}, but is stored as step {expect_step}")
-    created = doc["created"]
+    created = doc.get("created")
     if type(created) not in (int, float) or not math.isfinite(created):
         _fail("created", "expected a finite number")
     base_step = doc.get("base_step")
@@ -441,6 +437,35 @@ def from_json(data: bytes, expect_step: int | None = None) -> Manifest:
     stats = doc.get("stats") or {}
     if type(stats) is not dict:
         _fail("stats", "expected an object")
+    return step, created, base_step, metadata, stats
+
+
+def _dtype_and_shape(t: dict, w: str) -> tuple[str, tuple[int, ...]]:
+    """A tensor entry's dtype and shape, bounded (both versions)."""
+    dtype = t["dtype"]
+    if type(dtype) is not str or dtype not in DTYPES:
+        _fail(w, f"unknown dtype {dtype!r:.40}")
+    shape = _list(t["shape"], w + " shape")
+    if len(shape) > MAX_DIMS:
+        _fail(w, f"{len(shape)} dimensions, over the limit {MAX_DIMS}")
+    shape = tuple(_int(d, w + " shape", 0, MAX_TENSOR_BYTES) for d in shape)
+    if math.prod(shape) * DTYPES[dtype].itemsize > MAX_TENSOR_BYTES:
+        _fail(w, f"shape {shape} is over the {MAX_TENSOR_BYTES}-byte limit")
+    return dtype, shape
+
+
+def from_json(data: bytes, expect_step: int | None = None) -> Manifest:
+    """Parse and validate a manifest (1.x or 2.x); raises :class:`FormatError` on any defect."""
+    doc, version = _load_doc(data)
+    if version[0] >= 2:
+        return _from_doc_v2(doc, version, expect_step)
+    doc = _obj(
+        doc,
+        "",
+        {"format", "version", "step", "created", "packs", "tensors", "tree"},
+        {"metadata", "stats", "base_step", "dcp"},
+    )
+    step, created, base_step, metadata, stats = _common_fields(doc, expect_step)
 
     packs: dict[str, int] = {}
     pack_ids: list[str] = []
@@ -464,16 +489,8 @@ def from_json(data: bytes, expect_step: int | None = None) -> Manifest:
         if key in tensors:
             _fail(w + ".key", f"duplicate tensor key {key!r}")
         w = f"tensor {key!r}"
-        dtype = t["dtype"]
-        if type(dtype) is not str or dtype not in DTYPES:
-            _fail(w, f"unknown dtype {dtype!r:.40}")
-        shape = _list(t["shape"], w + " shape")
-        if len(shape) > MAX_DIMS:
-            _fail(w, f"{len(shape)} dimensions, over the limit {MAX_DIMS}")
-        shape = tuple(_int(d, w + " shape", 0, MAX_TENSOR_BYTES) for d in shape)
+        dtype, shape = _dtype_and_shape(t, w)
         isz = DTYPES[dtype].itemsize
-        if math.prod(shape) * isz > MAX_TENSOR_BYTES:
-            _fail(w, f"shape {shape} is over the {MAX_TENSOR_BYTES}-byte limit")
         shards = []
         for j, s in enumerate(_list(t["shards"], w + " shards")):
             ws = f"{w} shard {j}"
@@ -760,21 +777,7 @@ def _from_doc_v2(doc: dict, version: tuple[int, int], expect_step: int | None) -
         {"format", "version", "step", "created", "packs", "segments", "tensors", "columns", "tree"},
         {"metadata", "stats", "base_step", "dcp"},
     )
-    step = _int(doc["step"], "step")
-    if expect_step is not None and step != expect_step:
-        _fail("step", f"manifest says step {step}, but is stored as step {expect_step}")
-    created = doc["created"]
-    if type(created) not in (int, float) or not math.isfinite(created):
-        _fail("created", "expected a finite number")
-    base_step = doc.get("base_step")
-    if base_step is not None:
-        _int(base_step, "base_step")
-    metadata = doc.get("metadata") or {}
-    if type(metadata) is not dict:
-        _fail("metadata", "expected an object")
-    stats = doc.get("stats") or {}
-    if type(stats) is not dict:
-        _fail("stats", "expected an object")
+    step, created, base_step, metadata, stats = _common_fields(doc, expect_step)
 
     packs: dict[str, int] = {}
     use: dict[str, PackUsage] = {}
@@ -811,15 +814,7 @@ def _from_doc_v2(doc: dict, version: tuple[int, int], expect_step: int | None) -
         t = _obj(t, w, {"key", "dtype", "shape", "shards", "stored", "chunks"}, {"split"})
         key = _str(t["key"], w + ".key")
         w = f"tensor {key!r}"
-        dtype = t["dtype"]
-        if type(dtype) is not str or dtype not in DTYPES:
-            _fail(w, f"unknown dtype {dtype!r:.40}")
-        shape = _list(t["shape"], w + " shape")
-        if len(shape) > MAX_DIMS:
-            _fail(w, f"{len(shape)} dimensions, over the limit {MAX_DIMS}")
-        shape = tuple(_int(d, w + " shape", 0, MAX_TENSOR_BYTES) for d in shape)
-        if math.prod(shape) * DTYPES[dtype].itemsize > MAX_TENSOR_BYTES:
-            _fail(w, f"shape {shape} is over the {MAX_TENSOR_BYTES}-byte limit")
+        dtype, shape = _dtype_and_shape(t, w)
         n = _int(t["shards"], w + " shards", 0, MAX_SHARDS)
         split = t.get("split")
         if split is not None:
@@ -920,24 +915,11 @@ def parse_refs(data: bytes, expect_step: int | None = None, intern: dict | None 
     :func:`from_json` does; its tensors and columns are not decoded. ``intern``
     (a dict) shares the pack id strings of many steps.
     """
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise FormatError(f"manifest is {len(data)} bytes, over the {MAX_MANIFEST_BYTES}-byte limit")
-    try:
-        doc = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise FormatError(f"manifest is not valid JSON (truncated or corrupted?): {e}") from None
-    if type(doc) is not dict or doc.get("format") != FORMAT:
-        raise FormatError("object is not a ckptstore manifest (missing or wrong 'format' field)")
-    version = check_version(doc.get("version"))
+    doc, version = _load_doc(data)
     if version[0] < 2:
         return refs_of(from_json(data, expect_step))
     intern = {} if intern is None else intern
-    step = _int(doc.get("step"), "step")
-    if expect_step is not None and step != expect_step:
-        _fail("step", f"manifest says step {step}, but is stored as step {expect_step}")
-    created = doc.get("created")
-    if type(created) not in (int, float) or not math.isfinite(created):
-        _fail("created", "expected a finite number")
+    step, created, _, _, stats = _common_fields(doc, expect_step)
     packs: dict[str, int] = {}
     use: dict[str, PackUsage] = {}
     for i, p in enumerate(_list(doc.get("packs"), "packs")):
@@ -950,7 +932,4 @@ def parse_refs(data: bytes, expect_step: int | None = None, intern: dict | None 
         if type(g) is not dict or not is_pack_id(g.get("id")):
             _fail(f"segments[{i}]", "expected an object with a segment id")
         segs.append(g["id"])
-    stats = doc.get("stats") or {}
-    if type(stats) is not dict:
-        _fail("stats", "expected an object")
     return StepRefs(step, float(created), packs, use, tuple(segs), None, stats)

@@ -54,7 +54,6 @@ class Checkpoint:
         self.manifest = manifest
         self.step = manifest.step
         self._chunks: dict[tuple[str, int], tuple] = {}  # shards whose chunk tables were read
-        self._by_offset: dict[str, dict[tuple, int]] = {}
 
     def __repr__(self) -> str:
         return f"Checkpoint({self.repo.url!r}, step={self.step}, tensors={len(self.manifest.tensors)})"
@@ -108,15 +107,15 @@ class Checkpoint:
     def shard_at(self, key: str, offsets) -> int:
         """The index of tensor ``key``'s shard whose box starts at ``offsets`` (None: the origin)."""
         e = self.entry(key)
-        table = self._by_offset.get(key)
-        if table is None:
-            offs, _ = e.boxes()
-            table = self._by_offset[key] = {tuple(o): i for i, o in enumerate(offs.tolist())}
         want = tuple(offsets) if offsets is not None else (0,) * len(e.shape)
-        try:
-            return table[want]
-        except KeyError:
-            raise FormatError(f"step {self.step}: tensor {key!r} has no stored shard at offsets {want}") from None
+        offs, _ = e.boxes()
+        if offs.shape[1] == 0:
+            hits = np.arange(len(offs))
+        else:
+            hits = np.nonzero(np.all(offs == np.asarray(want, dtype=np.int64), axis=1))[0]
+        if len(hits) == 0:
+            raise FormatError(f"step {self.step}: tensor {key!r} has no stored shard at offsets {want}")
+        return int(hits[0])
 
     def resolve(self, pairs) -> None:
         """Read the chunk tables of shards ``(key, index)`` in one batch (kept for later reads)."""

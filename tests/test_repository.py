@@ -519,3 +519,27 @@ def test_pack_ranges_are_capped_by_closing_the_smallest_gaps():
     covered = sum(e - s for s, e in merged)
     assert covered >= sum(e - s for s, e in spans)  # never less than what is used
     assert merge_ranges([(5, 9), (0, 3), (3, 5), (20, 20)]) == ((0, 9),)
+
+
+def test_damaged_or_missing_chunk_table_segment_is_a_clear_error():
+    from ckptstore.errors import MissingDataError
+    from ckptstore.layout import segment_key
+
+    store, repo = _corrupt_setup()
+    seg = repo.manifest(1).segments[0]
+    key = segment_key(seg.id)
+    raw = bytearray(store.get(key))
+    raw[seg.header + 10] ^= 0x01  # a record byte: its block's digest no longer matches
+    store.put(key, bytes(raw))
+    with pytest.raises(FormatError, match=rf"step 1: chunk-table segment {seg.id}: block 0 does not match its digest"):
+        Repository(store).load(1)
+    raw[seg.header + 10] ^= 0x01
+    raw[5] ^= 0x01  # the header: the root's digest no longer matches
+    store.put(key, bytes(raw))
+    with pytest.raises(FormatError, match="header does not match the manifest's digest"):
+        Repository(store).load(1)
+    store.delete(key)
+    with pytest.raises(MissingDataError, match=rf"segment {seg.id} is missing"):
+        Repository(store).load(1)
+    rep = Repository(store).verify()
+    assert [p.kind for p in rep.problems] == ["segment"] and rep.problems[0].step == 1
