@@ -854,22 +854,22 @@ def plan_exchange(
     wanting rank with the smallest load so far (fetched bytes: raw bytes x
     the tensor's stored/raw ratio).
 
-    On ``gather_min_ranks`` ranks or more, pieces every rank wants (DDP,
-    fully replicated) travel by all-gather, in rounds in which each rank
-    contributes at most ``round_bytes / ranks`` (so each gathers at most
-    ``round_bytes``; pieces are cut to fit): a ring all-gather takes ``ranks
-    - 1`` steps of one message per rank, where point to point every rank
-    sends and receives ``ranks - 1`` messages per piece it owns. On fewer
-    ranks, and for pieces a subset wants (a replica group of HSDP, say),
-    pieces travel point to point from owner to the other wanting ranks
-    (received straight into destinations, no copy out of a gathered
-    buffer): a piece of
-    ``solo_bytes`` or more as a message of its own (receivers can take it
-    straight into the destination), smaller ones with the same owner and
-    the same wanting ranks packed into messages of up to ``bundle_bytes``;
-    messages are ordered so that each round mixes owners and cut into
-    rounds in which no rank holds more than ``round_bytes`` of them (a
-    larger message is a round of its own). All-gather rounds come first.
+    Pieces every rank wants (DDP, fully replicated) travel in rounds: each
+    rank's own pieces are packed into shares of at most ``round_bytes /
+    ranks`` (pieces are cut to fit), round g carrying every rank's g-th
+    share, so in each round every rank sends and receives about as much as
+    any other. On ``gather_min_ranks`` ranks or more a round is one
+    all-gather (a ring of ``ranks - 1`` steps of one message per rank, whose
+    output is copied out); on fewer ranks each share goes point to point
+    from its owner to every other rank (received straight into the
+    destinations where they allow). Pieces a subset wants (a replica group
+    of HSDP, say) travel point to point from owner to the other wanting
+    ranks, in the rounds after those; their messages are ordered so that
+    each round mixes owners and cut into rounds in which no rank holds more
+    than ``round_bytes`` of them (a larger message is a round of its own).
+    Point to point, a piece of ``solo_bytes`` or more is a message of its
+    own; smaller ones with the same owner and the same wanting ranks are
+    packed into messages of up to ``bundle_bytes``.
 
     ``solo_bytes`` defaults to ``min_piece / 8``, ``bundle_bytes`` to
     ``2 x min_piece``.
