@@ -20,7 +20,8 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 import ckptstore
-from ckptstore.dcp import ReadRegion, balance_save_plans, plan_exchange
+from ckptstore.dcp import balance_save_plans
+from ckptstore.exchange import ReadRegion, plan_exchange
 
 from . import dcp_workers as W
 
