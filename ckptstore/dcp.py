@@ -22,7 +22,13 @@ written or read by this module.
 
 Load: each read item becomes a box of one stored shard; the range-reading
 loader fetches only the chunks covering it (coalesced, concurrent,
-verified) and writes into the destination tensor.
+verified) and writes into the destination tensor. A box several ranks read
+(replicated state) is fetched once per job: the coordinator gives each
+piece of it to one of those ranks, balanced by bytes, and the owner sends
+it to the others over the process group (:mod:`ckptstore.exchange`,
+``CkptStoreReader(exchange_replicated=...)``). On save, replicated items
+that DCP's dedup left to one rank are rebalanced the same way
+(:func:`balance_save_plans`).
 
 A step saved here is an ordinary step (``repo.checkpoint(step).read``,
 ``repo.load`` assemble shards); a step saved with ``repo.save`` loads
@@ -38,6 +44,7 @@ import math
 import os
 import re
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,15 +74,30 @@ import numpy as np
 from . import manifest as _m
 from .chunktable import TableBuilder
 from .errors import CkptStoreError, FormatError, StepExistsError, StepNotFoundError
+from .exchange import (
+    Exchange,
+    Exchanger,
+    Gather,
+    Message,
+    Piece,
+    RankReadError,
+    ReadRegion,
+    as_bytes,
+    plan_exchange,
+    takes_bytes,
+)
 from .layout import check_step as _check_step
 from .layout import pack_key
 from .manifest import Manifest, PackUsage, SegmentRef, TensorEntry, merge_ranges
 from .repository import Repository
 from .repository import open as _open
 from .save import ChunkWriter, StepCommit, dedup_share, pack_usage, write_segment
+from .tensors import castable
 from .tree import decode_value, encode_value, leaf_values, tensor_paths
 
-__all__ = ["CkptStoreWriter", "CkptStoreReader", "RankWriteError", "split_checkpoint_id"]
+__all__ = ["CkptStoreWriter", "CkptStoreReader", "RankReadError", "RankWriteError", "split_checkpoint_id"]
+
+MiB = 1 << 20
 
 _SCHEMES = ("s3://", "gs://", "gcs://", "file://", "memory://")
 
@@ -90,6 +112,8 @@ class _GlobalInfo:
 
     rank: int
     base_step: int | None
+    # rows of a replicated item this rank writes: (fqn, offsets of the part) -> (the item, lo, hi)
+    parts: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -114,6 +138,149 @@ class _ItemResult:
     count: int
     stored: int
     info: _RankInfo | None = None  # on the first result of a rank
+
+
+@dataclass(frozen=True)
+class _Held:
+    """The items a rank's local save plan holds, before DCP's dedup drops the replicated ones."""
+
+    keys: tuple  # (fqn, offsets, sizes) of every tensor item, in plan order
+
+
+def _write_key(item) -> tuple | None:
+    """What makes two ranks' write items the same box of the same tensor (None: a bytes item)."""
+    if item.type == WriteItemType.BYTE_IO or item.tensor_data is None or item.tensor_data.chunk is None:
+        return None
+    c = item.tensor_data.chunk
+    return (item.index.fqn, tuple(c.offsets), tuple(c.sizes))
+
+
+def _write_bytes(item) -> int:
+    """Bytes a write item writes: its chunk's, not the whole tensor's (``WriteItem.tensor_storage_size``,
+    which DCP's dedup counts, is the global tensor's size even for one shard of it)."""
+    td = item.tensor_data
+    if td is None or td.chunk is None:
+        return 0
+    return math.prod(td.chunk.sizes) * torch.empty((), dtype=td.properties.dtype).element_size()
+
+
+def balance_save_plans(
+    plans: list[SavePlan], *, chunk_size: int = 4 * MiB, min_part: int = 16 * MiB
+) -> tuple[list[SavePlan], list[dict]]:
+    """Reassign replicated write items so every rank writes about the same bytes.
+
+    DCP's dedup (``dedup_save_plans``, torch 2.13) gives each replicated
+    item to the rank with the fewest bytes *so far*, visiting items in plan
+    order (rank 0's first), so the other ranks' own items are not counted
+    yet when most replicated items are placed; and it counts a shard as
+    its whole tensor (``WriteItem.tensor_storage_size``). Here each plan's
+    ``storage_data`` lists what the rank held before the dedup
+    (:class:`_Held`, from ``prepare_local_plan``); an item held by several
+    ranks is movable between them, every other item stays where it is.
+
+    A movable item larger than ``max(min_part, 4 x chunk_size, all bytes /
+    (4 x ranks))`` with more than one row is cut along dim 0 into parts of
+    about that size (at chunk boundaries where rows line up with chunks, so
+    the chunks are those of the whole item and dedup against an uncut base
+    still matches); the step then stores it as that many shards. Movable
+    items and parts, largest first, go to the holder with the fewest bytes
+    (its fixed items included). Item order within a plan follows the
+    plans' original order.
+
+    Returns the plans and, per rank, ``{(fqn, part offsets): (item, lo, hi)}``
+    for the parts it writes. Plans come back unchanged when any lacks the
+    record (another writer's local plan, or DCP's plan caching sent an
+    empty delta).
+    """
+    n = len(plans)
+    if n < 2 or not all(p.usable and isinstance(p.storage_data, _Held) for p in plans):
+        return plans, [{} for _ in plans]
+    holders: dict[tuple, list[int]] = {}
+    for r, p in enumerate(plans):
+        for k in p.storage_data.keys:
+            holders.setdefault(k, []).append(r)
+    load = [0] * n
+    placed = []  # [item, rank (None: movable), holders, part (lo, hi) or None]
+    for r, p in enumerate(plans):
+        for item in p.items:
+            k = _write_key(item)
+            h = holders.get(k) if k is not None else None
+            if h is not None and len(h) > 1 and r in h:
+                placed.append([item, None, h, None])
+            else:
+                placed.append([item, r, None, None])
+                load[r] += _write_bytes(item)
+    total = sum(_write_bytes(x[0]) for x in placed)
+    part_max = max(min_part, 4 * chunk_size, -(-total // (4 * n)))
+    cut = []
+    for x in placed:
+        item = x[0]
+        nb = _write_bytes(item)
+        sizes = tuple(item.tensor_data.chunk.sizes) if item.tensor_data is not None else ()
+        if x[1] is not None or nb <= part_max or len(sizes) == 0 or sizes[0] < 2:
+            cut.append(x)
+            continue
+        rows = sizes[0]
+        row_bytes = nb // rows
+        align = chunk_size // row_bytes if row_bytes and chunk_size % row_bytes == 0 else 1
+        k = min(rows, -(-nb // part_max))
+        bounds = [0]
+        for j in range(1, k):
+            b = round(round(j * rows / k) / align) * align
+            if bounds[-1] < b < rows:
+                bounds.append(b)
+        bounds.append(rows)
+        for lo, hi in zip(bounds, bounds[1:]):
+            cut.append([item, None, x[2], (lo, hi)])
+    placed = cut
+
+    def size(x) -> int:
+        return _write_bytes(x[0]) if x[3] is None else _write_bytes(x[0]) // x[0].tensor_data.chunk.sizes[0] * (x[3][1] - x[3][0])
+
+    for i in sorted((i for i, x in enumerate(placed) if x[1] is None), key=lambda i: (-size(placed[i]), i)):
+        r = min(placed[i][2], key=lambda q: (load[q], q))
+        placed[i][1] = r
+        load[r] += size(placed[i])
+    items: list[list] = [[] for _ in plans]
+    parts: list[dict] = [{} for _ in plans]
+    for item, r, _, part in placed:
+        if part is not None:
+            item, whole = _part_item(item, *part), item
+            parts[r][(item.index.fqn, tuple(item.index.offset))] = (whole, part[0], part[1])
+        items[r].append(item)
+    return [dataclasses.replace(p, items=its) for p, its in zip(plans, items)], parts
+
+
+def _part_item(item, lo: int, hi: int):
+    """Rows ``lo:hi`` of a tensor write item, as a write item of its own (a shard of the step)."""
+    c = item.tensor_data.chunk
+    offsets = torch.Size((c.offsets[0] + lo, *c.offsets[1:]))
+    sizes = torch.Size((hi - lo, *c.sizes[1:]))
+    return dataclasses.replace(
+        item,
+        index=dataclasses.replace(item.index, offset=offsets, index=None),
+        tensor_data=dataclasses.replace(item.tensor_data, chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes)),
+    )
+
+
+def _split_metadata(metadata: Metadata, parts: list[dict]) -> Metadata:
+    """DCP's metadata with each cut item's chunk replaced by its parts' chunks."""
+    cuts: dict[str, dict[tuple, list]] = {}
+    for rank_parts in parts:
+        for whole, lo, hi in rank_parts.values():
+            c = _part_item(whole, lo, hi).tensor_data.chunk
+            cuts.setdefault(whole.index.fqn, {}).setdefault(tuple(whole.tensor_data.chunk.offsets), []).append(c)
+    if not cuts:
+        return metadata
+    sdm = dict(metadata.state_dict_metadata)
+    for fqn, by_offsets in cuts.items():
+        md = sdm[fqn]
+        chunks = []
+        for c in md.chunks:
+            pieces = by_offsets.get(tuple(c.offsets))
+            chunks.extend(sorted(pieces, key=lambda x: x.offsets[0]) if pieces else [c])
+        sdm[fqn] = dataclasses.replace(md, chunks=chunks)
+    return dataclasses.replace(metadata, state_dict_metadata=sdm)
 
 
 def _is_url(checkpoint_id) -> bool:
@@ -171,6 +338,10 @@ class CkptStoreWriter(StorageWriter):
         JSON dict stored with the step.
     base:
         Dedup base: ``"latest"`` (default), a step number, or None.
+    balance_replicated:
+        Spread replicated items (held by several ranks, written once) over
+        the ranks holding them by bytes, after DCP's dedup picked one
+        (default True; see :func:`balance_save_plans`).
     **options:
         Repository tunables (``chunk_size``, ``pack_size``, ``workers``...).
     """
@@ -182,12 +353,15 @@ class CkptStoreWriter(StorageWriter):
         storage_options: dict | None = None,
         metadata: dict | None = None,
         base: int | str | None = "latest",
+        *,
+        balance_replicated: bool = True,
         **options,
     ):
         super().__init__()
         self._default_step = None if step is None else _check_step(step)
         self.url, id_step = split_checkpoint_id(url)
         self.step = _pick_step(self.url, id_step, self._default_step, "CkptStoreWriter")
+        self.balance_replicated = bool(balance_replicated)
         self.storage_options = storage_options
         self.user_metadata = dict(metadata or {})
         self.base = base
@@ -197,6 +371,7 @@ class CkptStoreWriter(StorageWriter):
         self._repo: Repository | None = None
         self._base_step: int | None = None
         self._commit: StepCommit | None = None
+        self._parts: list[dict] = []
         self.last_rank_stats: dict | None = None
 
     # -- DCP protocol -------------------------------------------------------
@@ -214,7 +389,10 @@ class CkptStoreWriter(StorageWriter):
         self.rank = int(rank)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan
+        if not plan.usable or not self.balance_replicated:
+            return plan
+        keys = tuple(k for k in map(_write_key, plan.items) if k is not None)
+        return dataclasses.replace(plan, storage_data=_Held(keys))
 
     def _require_step(self) -> int:
         if self.step is None:
@@ -241,8 +419,9 @@ class CkptStoreWriter(StorageWriter):
                 "or CkptStoreWriter(url, step=M))"
             ) from None
         self._base_step = base_step
+        plans, self._parts = balance_save_plans(plans, chunk_size=repo.options.chunk_size)
         return [
-            dataclasses.replace(p, storage_data=_GlobalInfo(rank=i, base_step=base_step))
+            dataclasses.replace(p, storage_data=_GlobalInfo(rank=i, base_step=base_step, parts=self._parts[i] or None))
             for i, p in enumerate(plans)
         ]
 
@@ -250,16 +429,17 @@ class CkptStoreWriter(StorageWriter):
         info = plan.storage_data if isinstance(plan.storage_data, _GlobalInfo) else None
         rank = info.rank if info is not None else self.rank
         base_step = info.base_step if info is not None else None
+        parts = (info.parts if info is not None else None) or {}
         fut: Future = Future()
         try:
-            fut.set_result(self._write_items(plan, planner, rank, base_step))
+            fut.set_result(self._write_items(plan, planner, rank, base_step, parts))
         except BaseException as e:
             raise RankWriteError(
                 f"rank {rank}: writing step {self.step} of {self.url} failed: {type(e).__name__}: {e}"
             ) from e
         return fut
 
-    def _write_items(self, plan: SavePlan, planner: SavePlanner, rank: int, base_step) -> list[WriteResult]:
+    def _write_items(self, plan: SavePlan, planner: SavePlanner, rank: int, base_step, parts) -> list[WriteResult]:
         repo = self._get_repo()
         repo.config()  # adopt the repository's chunk size (dedup needs the same cut)
         # Dedup against this rank's share of the base: the base's shards that
@@ -274,7 +454,12 @@ class CkptStoreWriter(StorageWriter):
         pending = []
         try:
             for item in plan.items:
-                data = planner.resolve_data(item)
+                part = parts.get((item.index.fqn, tuple(item.index.offset))) if parts and item.index.offset else None
+                if part is not None:  # rows of a replicated item (balance_save_plans)
+                    whole, lo, hi = part
+                    data = planner.resolve_data(whole).narrow(0, lo, hi - lo)
+                else:
+                    data = planner.resolve_data(item)
                 if item.type == WriteItemType.BYTE_IO:
                     buf = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
                     t = torch.frombuffer(bytearray(buf), dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
@@ -330,7 +515,8 @@ class CkptStoreWriter(StorageWriter):
             raise CkptStoreError(f"{repo.url}: finish() without prepare_global_plan() on the coordinator")
         try:
             man = build_manifest(
-                self.step, metadata, results, base_step=self._base_step, user_metadata=self.user_metadata
+                self.step, _split_metadata(metadata, self._parts), results, base_step=self._base_step,
+                user_metadata=self.user_metadata,
             )
             missing = [p for p, size in man.packs.items() if size is None]
             if missing:  # a reused pack the base manifest did not list: ask the store
@@ -549,12 +735,68 @@ def _tree_from_planner_data(keys: list[str], planner_data) -> dict:
     return to_node(root)
 
 
+@dataclass(frozen=True, slots=True)
+class _Offer:
+    """What a rank's local load plan tells the coordinator: it can take part
+    in the exchange, over which group."""
+
+    global_rank: int
+    group_rank: int
+    group_size: int
+
+
 @dataclass(frozen=True)
 class _ReadStep:
     """The step a rank resolved, carried in its local load plan to the coordinator."""
 
     rank: int
     step: int
+    offer: _Offer | None = None  # None: this rank does not exchange (option off, no group, no collectives)
+
+
+@dataclass(frozen=True)
+class _ReadPlan:
+    """What the coordinator hands every rank in ``prepare_global_plan``."""
+
+    rank: int
+    step: int
+    exchange: Exchange | None  # None: every item is read directly (no collective in read_data)
+
+
+def _box(item) -> tuple:
+    """The shard-local box ``((start, stop, 1), ...)`` a read item reads."""
+    return tuple((o, o + n, 1) for o, n in zip(item.storage_offsets, item.lengths))
+
+
+def _region_key(item) -> tuple:
+    off = item.storage_index.offset
+    return (item.storage_index.fqn, None if off is None else tuple(off), tuple(item.storage_offsets), tuple(item.lengths))
+
+
+def _read_region(man: Manifest, key: tuple, item, chunk: int, shard_sizes: dict) -> ReadRegion | None:
+    """The planner's view of one read item; ``chunk`` 0: only its bytes matter (read by one rank)."""
+    entry = man.tensors.get(key[0])
+    if entry is None:
+        return None  # read_data names the missing tensor
+    isz = _m.itemsize(entry.dtype)
+    lengths = tuple(item.lengths)
+    rows = lengths[0] if lengths else 1
+    row_bytes = math.prod(lengths[1:]) * isz if lengths else isz
+    fetch = entry.stored_bytes / entry.nbytes if entry.nbytes else 1.0
+    align, row0 = 1, 0
+    if chunk and lengths:
+        sizes = shard_sizes.get(key[0])
+        if sizes is None:
+            offs, szs = entry.boxes()
+            sizes = shard_sizes[key[0]] = {tuple(o): tuple(n) for o, n in zip(offs.tolist(), szs.tolist())}
+        shard = sizes.get(key[1] if key[1] is not None else (0,) * len(entry.shape))
+        if shard is None:
+            return None  # read_data names the missing shard
+        row0 = item.storage_offsets[0]
+        shard_row = math.prod(shard[1:]) * isz
+        if tuple(lengths[1:]) == tuple(shard[1:]) and shard_row and chunk % shard_row == 0:
+            align = chunk // shard_row
+    return ReadRegion(key, rows, row_bytes, fetch, row0, align)
 
 
 class CkptStoreReader(StorageReader):
@@ -578,6 +820,34 @@ class CkptStoreReader(StorageReader):
     item_workers:
         Read items processed concurrently (each fans out to coalesced,
         concurrent range reads on the repository's I/O pool).
+    exchange_replicated:
+        Read each region that several ranks want once per job and deliver
+        it to the others over ``process_group`` (default True; used when a
+        process group is up and DCP plans with collectives). False reads
+        every item from the store on every rank that wants it.
+    process_group:
+        The group the exchange runs on: it must be the group DCP loads with
+        (``dcp.load(..., process_group=g)`` needs ``CkptStoreReader(...,
+        process_group=g)``). Default: the default group. When the ranks'
+        plans do not match this group, nothing is exchanged (with a warning).
+    exchange_timeout:
+        Seconds any rank waits for a status or a transfer of the exchange
+        before failing with an error naming what it waited for; None: the
+        group's own timeout.
+    exchange_round_bytes:
+        Most bytes of buffers one rank holds for one round of the exchange
+        (an all-gather's output, or its point-to-point messages); a rank
+        holds the buffers of at most two rounds at once.
+    exchange_piece_bytes:
+        Replicated regions larger than this (or than a quarter of each
+        rank's share) are split along dim 0 and read by several ranks;
+        smaller pieces (below an eighth of it) travel packed together.
+    exchange_all_gather_ranks:
+        On groups of at least this many ranks, regions every rank reads
+        travel by all-gather (a ring: ``ranks - 1`` steps of one message per
+        rank); on smaller groups point to point, received straight into the
+        destinations. The coordinator's settings of these three apply to
+        every rank.
 
     Destination tensors may have another floating dtype than the stored
     one: values are cast like DCP's ``FileSystemReader`` casts them.
@@ -589,6 +859,13 @@ class CkptStoreReader(StorageReader):
         step: int | None = None,
         storage_options: dict | None = None,
         item_workers: int = 4,
+        *,
+        exchange_replicated: bool = True,
+        process_group=None,
+        exchange_timeout: float | None = None,
+        exchange_round_bytes: int = 512 * MiB,
+        exchange_piece_bytes: int = 8 * MiB,
+        exchange_all_gather_ranks: int = 16,
         **options,
     ):
         super().__init__()
@@ -598,9 +875,25 @@ class CkptStoreReader(StorageReader):
         self.storage_options = storage_options
         self.options = options
         self.item_workers = item_workers
+        self.exchange_replicated = bool(exchange_replicated)
+        self.process_group = process_group
+        if exchange_timeout is not None and not exchange_timeout > 0:
+            raise ValueError(f"exchange_timeout must be a positive number of seconds or None, got {exchange_timeout!r}")
+        self.exchange_timeout = exchange_timeout
+        if exchange_round_bytes < 1:
+            raise ValueError(f"exchange_round_bytes must be positive, got {exchange_round_bytes!r}")
+        self.exchange_round_bytes = int(exchange_round_bytes)
+        if exchange_piece_bytes < 1:
+            raise ValueError(f"exchange_piece_bytes must be positive, got {exchange_piece_bytes!r}")
+        self.exchange_piece_bytes = int(exchange_piece_bytes)
+        self.exchange_all_gather_ranks = int(exchange_all_gather_ranks)
         self.rank = 0
+        self._use_collectives = True
         self._repo: Repository | None = None
         self._ckpt = None
+        #: This rank's figures of its last ``read_data``: bytes it read for
+        #: itself and for others, sent and received, rounds.
+        self.last_read_stats: dict | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
@@ -633,11 +926,24 @@ class CkptStoreReader(StorageReader):
         if rank is None:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self.rank = int(rank)
+        self._use_collectives = bool(kwargs.get("use_collectives", True))
         if self._ckpt is None:
             self._ckpt = self._get_repo().checkpoint(self._resolve_step())
 
+    def _group(self):
+        return self.process_group if self.process_group is not None else dist.group.WORLD
+
+    def _offer(self) -> _Offer | None:
+        if not (self.exchange_replicated and self._use_collectives and dist.is_available() and dist.is_initialized()):
+            return None
+        group = self._group()
+        group_rank = dist.get_rank(group)
+        if group_rank < 0:
+            return None  # this process is not in the group
+        return _Offer(dist.get_rank(), group_rank, dist.get_world_size(group))
+
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return dataclasses.replace(plan, storage_data=_ReadStep(self.rank, self._ckpt.step))
+        return dataclasses.replace(plan, storage_data=_ReadStep(self.rank, self._ckpt.step, self._offer()))
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         found = {p.storage_data.rank: p.storage_data.step for p in plans if isinstance(p.storage_data, _ReadStep)}
@@ -650,14 +956,78 @@ class CkptStoreReader(StorageReader):
                 f"{self._get_repo().url}: the ranks found different latest steps ({seen}): a step was "
                 "committed while the load started. Load again, or pass step= so every rank reads the same step"
             )
-        return plans
+        step = next(iter(found.values()), self._ckpt.step if self._ckpt is not None else None)
+        exchanges = self._plan_exchange(plans)
+        return [
+            dataclasses.replace(p, storage_data=_ReadPlan(i, step, None if exchanges is None else exchanges[i]))
+            for i, p in enumerate(plans)
+        ]
 
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+    def _plan_exchange(self, plans: list[LoadPlan]) -> list[Exchange | None] | None:
+        """The coordinator's exchange plan, or None when the ranks read everything themselves."""
+        if len(plans) < 2 or self._ckpt is None:
+            return None
+        offers = [p.storage_data.offer if isinstance(p.storage_data, _ReadStep) else None for p in plans]
+        if any(o is None for o in offers):
+            return None  # some rank has it off, or DCP plans without collectives
+        mine = self._offer()
+        problem = None
+        if mine is None:
+            problem = "the coordinator is not in the reader's process group"
+        elif any(o.group_size != len(plans) or o.group_rank != i or p.storage_data.rank != i
+                 for i, (o, p) in enumerate(zip(offers, plans))):
+            problem = (f"DCP planned {len(plans)} ranks, the reader's process group has "
+                       f"{sorted({o.group_size for o in offers})} ranks")
+        elif [o.global_rank for o in offers] != list(dist.get_process_group_ranks(self._group())):
+            problem = "the ranks DCP planned are not the members of the reader's process group"
+        if problem is not None:
+            warnings.warn(
+                f"{self._get_repo().url}: replicated items are read on every rank that wants them (no exchange): "
+                f"{problem}. A load on a sub-group needs CkptStoreReader(..., process_group=<the same group>)",
+                stacklevel=2,
+            )
+            return None
+        # Which ranks read each region; nothing more to do when none is read twice (FSDP).
+        keyed: list[list[tuple[tuple, Any]]] = []
+        count: dict[tuple, int] = {}
+        for p in plans:
+            mine = {}
+            for item in p.items:
+                if item.type == LoadItemType.TENSOR:
+                    mine.setdefault(_region_key(item), item)
+            for key in mine:
+                count[key] = count.get(key, 0) + 1
+            keyed.append(list(mine.items()))
+        if not any(c > 1 for c in count.values()):
+            return None
+        man = self._ckpt.manifest
+        repo = self._get_repo()
+        repo.config()  # the repository's chunk size: splits at chunk boundaries where rows allow
+        chunk = repo.options.chunk_size
+        shard_sizes: dict[str, dict[tuple, tuple]] = {}  # fqn -> shard offsets -> sizes
+        cache: dict[tuple, ReadRegion | None] = {}
+        wants: list[list[ReadRegion]] = []
+        for mine in keyed:
+            regs = []
+            for key, item in mine:
+                g = cache.get(key, False)
+                if g is False:
+                    g = cache[key] = _read_region(man, key, item, chunk if count[key] > 1 else 0, shard_sizes)
+                if g is not None:
+                    regs.append(g)
+            wants.append(regs)
+        return plan_exchange(wants, round_bytes=self.exchange_round_bytes, min_piece=self.exchange_piece_bytes,
+                             gather_min_ranks=self.exchange_all_gather_ranks)
+
+    # -- read_data ----------------------------------------------------------
+    def _prepare(self, plan: LoadPlan, planner: LoadPlanner, exchanged: set):
+        """Bytes items loaded; tensor items split into direct reads and exchanged regions."""
         ckpt = self._ckpt
         man = ckpt.manifest
         bytes_keys = set((man.dcp or {}).get("bytes", []))
         values = leaf_values(man.tree) if man.dcp is None else {}
-        tensor_jobs = []
+        direct = []
+        regions: dict[tuple, list] = {}  # key -> [(item, entry, shard index, target), ...]
         for item in plan.items:
             fqn = item.storage_index.fqn
             if item.type == LoadItemType.BYTE_IO:
@@ -678,27 +1048,266 @@ class CkptStoreReader(StorageReader):
             if entry is None:
                 raise KeyError(f"{ckpt.repo.url}: step {man.step} has no tensor {fqn!r}")
             index = ckpt.shard_at(fqn, item.storage_index.offset)
-            local = tuple((o, o + n, 1) for o, n in zip(item.storage_offsets, item.lengths))
             target = planner.resolve_tensor(item).detach()
-            tensor_jobs.append((item, entry, index, local, target))
-        # One batch of chunk-table reads for every shard this rank reads.
-        ckpt.resolve([(entry.key, index) for _, entry, index, _, _ in tensor_jobs])
+            key = _region_key(item)
+            if key in exchanged:
+                stored = _m.DTYPES[entry.dtype]
+                if not castable(stored, target.dtype) or tuple(target.shape) != tuple(item.lengths):
+                    raise ValueError(
+                        f"{ckpt.repo.url}: step {man.step}: tensor {fqn!r} is {entry.dtype}; the destination of "
+                        f"its box {tuple(item.storage_offsets)}+{tuple(item.lengths)} is "
+                        f"{str(target.dtype).removeprefix('torch.')}{list(target.shape)}"
+                        " (values are cast only between floating dtypes, or between complex dtypes)"
+                    )
+                regions.setdefault(key, []).append((item, entry, index, target))
+            else:
+                direct.append((item, entry, index, _box(item), target))
+        return direct, regions
+
+    def _read_all(self, jobs) -> None:
+        """Run ``(entry, shard index, box, target)`` reads on ``item_workers`` threads."""
+        if not jobs:
+            return
+        ckpt = self._ckpt
 
         def run(job):
-            _, entry, index, local, target = job
+            entry, index, local, target = job
             (shard,) = ckpt.shards(entry.key, [index])
             ckpt.read_shard(entry, shard, local, target)
 
-        if tensor_jobs:
-            with cf.ThreadPoolExecutor(min(self.item_workers, len(tensor_jobs)), thread_name_prefix="ckpt-dcp") as ex:
-                futures = [ex.submit(run, j) for j in tensor_jobs]
-                for f in futures:
-                    f.result()
-            for item, _, _, _, target in tensor_jobs:
-                planner.commit_tensor(item, target)
+        if len(jobs) == 1:
+            run(jobs[0])
+            return
+        with cf.ThreadPoolExecutor(min(self.item_workers, len(jobs)), thread_name_prefix="ckpt-dcp") as ex:
+            futures = [ex.submit(run, j) for j in jobs]
+            for f in futures:
+                f.result()
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        sd = plan.storage_data
+        ex = sd.exchange if isinstance(sd, _ReadPlan) else None
+        if ex is None:
+            self._read_direct(plan, planner)
+        else:
+            self._read_exchanged(plan, planner, ex)
         fut: Future = Future()
         fut.set_result(None)
         return fut
+
+    def _read_direct(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        direct, _ = self._prepare(plan, planner, set())
+        # One batch of chunk-table reads for every shard this rank reads.
+        self._ckpt.resolve([(entry.key, index) for _, entry, index, _, _ in direct])
+        self._read_all([(entry, index, local, target) for _, entry, index, local, target in direct])
+        for item, _, _, _, target in direct:
+            planner.commit_tensor(item, target)
+        n = sum(t.numel() * _m.itemsize(e.dtype) for _, e, _, _, t in direct)
+        self.last_read_stats = {"rank": self.rank, "exchange": False, "direct_bytes": n, "owned_bytes": 0,
+                                "sent_bytes": 0, "received_bytes": 0, "rounds": 0, "all_gathers": 0,
+                                "messages": 0}
+
+    def _read_exchanged(self, plan: LoadPlan, planner: LoadPlanner, ex: Exchange) -> None:
+        """Read what this rank owns, exchange replicated pieces round by round, every wait bounded.
+
+        Collectives happen only in :meth:`Exchanger.status` (once per
+        round) and the transfers after it; a failure anywhere else is kept
+        and reported at the next status, so every rank stops at the same
+        point instead of waiting for a peer that has given up.
+        """
+        ckpt = self._ckpt
+        where = f"{ckpt.repo.url}: step {ckpt.step}"
+        xg = Exchanger(self._group(), dist.get_rank(self._group()), self.exchange_timeout, where)
+        me = xg.rank
+        stats = {"rank": me, "exchange": True, "direct_bytes": 0, "owned_bytes": 0, "sent_bytes": 0,
+                 "received_bytes": 0, "rounds": ex.rounds, "all_gathers": len(ex.gathers),
+                 "messages": len(ex.messages)}
+        by_round: list[list[Message]] = [[] for _ in range(ex.rounds)]
+        for m in ex.messages:
+            by_round[m.round].append(m)
+        gather_of: dict[int, Gather] = {g.round: g for g in ex.gathers}
+        exchanged = {p.key for m in ex.messages for p in m.pieces}
+        exchanged.update(p.key for g in ex.gathers for ps in g.parts for p in ps)
+        failure: BaseException | None = None
+        direct: list = []
+        regions: dict = {}
+        not_cuda = 1
+        try:
+            direct, regions = self._prepare(plan, planner, exchanged)
+            missing = exchanged - set(regions)
+            if missing:
+                raise CkptStoreError(f"{where}: the exchange plan names regions this rank does not read: "
+                                     f"{sorted(k[0] for k in missing)[:5]}")
+            mine = [p for m in ex.messages if m.src == me for p in m.pieces]
+            mine += [p for g in ex.gathers for p in g.parts[me]]
+            owned = [(regions[p.key][0][1], regions[p.key][0][2]) for p in mine]
+            ckpt.resolve([(e.key, i) for _, e, i, _, _ in direct] + [(e.key, i) for e, i in owned])
+            targets = [t for lst in regions.values() for (_, _, _, t) in lst]
+            not_cuda = 0 if xg.cuda_capable and targets and all(t.device.type == "cuda" for t in targets) else 1
+        except Exception as e:  # reported to every rank at the first status
+            failure = e
+
+        def piece_view(t: torch.Tensor, p: Piece) -> torch.Tensor:
+            return t[p.lo : p.hi] if t.dim() else t
+
+        def piece_box(item, p: Piece) -> tuple:
+            box = _box(item)
+            return ((box[0][0] + p.lo, box[0][0] + p.hi, 1),) + box[1:] if box else box
+
+        def slot(buf: torch.Tensor, base: int, p: Piece) -> torch.Tensor:
+            """Piece ``p`` in a flat byte buffer, as a tensor of its stored dtype and shape."""
+            _, entry, _, target = regions[p.key][0]
+            shape = piece_view(target, p).shape
+            return buf[base + p.offset : base + p.offset + p.nbytes].view(_m.DTYPES[entry.dtype]).reshape(shape)
+
+        def read_round(msgs: list[Message], gather: Gather | None, with_direct: bool):
+            """Read this rank's own pieces of a round (and its direct items); the send sources."""
+            jobs, after, sources = [], [], {}
+            if with_direct:
+                jobs += [(entry, index, local, target) for _, entry, index, local, target in direct]
+                stats["direct_bytes"] += sum(t.numel() * _m.itemsize(e.dtype) for _, e, _, _, t in direct)
+            if gather is not None:
+                share = torch.zeros(gather.nbytes, dtype=torch.uint8)
+                for p in gather.parts[me]:
+                    item, entry, index, _ = regions[p.key][0]
+                    src = slot(share, 0, p)
+                    jobs.append((entry, index, piece_box(item, p), src))
+                    after.append((src, [piece_view(t, p) for *_, t in regions[p.key]]))
+                    stats["owned_bytes"] += p.nbytes
+                    stats["sent_bytes"] += (xg.size - 1) * p.nbytes
+                sources["gather"] = share
+            for m in msgs:
+                if m.src != me:
+                    continue
+                buf = torch.empty(m.nbytes, dtype=torch.uint8) if len(m.pieces) > 1 else None
+                for p in m.pieces:
+                    item, entry, index, target = regions[p.key][0]
+                    stored = _m.DTYPES[entry.dtype]
+                    box = piece_box(item, p)
+                    dest = piece_view(target, p)
+                    if buf is not None:
+                        src = slot(buf, 0, p)
+                        after.append((src, [dest]))
+                    elif takes_bytes(dest, stored):
+                        src = dest
+                    else:
+                        src = torch.empty(dest.shape, dtype=stored)
+                        after.append((src, [dest]))
+                    jobs.append((entry, index, box, src))
+                    for _, _, _, other in regions[p.key][1:]:  # the same box twice in this rank's plan
+                        after.append((src, [piece_view(other, p)]))
+                    if buf is None:
+                        sources[m.id] = src
+                    stats["owned_bytes"] += p.nbytes
+                if buf is not None:
+                    sources[m.id] = buf
+            self._read_all(jobs)
+            with torch.no_grad():
+                for src, dests in after:
+                    for d in dests:
+                        d.copy_(src)
+            return sources
+
+        def prepare_round(msgs: list[Message], gather: Gather | None, sources: dict, r: int):
+            """The round's send and receive buffers (allocated before its status, so running
+            out of memory is reported to every rank, not left to their transfer timeouts)."""
+            sends, recvs, copies, keep = [], [], [], []
+            dev = xg.device
+            if gather is not None:
+                share = sources["gather"].to(dev)
+                out = torch.empty(xg.size * gather.nbytes, dtype=torch.uint8, device=dev)
+                keep.append((share, out))
+                for q, ps in enumerate(gather.parts):
+                    if q == me:
+                        continue
+                    for p in ps:
+                        copies.append((slot(out, q * gather.nbytes, p), [piece_view(t, p) for *_, t in regions[p.key]]))
+                        stats["received_bytes"] += p.nbytes
+            for m in msgs:
+                if m.src == me:
+                    src = sources[m.id]
+                    if src.device != dev:
+                        src = src.to(dev)
+                    flat = as_bytes(src)
+                    keep.append(flat)
+                    for d in m.dsts:
+                        sends.append((flat, d, m.id))
+                    stats["sent_bytes"] += len(m.dsts) * sum(p.nbytes for p in m.pieces)
+                    continue
+                stats["received_bytes"] += sum(p.nbytes for p in m.pieces)
+                if len(m.pieces) == 1:
+                    p = m.pieces[0]
+                    lst = regions[p.key]
+                    stored = _m.DTYPES[lst[0][1].dtype]
+                    dest = piece_view(lst[0][3], p)
+                    if takes_bytes(dest, stored, dev):
+                        buf = dest
+                        rest = [piece_view(t, p) for *_, t in lst[1:]]
+                    else:
+                        buf = torch.empty(dest.shape, dtype=stored, device=dev)
+                        rest = [piece_view(t, p) for *_, t in lst]
+                    if rest:
+                        copies.append((buf, rest))
+                    recvs.append((as_bytes(buf), m.src, m.id))
+                    continue
+                buf = torch.empty(m.nbytes, dtype=torch.uint8, device=dev)
+                recvs.append((buf, m.src, m.id))
+                for p in m.pieces:
+                    copies.append((slot(buf, 0, p), [piece_view(t, p) for *_, t in regions[p.key]]))
+            return sends, recvs, copies, keep, r
+
+        def finish_round(pending) -> None:
+            works, copies, _keep, r = pending
+            xg.wait_all(works, f"(round {r + 1} of {ex.rounds})")
+            with torch.no_grad():
+                for src, dests in copies:
+                    for d in dests:
+                        d.copy_(src)
+
+        # The transport: CPU buffers on a group with a CPU backend, CUDA buffers on an NCCL-only
+        # group; a group with both uses CUDA when every rank's exchanged destinations are on CUDA,
+        # which takes one status more before any reading.
+        if xg.nccl_style:
+            xg.device = torch.device("cuda", torch.cuda.current_device())
+        elif xg.cuda_capable:
+            if xg.status(failure, "before reading", not_cuda) == 0:
+                xg.device = torch.device("cuda", torch.cuda.current_device())
+        pending = None
+        for r in range(ex.rounds):
+            ready = None
+            if failure is None:
+                try:
+                    g = gather_of.get(r)
+                    ready = prepare_round(by_round[r], g, read_round(by_round[r], g, with_direct=(r == 0)), r)
+                except Exception as e:
+                    failure = e
+            if pending is not None:
+                done, pending = pending, None
+                try:
+                    finish_round(done)
+                except RankReadError:
+                    raise  # a transfer that never completed: the group cannot be trusted any more
+                except Exception as e:
+                    failure = failure or e
+            xg.status(failure, f"in round {r + 1} of {ex.rounds}")
+            sends, recvs, copies, keep, _ = ready
+            try:
+                works = xg.post(sends, recvs)
+                if r in gather_of:
+                    share, out = keep[0]
+                    works.append((dist.all_gather_into_tensor(out, share, group=xg.group, async_op=True),
+                                  "all-gather of every rank's share"))
+            except Exception as e:
+                raise RankReadError(f"{where}: rank {me}: starting the transfers of round {r + 1} failed: "
+                                    f"{type(e).__name__}: {e}") from e
+            pending = (works, copies, keep, r)
+        if pending is not None:
+            finish_round(pending)  # after the last status: a failure here is this rank's alone
+        for lst in regions.values():
+            for item, _, _, target in lst:
+                planner.commit_tensor(item, target)
+        for item, _, _, _, target in direct:
+            planner.commit_tensor(item, target)
+        self.last_read_stats = stats
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:

@@ -34,6 +34,7 @@ LAYERS: list[list[str]] = [
     ["repository"],
     ["loading"],  # below the package, which exports load_module
     [""],  # the package itself: ckptstore/__init__.py
+    ["exchange"],
     ["dcp"],
     ["integrations"],
     ["testing"],

@@ -1,0 +1,431 @@
+"""Replicated read regions fetched once per job and exchanged over a process group.
+
+A box of a stored shard that several ranks read (DDP parameters,
+replicated DTensors, the optimizer state of replicated parameters, the
+same tensor-parallel slice on every data-parallel rank) is fetched from the
+store once: :func:`plan_exchange` (pure) cuts it into pieces, gives each
+piece to one of the ranks that want it, balanced by fetched bytes, and
+plans the transfers in rounds of bounded size; :class:`Exchanger` runs the
+status collectives and point-to-point transfers of one load with every wait
+bounded, so a rank that fails makes every rank raise
+:class:`RankReadError` naming it. The DCP reader
+(:class:`ckptstore.dcp.CkptStoreReader`) turns its read items into
+:class:`ReadRegion` s, reads the pieces it owns and moves the bytes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .errors import CkptStoreError
+
+__all__ = ["ReadRegion", "RankReadError", "plan_exchange", "Exchanger", "Exchange", "Message", "Gather", "Piece"]
+
+MiB = 1 << 20
+
+# ------------------------------------------------------------------ replicated reads
+#
+# Items several ranks read (the same box of the same stored shard: DDP
+# parameters, replicated DTensors, optimizer state of replicated
+# parameters) are fetched from the store once per job: the coordinator
+# splits them into pieces, gives each piece to one of the ranks that want it
+# (greedy by bytes, counting what each rank reads for itself anyway), and
+# groups the pieces into messages sent from their owner to the other
+# wanting ranks over the reader's process group, in rounds of bounded size.
+# Planning is pure (below); the exchange itself is Exchanger.
+
+_ALIGN = 64  # byte alignment of pieces packed into one message
+
+
+@dataclass(frozen=True, slots=True)
+class ReadRegion:
+    """A box of one stored shard that a rank's plan reads, as the exchange planner sees it.
+
+    ``key`` is ``(fqn, shard offsets, storage_offsets, lengths)``: two ranks
+    whose plans hold the same key read the same bytes.
+    """
+
+    key: tuple
+    rows: int  # length of the box's dim 0 (1 for a 0-d tensor)
+    row_bytes: int  # stored bytes of one row of the box
+    fetch: float = 1.0  # stored (compressed) bytes per raw byte: what fetching a byte costs
+    row0: int = 0  # the box's first row within its shard
+    align: int = 1  # a split before shard row b with b % align == 0 cuts no chunk
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.row_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """Rows ``lo:hi`` of a region, at ``offset`` in its message."""
+
+    key: tuple
+    lo: int
+    hi: int
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """Pieces one rank reads and sends to the others that want them, in one round.
+
+    ``dsts`` is filled in the sender's plan only (a receiver needs the sender).
+    """
+
+    id: int
+    round: int
+    src: int
+    dsts: tuple[int, ...]
+    nbytes: int
+    pieces: tuple[Piece, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Gather:
+    """One round's all-gather of pieces every rank wants: each rank contributes
+    ``parts[rank]`` (packed at their offsets, padded to ``nbytes``)."""
+
+    round: int
+    nbytes: int
+    parts: tuple[tuple[Piece, ...], ...]
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """One rank's part of the exchange: the all-gathers and the messages it sends or receives, by round."""
+
+    rounds: int
+    messages: tuple[Message, ...]
+    gathers: tuple[Gather, ...] = ()
+
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def plan_exchange(
+    wants: list[list[ReadRegion]],
+    *,
+    round_bytes: int = 512 * MiB,
+    min_piece: int = 8 * MiB,
+    solo_bytes: int | None = None,
+    bundle_bytes: int | None = None,
+    gather_min_ranks: int = 16,
+) -> list[Exchange | None]:
+    """Assign every region several ranks want to one of them, and plan the transfers.
+
+    Pure. ``wants[r]`` lists the regions rank ``r`` reads. A region only one
+    rank wants stays that rank's own read and counts towards its load. The
+    others are cut along dim 0 into pieces of at most
+    ``max(min_piece, replicated bytes / (4 x ranks))`` (at chunk boundaries
+    where rows line up with chunks), and the pieces, largest first, go to the
+    wanting rank with the smallest load so far (fetched bytes: raw bytes x
+    the tensor's stored/raw ratio).
+
+    Pieces every rank wants (DDP, fully replicated) travel in rounds: each
+    rank's own pieces are packed into shares of at most ``round_bytes /
+    ranks`` (pieces are cut to fit), round g carrying every rank's g-th
+    share, so in each round every rank sends and receives about as much as
+    any other. On ``gather_min_ranks`` ranks or more a round is one
+    all-gather (a ring of ``ranks - 1`` steps of one message per rank, whose
+    output is copied out); on fewer ranks each share goes point to point
+    from its owner to every other rank (received straight into the
+    destinations where they allow). Pieces a subset wants (a replica group
+    of HSDP, say) travel point to point from owner to the other wanting
+    ranks, in the rounds after those; their messages are ordered so that
+    each round mixes owners and cut into rounds in which no rank holds more
+    than ``round_bytes`` of them (a larger message is a round of its own).
+    Point to point, a piece of ``solo_bytes`` or more is a message of its
+    own; smaller ones with the same owner and the same wanting ranks are
+    packed into messages of up to ``bundle_bytes``.
+
+    ``solo_bytes`` defaults to ``min_piece / 8``, ``bundle_bytes`` to
+    ``2 x min_piece``.
+
+    Returns one :class:`Exchange` per rank, or all None when no region is
+    wanted twice (then no rank takes part in any collective).
+    """
+    solo_bytes = max(1, min_piece // 8) if solo_bytes is None else solo_bytes
+    bundle_bytes = 2 * min_piece if bundle_bytes is None else bundle_bytes
+    n = len(wants)
+    regions: dict[tuple, ReadRegion] = {}
+    wanting: dict[tuple, list[int]] = {}
+    for r, regs in enumerate(wants):
+        for g in regs:
+            regions.setdefault(g.key, g)
+            ranks = wanting.setdefault(g.key, [])
+            if not ranks or ranks[-1] != r:
+                ranks.append(r)
+    load = [0.0] * n
+    replicated = []
+    for key, ranks in wanting.items():
+        g = regions[key]
+        if len(ranks) > 1 and g.nbytes > 0:
+            replicated.append(key)
+        else:
+            load[ranks[0]] += g.nbytes * g.fetch
+    if not replicated:
+        return [None] * n
+
+    total = sum(regions[k].nbytes for k in replicated)
+    piece_max = max(min_piece, -(-total // (4 * n)))
+    share_max = max(_ALIGN, round_bytes // n)  # one rank's contribution to one all-gather
+    gather = n >= gather_min_ranks
+    pieces: list[tuple[tuple, int, int, int]] = []  # key, lo, hi, nbytes
+    for key in replicated:
+        g = regions[key]
+        cap = min(piece_max, share_max) if len(wanting[key]) == n else piece_max
+        k = min(g.rows, -(-g.nbytes // cap))
+        bounds = [0]
+        for j in range(1, k):
+            b = round(j * g.rows / k)
+            if g.align > 1:
+                b = round((g.row0 + b) / g.align) * g.align - g.row0
+            if bounds[-1] < b < g.rows:
+                bounds.append(b)
+        bounds.append(g.rows)
+        for lo, hi in zip(bounds, bounds[1:]):
+            pieces.append((key, lo, hi, (hi - lo) * g.row_bytes))
+
+    # Largest first, each to the least loaded rank that wants it.
+    owner = [0] * len(pieces)
+    for i in sorted(range(len(pieces)), key=lambda i: (-pieces[i][3] * regions[pieces[i][0]].fetch, i)):
+        key, _, _, nb = pieces[i]
+        o = min(wanting[key], key=lambda r: (load[r], r))
+        owner[i] = o
+        load[o] += nb * regions[key].fetch
+
+    def piece(i: int, offset: int) -> Piece:
+        key, lo, hi, nb = pieces[i]
+        return Piece(key, lo, hi, offset, nb)
+
+    def bundled(idx: list[int]) -> list[tuple[list[tuple[int, int]], int]]:
+        """Pieces as messages: ``solo_bytes`` or more alone, smaller ones packed up to ``bundle_bytes``."""
+        out, bundle, size = [], [], 0
+        for i in idx:
+            nb = pieces[i][3]
+            if nb >= solo_bytes:
+                out.append(([(i, 0)], nb))
+                continue
+            if bundle and size + nb > bundle_bytes:
+                out.append((bundle, size))
+                bundle, size = [], 0
+            bundle.append((i, size))
+            size += _aligned(nb)
+        if bundle:
+            out.append((bundle, size))
+        return out
+
+    # Pieces every rank wants: each rank's own, in order, in shares of at most share_max; round g
+    # carries every rank's g-th share, so every rank sends and receives about as much as any other.
+    shares: list[list[list[int]]] = [[] for _ in range(n)]
+    used = [0] * n
+    for i, (key, _, _, nb) in enumerate(pieces):
+        if len(wanting[key]) != n:
+            continue
+        o = owner[i]
+        if not shares[o] or (shares[o][-1] and used[o] + nb > share_max):
+            shares[o].append([])
+            used[o] = 0
+        shares[o][-1].append(i)
+        used[o] += _aligned(nb)
+    nrounds = max(len(x) for x in shares)
+    gathers = []
+    full: list[tuple[int, int, list[tuple[int, int]], int]] = []  # round, src, (piece, offset), bytes
+    for g in range(nrounds):
+        if gather:
+            parts = []
+            for q in range(n):
+                ps, off = [], 0
+                for i in (shares[q][g] if g < len(shares[q]) else []):
+                    ps.append(piece(i, off))
+                    off += _aligned(pieces[i][3])
+                parts.append(tuple(ps))
+            size = max((p.offset + _aligned(p.nbytes) for ps in parts for p in ps), default=0)
+            gathers.append(Gather(g, size, tuple(parts)))
+        else:
+            for q in range(n):
+                if g < len(shares[q]):
+                    full += [(g, q, members, nb) for members, nb in bundled(shares[q][g])]
+
+    # Pieces a subset wants: per (owner, wanting ranks), in region order, owners interleaved
+    # (the one that has sent least goes next), cut into rounds after the ones above.
+    queues: dict[int, list[tuple[tuple[int, ...], list[tuple[int, int]], int]]] = {}
+    groups: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+    for i, (key, _, _, _) in enumerate(pieces):
+        if len(wanting[key]) != n:
+            groups.setdefault((owner[i], tuple(wanting[key])), []).append(i)
+    for (src, ranks), idx in groups.items():
+        queues.setdefault(src, []).extend((ranks, members, nb) for members, nb in bundled(idx))
+    sent = {src: 0 for src in queues}
+    heads = {src: 0 for src in queues}
+    order = []
+    while heads:
+        src = min(heads, key=lambda s: (sent[s], s))
+        ranks, members, nb = queues[src][heads[src]]
+        order.append((src, ranks, members, nb))
+        sent[src] += nb
+        heads[src] += 1
+        if heads[src] == len(queues[src]):
+            del heads[src]
+
+    per_rank: list[list[Message]] = [[] for _ in range(n)]
+    everyone = tuple(range(n))
+
+    def emit(mid: int, rnd: int, src: int, ranks: tuple[int, ...], members, nb: int) -> None:
+        ps = tuple(piece(i, off) for i, off in members)
+        dsts = tuple(r for r in ranks if r != src)
+        per_rank[src].append(Message(mid, rnd, src, dsts, nb, ps))
+        light = Message(mid, rnd, src, (), nb, ps)
+        for r in dsts:
+            per_rank[r].append(light)
+
+    for mid, (rnd, src, members, nb) in enumerate(full):
+        emit(mid, rnd, src, everyone, members, nb)
+    rnd = nrounds
+    charge: dict[int, int] = {}
+    for mid, (src, ranks, members, nb) in enumerate(order, start=len(full)):
+        if any(charge.get(r, 0) and charge[r] + nb > round_bytes for r in ranks):
+            rnd += 1
+            charge = {}
+        for r in ranks:
+            charge[r] = charge.get(r, 0) + nb
+        emit(mid, rnd, src, ranks, members, nb)
+    rounds = rnd + 1 if order else nrounds
+    gathers_t = tuple(gathers)
+    return [Exchange(rounds, tuple(msgs), gathers_t) for msgs in per_rank]
+
+
+class RankReadError(CkptStoreError, RuntimeError):
+    """A load failed on one or more ranks; raised on every rank, naming them."""
+
+
+def _backend_devices(group) -> set[str]:
+    """Device types the group's backend moves tensors of (``gloo``: cpu, ``nccl``: cuda)."""
+    name = str(dist.get_backend(group)).lower()
+    if ":" in name:
+        return {part.split(":", 1)[0].strip() for part in name.split(",") if ":" in part}
+    return {"cuda"} if name == "nccl" else {"cpu"}
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's memory as a flat uint8 view (no copy)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def takes_bytes(t: torch.Tensor, dtype: torch.dtype, device: torch.device | None = None) -> bool:
+    """Stored-dtype bytes can be written into (or sent from) ``t``'s memory as they are."""
+    return (
+        t.dtype == dtype
+        and t.is_contiguous()
+        and not t.is_conj()
+        and not t.is_neg()
+        and (device is None or t.device == device)
+    )
+
+
+class Exchanger:
+    """Status collectives and point-to-point transfers of one load, every wait bounded.
+
+    Every rank calls :meth:`status` at the same points; the first one that
+    finds a failure makes every rank raise :class:`RankReadError` naming the
+    failed ranks and what they said, before any rank waits for data that
+    will never come.
+    """
+
+    def __init__(self, group, rank: int, timeout: float | None, where: str):
+        self.group = group
+        self.rank = rank
+        self.size = dist.get_world_size(group)
+        self.timeout = timeout
+        self.where = where
+        devices = _backend_devices(group)
+        self.cuda_capable = "cuda" in devices and torch.cuda.is_available()
+        self.status_device = torch.device("cpu") if "cpu" in devices else torch.device("cuda", torch.cuda.current_device())
+        self.nccl_style = "cpu" not in devices  # a backend of device tensors only: batched p2p
+        self.device = torch.device("cpu")
+
+    def _wait(self, work, what: str, deadline: float | None = None) -> None:
+        if work is None:
+            return
+        bound = "the group's timeout" if self.timeout is None else f"{self.timeout:g} s (exchange_timeout)"
+        try:
+            if self.timeout is None:
+                ok = work.wait()
+            else:
+                left = self.timeout if deadline is None else max(0.0, deadline - time.monotonic())
+                ok = work.wait(timeout=datetime.timedelta(seconds=left))
+        except Exception as e:
+            said = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise RankReadError(
+                f"{self.where}: rank {self.rank}: {what} failed or did not complete within {bound}: "
+                f"{type(e).__name__}: {said}"
+            ) from e
+        if ok is False:
+            raise RankReadError(f"{self.where}: rank {self.rank}: {what} did not complete within {bound}")
+
+    def status(self, failure: BaseException | None, stage: str, flag: int = 0) -> int:
+        """Every rank's ok/failed (and the largest ``flag``); raises on every rank if any failed."""
+        t = torch.tensor([1 if failure is not None else 0, flag], dtype=torch.int64, device=self.status_device)
+        self._wait(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True),
+                   f"the status exchange {stage}")
+        if int(t[0]) == 0:
+            return int(t[1])
+        text = b""
+        if failure is not None:
+            first = str(failure).strip()
+            text = f"{type(failure).__name__}: {first}".encode("utf-8", "replace")[:_STATUS_TEXT]
+        mine = torch.zeros(_STATUS_TEXT + 3, dtype=torch.uint8)
+        mine[0] = 1 if failure is not None else 0
+        mine[1], mine[2] = len(text) >> 8, len(text) & 0xFF
+        if text:
+            mine[3 : 3 + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+        mine = mine.to(self.status_device)
+        out = [torch.empty_like(mine) for _ in range(self.size)]
+        self._wait(dist.all_gather(out, mine, group=self.group, async_op=True), f"the failure report {stage}")
+        said = {}
+        for r, b in enumerate(out):
+            b = b.cpu()
+            if int(b[0]):
+                n = (int(b[1]) << 8) | int(b[2])
+                said[r] = bytes(b[3 : 3 + n].tolist()).decode("utf-8", "replace")
+        detail = "; ".join(f"rank {r}: {msg}" for r, msg in sorted(said.items()))
+        err = RankReadError(
+            f"{self.where}: the load failed on rank(s) {sorted(said)} {stage}, so no rank waits for "
+            f"replicated data from them ({detail})"
+        )
+        if failure is not None:
+            raise err from failure
+        raise err
+
+    def post(self, sends: list[tuple[torch.Tensor, int, int]], recvs: list[tuple[torch.Tensor, int, int]]):
+        """Start sends ``(tensor, dst, tag)`` and receives ``(tensor, src, tag)``; the works to wait on."""
+        if self.nccl_style:
+            ops = [dist.P2POp(dist.isend, t, group=self.group, group_peer=p, tag=tag) for t, p, tag in sends]
+            ops += [dist.P2POp(dist.irecv, t, group=self.group, group_peer=p, tag=tag) for t, p, tag in recvs]
+            works = dist.batch_isend_irecv(ops) if ops else []
+            peers = [f"send to rank {p}" for _, p, _ in sends] + [f"receive from rank {p}" for _, p, _ in recvs]
+            return list(zip(works, peers))
+        out = []
+        for t, p, tag in recvs:
+            out.append((dist.irecv(t, group=self.group, group_src=p, tag=tag), f"receive from rank {p}"))
+        for t, p, tag in sends:
+            out.append((dist.isend(t, group=self.group, group_dst=p, tag=tag), f"send to rank {p}"))
+        return out
+
+    def wait_all(self, works, stage: str) -> None:
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        for work, what in works:
+            self._wait(work, f"the {what} {stage}", deadline)
+
+
+_STATUS_TEXT = 480  # bytes of a failed rank's message that reach the other ranks
