@@ -81,3 +81,20 @@ def test_console_script_demo_runs():
     # frozen layers are reused after the first step
     assert steps[1]["reused_bytes"] > 0.7 * steps[1]["logical_bytes"]
     assert report["slice"]["bytes_fetched"] < report["slice"]["tensor_bytes"] / 10
+
+
+def _o(opts: dict) -> list[str]:
+    return [a for k, v in opts.items() for a in ("-o", f"{k}={v}")]
+
+
+def test_storage_options_reach_s3_and_gcs_as_each_backend_takes_them(gcs_env, s3, capsys):
+    # `-o endpoint_url=...` goes into client_kwargs for s3fs, to gcsfs as it is.
+    for url, opts in (gcs_env, (s3.url, s3.storage_options)):
+        with ckptstore.open(url, storage_options=opts) as repo:
+            repo.save({"w": torch.arange(4.0)}, step=3)
+        flat = {k: v for k, v in opts.items() if k != "client_kwargs"}
+        flat.update(opts.get("client_kwargs", {}))
+        flat = {k: v for k, v in flat.items() if isinstance(v, str)}
+        capsys.readouterr()
+        assert main(["ls", url, "--json", *_o(flat)]) == 0, url
+        assert [s["step"] for s in json.loads(capsys.readouterr().out)["steps"]] == [3], url

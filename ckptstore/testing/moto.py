@@ -121,9 +121,10 @@ class MotoServer:
 
         ``bucket`` is accepted for symmetry with other emulators and unused:
         the options do not depend on the bucket. ``config_kwargs.proxies`` is
-        empty so that no environment proxy sees the traffic; botocore's own
-        retries are off (moto does not throttle, and retrying its internal
-        errors only slows tests down by seconds).
+        empty so that no environment proxy sees the traffic; botocore retries
+        a failed request at most once (``max_attempts`` counts retries after
+        the first try in botocore's legacy mode): moto does not throttle, and
+        more retries of its internal errors only slow tests down by seconds.
         """
         return {
             "key": KEY,
