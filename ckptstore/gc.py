@@ -136,6 +136,8 @@ class GCPlan:
     stale_leases: tuple[str, ...]
     live_leases: tuple[str, ...]
     stats: dict = field(default_factory=dict)
+    #: Tag name -> step as planning saw them; execute keeps a step whose tags changed since.
+    tags: dict[str, int] = field(default_factory=dict)
     repo: Any = field(default=None, repr=False, compare=False)
     #: The clock GC judges ages by, when planning and again when executing.
     clock: Any = field(default=None, repr=False, compare=False)
@@ -606,6 +608,7 @@ def plan_gc(
         stale_leases=stale_leases,
         live_leases=live_leases,
         stats=stats,
+        tags=dict(tags),
         repo=repo,
         clock=gclock,
     )
@@ -629,11 +632,19 @@ def _execute(plan: GCPlan, cat: Catalog, progress) -> GCResult:
     g = plan.grace
 
     # 1. Steps: re-check tags and the newest step, tombstone, then delete.
-    tags = set(cat.tags().values())
+    # A step is kept if a tag the policy keeps points at it now, or a tag
+    # points at it that did not at planning (the policy judged it untagged).
+    kept_tags = plan.policy.keep_tags
+    protected: dict[int, str] = {}
+    for name, s in cat.tags().items():
+        if plan.tags.get(name) != s:
+            protected.setdefault(s, "tagged since planning")
+        elif kept_tags is True or (kept_tags and name in kept_tags):
+            protected.setdefault(s, f"tag {name}")
     latest = cat.latest()
     for i, step in enumerate(plan.delete_steps):
-        if step in tags:
-            res.skipped_steps.append((step, "tagged since planning"))
+        if step in protected:
+            res.skipped_steps.append((step, protected[step]))
             continue
         if step == latest:
             res.skipped_steps.append((step, "newest step"))

@@ -118,6 +118,28 @@ def test_gc_keeps_newest_and_tagged_and_rm_refuses_newest(tmp_path, capsys):
     assert ckptstore.open(url).steps() == [1]
 
 
+
+def test_gc_without_keeping_tags_deletes_tagged_steps_but_not_ones_tagged_since_planning(tmp_path):
+    repo = ckptstore.open(str(tmp_path / "repo"), grace=GRACE, **OPTS)
+    for s in (1, 2, 3, 4):
+        repo.save({"w": torch.full((1000,), float(s))}, step=s)
+    repo.tag(1, "old")
+    repo.tag(2, "best")
+    plan = repo.plan_gc(keep_last=1, keep_tags=("best",))
+    assert plan.delete_steps == (1, 3)
+    repo.tag(3, "late")  # after planning: the plan judged step 3 untagged
+    res = plan.execute()
+    assert res.deleted_steps == [1]
+    assert res.skipped_steps == [(3, "tagged since planning")]
+    assert repo.steps() == [2, 3, 4]
+    # keep_tags=False: no tag protects, yet a tag moved after planning still does.
+    plan = repo.plan_gc(keep_last=1, keep_tags=False)
+    assert plan.delete_steps == (2, 3)
+    repo.tag(3, "best")
+    res = plan.execute()
+    assert res.deleted_steps == [2] and res.skipped_steps == [(3, "tagged since planning")]
+    assert repo.steps() == [3, 4]
+
 def _cli_options(so: dict | None) -> dict:
     """The ``-o KEY=VALUE`` options reaching the test server a fixture's storage options name."""
     if not so:
