@@ -55,14 +55,8 @@ class PackWriter:
         self.sizes: dict[str, int] = {}  # packs verified complete, by finish()
         self.counts: dict[str, int] = {}  # chunks written into each pack
 
-    def add(self, h: str, codec: str, pieces, raw_len: int, done=None) -> ChunkRef:
-        """Append one encoded chunk (``pieces``: buffers whose bytes are its stored form).
-
-        With ``done``, the pieces may still be in use when this returns (a
-        local pack's write runs on the I/O pool): ``done()`` is called once
-        they are not (see :meth:`ParallelUploader.write_many`); it is not
-        called if this raises before the write was handed over.
-        """
+    def add(self, h: str, codec: str, pieces, raw_len: int) -> ChunkRef:
+        """Append one encoded chunk (``pieces``: buffers whose bytes are its stored form)."""
         if self._open is None:
             pid = new_pack_id()
             up = ParallelUploader(self.store, pack_key(pid), self.o.part_size, self.runtime.io,
@@ -73,7 +67,7 @@ class PackWriter:
         stored_len = sum(len(p) for p in pieces)
         e = builder.add(h, codec, stored_len, raw_len)
         self.counts[pid] = self.counts.get(pid, 0) + 1
-        up.write_many(pieces, done)
+        up.write_many(pieces)
         if builder.size >= self.o.pack_size:
             self.seal()
         return ChunkRef(h, pid, e.offset, stored_len, raw_len, codec)

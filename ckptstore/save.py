@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import collections
 import json
-import threading
 import time
 from dataclasses import dataclass
 from typing import Mapping
@@ -292,25 +291,6 @@ def _in_buffer(piece, buf: bytearray) -> bool:
     return np.may_share_memory(np.asarray(piece), a)
 
 
-class _Once:
-    """``fn(arg)`` on the first call only (a scratch buffer is returned to its pool once)."""
-
-    def __init__(self, fn, arg):
-        self.fn, self.arg = fn, arg
-        self.called = False
-        self._lock = threading.Lock()
-
-    def __call__(self) -> None:
-        with self._lock:
-            first, self.called = not self.called, True
-        if first:
-            self.fn(self.arg)
-
-
-def _noop() -> None:
-    pass
-
-
 class ChunkWriter:
     """Ordered chunk pipeline: hash+compress in parallel, append in order.
 
@@ -387,14 +367,7 @@ class ChunkWriter:
             else:
                 if stored is None:  # raced with a chunk that was then not written
                     codec, stored = _codec.encode_pieces(piece, self.o.codec, self.o.level, dtype)
-                # The write may go on after add returns (local packs): the
-                # scratch backing the pieces goes back to the pool once the
-                # write no longer needs it, exactly once. If add raises, a
-                # scratch it did not hand over is left to the garbage
-                # collector rather than risk returning one still being read.
-                release = _Once(self.scratch.put, scratch) if scratch is not None else _noop
-                scratch = None
-                ref = self.packs.add(h, codec, stored, len(piece), release)
+                ref = self.packs.add(h, codec, stored, len(piece))
                 self.written[h] = ref
                 self.new_raw += len(piece)
                 self.new_stored += ref.stored_len

@@ -90,52 +90,6 @@ def test_direct_uploader_uses_no_part_buffers_and_frees_the_callers_buffers(tmp_
     assert store.get("packs/cd/w.pack") == b"".join(pieces)
 
 
-def test_direct_writes_with_done_run_on_the_pool_and_release_each_buffer_once(tmp_path):
-    store = LocalStore(str(tmp_path / "r"))
-    pieces = [_bytes(n, 10 + i) for i, n in enumerate([MiB, 3, 2 * MiB + 1, 17, MiB])]
-    released: list[int] = []
-    threads: set[str] = set()
-    real = local_mod._LocalMultipart.write_at
-
-    def traced(self, offset, buffers):
-        import threading
-        threads.add(threading.current_thread().name)
-        return real(self, offset, buffers)
-
-    with cf.ThreadPoolExecutor(2, thread_name_prefix="io") as io:
-        up = ParallelUploader(store, "packs/aa/d.pack", PART, io, window=2)
-        local_mod._LocalMultipart.write_at = traced
-        try:
-            up.write(b"head")  # without done: on this thread
-            for i, p in enumerate(pieces):
-                up.write_many([p[:5], p[5:]], lambda i=i: released.append(i))
-            assert up.close() == 4 + sum(map(len, pieces))
-        finally:
-            local_mod._LocalMultipart.write_at = real
-    assert sorted(released) == list(range(len(pieces)))  # each once, all before close returned
-    assert any(t.startswith("io") for t in threads) and "MainThread" in threads
-    assert store.get("packs/aa/d.pack") == b"head" + b"".join(pieces)
-
-    # A failing write: close raises, the upload is gone, every buffer released once.
-    released.clear()
-
-    def failing(self, offset, buffers):
-        raise OSError(28, "No space left on device")
-
-    with cf.ThreadPoolExecutor(2) as io:
-        up = ParallelUploader(store, "packs/aa/e.pack", PART, io, window=2)
-        local_mod._LocalMultipart.write_at = failing
-        try:
-            with pytest.raises(OSError, match="No space"):
-                for i, p in enumerate(pieces):
-                    up.write_many([p], lambda i=i: released.append(i))
-                up.close()
-        finally:
-            local_mod._LocalMultipart.write_at = real
-    assert len(released) == len(set(released)) and not store.exists("packs/aa/e.pack")
-    assert store.list_multipart() == []
-
-
 def test_local_upload_starts_write_out_as_it_goes(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(local_mod, "start_writeback", lambda fd, off, n: calls.append((off, n)))

@@ -52,13 +52,10 @@ class ParallelUploader:
     Where the store's uploads take positional writes (``positional_multipart``:
     local files) the uploader is *direct*: each :meth:`write_many` goes
     straight to its offset in the object (one ``pwritev`` of the caller's
-    buffers, no part buffer, no copy), and ``close`` waits for every write
-    and completes the upload with the size written. Without ``done`` the
-    write happens on the calling thread and the caller may reuse its
-    buffers as soon as ``write``/``write_many`` returns; with ``done`` (direct
-    only) it runs on the pool, at most ``window`` at once for this upload,
-    and ``done()`` is called once the buffers are no longer needed (written,
-    failed or cancelled). ``direct=False`` forces parts.
+    buffers on the calling thread, no part buffer, no copy), and ``close``
+    completes the upload with the size written. Either way the caller may
+    reuse its buffers as soon as ``write``/``write_many`` returns.
+    ``direct=False`` forces parts.
     """
 
     def __init__(
@@ -113,61 +110,21 @@ class ParallelUploader:
                 self._submit(buf, self.part_size)
         self._raise_failed()
 
-    def write_many(self, buffers, done=None) -> None:
-        """Append ``buffers`` in order (a chunk's pieces).
-
-        ``done``: see the class docstring (called here at once when the
-        bytes were copied, on the part path, or when this call raises).
-        """
+    def write_many(self, buffers) -> None:
+        """Append ``buffers`` in order (a chunk's pieces)."""
         if not self.direct:
-            try:
-                for b in buffers:
-                    self.write(b)
-            finally:
-                if done is not None:
-                    done()
+            for b in buffers:
+                self.write(b)
             return
         if self._closed:
-            if done is not None:
-                done()
             raise ValueError("write to a closed uploader")
         try:
             if self._mpu is None:
                 self._mpu = self.store.create_multipart(self.key, self.part_size)
-            if done is None:
-                self._size += self._mpu.write_at(self._size, buffers)
-                return
+            self._size += self._mpu.write_at(self._size, buffers)
         except BaseException:
             self.abort()
             raise
-        buffers = list(buffers)
-        offset = self._size
-        self._size += sum(memoryview(b).nbytes for b in buffers)
-        mpu = self._mpu
-        self._sem.acquire()
-
-        def run():
-            try:
-                mpu.write_at(offset, buffers)
-            finally:
-                self._sem.release()
-                done()
-
-        try:
-            fut = self.pool.submit(run)
-        except BaseException:
-            self._sem.release()
-            done()
-            self.abort()
-            raise
-        def cancelled(f: cf.Future) -> None:
-            if f.cancelled():  # never ran: release what run() would have
-                self._sem.release()
-                done()
-
-        fut.add_done_callback(cancelled)
-        self._futures.append(fut)
-        self._raise_failed()
 
     def _raise_failed(self) -> None:
         for f in self._futures:
@@ -215,8 +172,6 @@ class ParallelUploader:
                 if self._mpu is None:
                     self.store.put(self.key, b"")
                 else:
-                    for f in self._futures:
-                        f.result()
                     self._mpu.complete_written(self._size)
             except BaseException:
                 self.abort()
