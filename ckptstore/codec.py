@@ -145,20 +145,75 @@ def decode(codec: str, stored, raw_len: int) -> bytes | memoryview:
     raise IntegrityError(f"unknown codec {codec!r}")
 
 
+def decode_into(codec: str, stored, out) -> None:
+    """:func:`decode` into ``out``, a writable buffer of exactly the chunk's raw length.
+
+    No scratch copy of the chunk: zstd frames decompress into ``out``, byte
+    planes are interleaved straight into it. On an error ``out`` may hold
+    partly decoded bytes; the caller must not use them.
+    """
+    dest = _byte_array(out)
+    n = len(dest)
+    if codec == "raw":
+        if len(stored) != n:
+            raise IntegrityError(f"raw chunk is {len(stored)} bytes, expected {n}")
+        dest[:] = np.frombuffer(stored, dtype=np.uint8)
+    elif codec == "zstd":
+        _unzstd_into(stored, dest, "zstd chunk")
+    elif codec == "bgz":
+        _bytegroup_decode(stored, n, dest)
+    else:
+        raise IntegrityError(f"unknown codec {codec!r}")
+
+
+def _byte_array(buf) -> np.ndarray:
+    """A writable flat uint8 array over ``buf``'s memory."""
+    a = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
+    if a.dtype != np.uint8 or a.ndim != 1:
+        a = a.reshape(-1).view(np.uint8)
+    if not a.flags.writeable:
+        raise ValueError("decode_into needs a writable buffer")
+    return a
+
+
+def _check_frame(frame, n: int, what: str) -> None:
+    # The frame header states its content size; check it before the
+    # decompressor allocates that much (a crafted frame could claim TiBs).
+    declared = zstandard.frame_content_size(frame)
+    if declared not in (-1, n):
+        raise IntegrityError(f"{what} declares {declared} bytes, expected {n}")
+
+
 def _unzstd(frame, n: int, what: str) -> bytes:
     """Decode one zstd frame that must hold exactly ``n`` bytes."""
     try:
-        # The frame header states its content size; check it before the
-        # decompressor allocates that much (a crafted frame could claim TiBs).
-        declared = zstandard.frame_content_size(frame)
-        if declared not in (-1, n):
-            raise IntegrityError(f"{what} declares {declared} bytes, expected {n}")
+        _check_frame(frame, n, what)
         out = _decompressor().decompress(frame, max_output_size=n)
     except zstandard.ZstdError as e:
         raise IntegrityError(f"{what} does not decode: {e}") from None
     if len(out) != n:
         raise IntegrityError(f"{what} decodes to {len(out)} bytes, expected {n}")
     return out
+
+
+def _unzstd_into(frame, dest: np.ndarray, what: str) -> None:
+    """Decode one zstd frame into ``dest`` (uint8, writable), which it must fill exactly."""
+    n = len(dest)
+    try:
+        _check_frame(frame, n, what)
+        reader = _decompressor().stream_reader(frame, read_across_frames=False)
+        mv = memoryview(dest)
+        got = 0
+        while got < n:
+            k = reader.readinto(mv[got:])
+            if not k:
+                break
+            got += k
+        extra = got == n and reader.read(1)
+    except zstandard.ZstdError as e:
+        raise IntegrityError(f"{what} does not decode: {e}") from None
+    if got != n or extra:
+        raise IntegrityError(f"{what} decodes to {'more than ' if extra else ''}{got} bytes, expected {n}")
 
 
 def decode_verified(codec: str, stored, raw_len: int, hash_hex: str, where: str) -> bytes | memoryview:
@@ -172,35 +227,94 @@ def decode_verified(codec: str, stored, raw_len: int, hash_hex: str, where: str)
     return raw
 
 
+def decode_verified_into(codec: str, stored, out, hash_hex: str, where: str) -> None:
+    """:func:`decode_into`, then check the BLAKE3 hash of ``out``; errors are prefixed with ``where``.
+
+    On an error ``out`` holds bytes that must not be used.
+    """
+    try:
+        decode_into(codec, stored, out)
+    except IntegrityError as ex:
+        raise IntegrityError(f"{where}: {ex}") from None
+    if hash_bytes(out) != hash_hex:
+        raise IntegrityError(f"{where}: content hash mismatch (corrupted data)")
+
+
 _BG_HEAD = struct.Struct("<BBBB")
 _BG_PLANE = struct.Struct("<BI")
 
 
+#: Elements per block of the bfloat16 bit split: its temporaries stay in cache.
+_BF16_BLOCK = 1 << 17
+#: Output bytes per block when byte planes are interleaved back.
+_PLANE_BLOCK_BYTES = 256 << 10
+
+
+def _block_temps(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Two per-thread uint16 temporaries of at least ``n`` elements (bounded by the block size)."""
+    t = getattr(_tls, "u16", None)
+    if t is None or len(t[0]) < n:
+        t = _tls.u16 = (np.empty(n, dtype=np.uint16), np.empty(n, dtype=np.uint16))
+    return t
+
+
 def _planes(arr: np.ndarray, k: int, transform: int, scratch=None) -> list[np.ndarray]:
+    n = arr.size // k
+    if scratch is not None and len(scratch) >= arr.size:
+        t = np.frombuffer(scratch, dtype=np.uint8, count=arr.size).reshape(k, -1)
+    else:
+        t = np.empty((k, n), dtype=np.uint8)
     if transform == 1:  # bfloat16: exponent bits apart from sign + mantissa
+        # exp = bits 14..7; sm = sign (bit 15) as bit 7 | mantissa (bits 6..0).
+        # In blocks, with uint16 temporaries: ~3x faster than whole-chunk
+        # expressions, whose temporaries are fresh memory each time.
         x = arr.view("<u2")
-        exp = (x >> 7).astype(np.uint8)  # the cast drops the sign bit
-        sm = ((x >> 8) & 0x80).astype(np.uint8) | (x & 0x7F).astype(np.uint8)
+        exp, sm = t[0], t[1]
+        a_, b_ = _block_temps(min(n, _BF16_BLOCK))
+        for s0 in range(0, n, _BF16_BLOCK):
+            xs = x[s0 : s0 + _BF16_BLOCK]
+            m = len(xs)
+            a, b = a_[:m], b_[:m]
+            np.right_shift(xs, 7, out=a)
+            np.copyto(exp[s0 : s0 + m], a, casting="unsafe")  # drops the sign bit
+            np.bitwise_and(xs, 0x807F, out=a)
+            np.right_shift(a, 8, out=b)
+            np.bitwise_or(a, b, out=a)
+            np.copyto(sm[s0 : s0 + m], a, casting="unsafe")
         return [exp, sm]
     # One transposing copy (~3.5 GB/s here) instead of k strided gathers
     # (~1.2 GB/s together); each row of the result is one plane.
-    if scratch is not None and len(scratch) >= arr.size:
-        t = np.frombuffer(scratch, dtype=np.uint8, count=arr.size).reshape(k, -1)
-        np.copyto(t, arr.reshape(-1, k).T)
-    else:
-        t = arr.reshape(-1, k).T.copy()
+    np.copyto(t, arr.reshape(-1, k).T)
     return [t[i] for i in range(k - 1, -1, -1)]  # high bytes first
 
 
-def _unplanes(planes: list[np.ndarray], k: int, transform: int, n: int) -> memoryview:
+def _unplanes(planes: list[np.ndarray], k: int, transform: int, n: int, out: np.ndarray | None = None) -> memoryview:
+    """Interleave the planes into ``out`` (uint8, ``n * k`` bytes; new memory when None)."""
+    if out is None:
+        out = np.empty(n * k, dtype=np.uint8)
     if transform == 1:
-        exp = planes[0].astype("<u2")
-        sm = planes[1].astype("<u2")
-        return memoryview((((sm & 0x80) << 8) | (exp << 7) | (sm & 0x7F))).cast("B")
-    out = np.empty((n, k), dtype=np.uint8)
-    for i, p in zip(range(k - 1, -1, -1), planes):
-        out[:, i] = p
-    return memoryview(out).cast("B")
+        exp, sm = planes
+        o16 = out.view("<u2")
+        (a_, _) = _block_temps(min(n, _BF16_BLOCK))
+        for s0 in range(0, n, _BF16_BLOCK):
+            o = o16[s0 : s0 + _BF16_BLOCK]
+            m = len(o)
+            a, e, s_ = a_[:m], exp[s0 : s0 + m], sm[s0 : s0 + m]
+            np.left_shift(e, 7, out=o, dtype=np.uint16)
+            np.left_shift(s_, 8, out=a, dtype=np.uint16)
+            np.bitwise_or(a, s_, out=a, dtype=np.uint16)
+            np.bitwise_and(a, 0x807F, out=a)
+            np.bitwise_or(o, a, out=o)
+        return memoryview(out)
+    # Block by block, so that the k strided passes over a block of the
+    # destination find it in cache (~13% faster into cold memory here).
+    o2 = out.reshape(n, k)
+    step = _PLANE_BLOCK_BYTES // k
+    for s0 in range(0, n, step):
+        ob = o2[s0 : s0 + step]
+        for i, p in zip(range(k - 1, -1, -1), planes):
+            ob[:, i] = p[s0 : s0 + step]
+    return memoryview(out)
 
 
 def _plane_compressor() -> zstandard.ZstdCompressor:
@@ -237,7 +351,7 @@ def _bytegroup_encode(data, k: int, transform: int, level: int, scratch=None) ->
     return [b"".join([_BG_HEAD.pack(1, k, transform, len(heads)), *heads]), *bodies]
 
 
-def _bytegroup_decode(stored, raw_len: int) -> bytes:
+def _bytegroup_decode(stored, raw_len: int, out: np.ndarray | None = None) -> memoryview:
     mv = memoryview(stored)
     if len(mv) < _BG_HEAD.size:
         raise IntegrityError("bgz chunk truncated")
@@ -268,4 +382,4 @@ def _bytegroup_decode(stored, raw_len: int) -> bytes:
         planes.append(np.frombuffer(plane, dtype=np.uint8))
     if off != len(mv):
         raise IntegrityError("bgz chunk has trailing bytes")
-    return _unplanes(planes, k, transform, n)
+    return _unplanes(planes, k, transform, n, out)

@@ -9,7 +9,9 @@ stored bytes), GC's repack and ``verify --read-data``. It
 2. runs them on the I/O pool, each holding its bytes against the handle's
    read budget (fetched-but-undecoded bytes are bounded);
 3. decodes every chunk and checks it against its hash (format invariant 4)
-   on the CPU pool, then hands ``(raw, stored)`` to the caller's ``deliver``;
+   on the CPU pool, then hands ``(raw, stored)`` to the caller's ``deliver``,
+   or, for a chunk the caller gave a destination (``into``), decodes it
+   straight into that memory (no scratch copy) and checks the hash there;
 4. follows relocation records when a pack is gone (repacked by GC).
 
 Errors name the repository, the caller's context (step, tensor), the
@@ -37,6 +39,9 @@ Deliver = Callable[[int, memoryview, memoryview], None]
 #: ``on_error(i, error)``: instead of raising, report a chunk that could not
 #: be read or verified (``verify`` collects every problem).
 OnError = Callable[[int, Exception], None]
+#: ``into(i)``: chunk ``i``'s destination, a writable buffer of exactly its
+#: raw length, or None to have it delivered.
+Into = Callable[[int], object]
 
 
 class ChunkFetcher:
@@ -54,8 +59,14 @@ class ChunkFetcher:
         deliver: Deliver,
         where: Callable[[int], str],
         on_error: OnError | None = None,
+        into: Into | None = None,
     ) -> None:
         """Fetch, verify and decode ``refs``; call ``deliver`` once per chunk.
+
+        With ``into``, a chunk for which ``into(i)`` names a destination is
+        decoded into it and verified there instead of being delivered; if it
+        fails to verify, the destination holds bytes that must not be used
+        (and the read raises, or reports the chunk to ``on_error``).
 
         ``where(i)`` is the start of every message about chunk ``i``: what
         it belongs to, ending in ``": "`` (``"s3://b/run: step 5: tensor 'w': "``),
@@ -67,17 +78,18 @@ class ChunkFetcher:
         """
         if not refs:
             return
-        job = _Job(self, list(refs), deliver, where, on_error)
+        job = _Job(self, list(refs), deliver, where, on_error, into)
         job.run(list(range(len(refs))), 0)
 
 
 class _Job:
-    def __init__(self, fetcher: ChunkFetcher, refs, deliver, where, on_error):
+    def __init__(self, fetcher: ChunkFetcher, refs, deliver, where, on_error, into=None):
         self.f = fetcher
         self.refs = refs
         self.deliver = deliver
         self.where = where
         self.on_error = on_error
+        self.into = into
 
     def fail(self, i: int, err: Exception) -> None:
         if self.on_error is None:
@@ -151,6 +163,16 @@ class _Job:
             r = self.refs[i]
             stored = mv[r.offset - req.start : r.offset - req.start + r.stored_len]
             where = f"{self.where(i)}chunk {r.hash[:16]} in pack {r.pack} at offset {r.offset}"
+            dest = self.into(i) if self.into is not None else None
+            if dest is not None:
+                try:
+                    if memoryview(dest).nbytes != r.raw_len:
+                        raise IntegrityError(f"{where}: holds {r.raw_len} bytes, "
+                                             f"its place in the tensor {memoryview(dest).nbytes}")
+                    _codec.decode_verified_into(r.codec, stored, dest, r.hash, where)
+                except IntegrityError as e:
+                    self.fail(i, e)
+                return
             try:
                 raw = _codec.decode_verified(r.codec, stored, r.raw_len, r.hash, where)
             except IntegrityError as e:

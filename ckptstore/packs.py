@@ -4,7 +4,9 @@ A pack is ``header | chunk bytes ... | table | footer`` (:mod:`ckptstore.pack`).
 :class:`PackWriter` appends encoded chunks to the current pack, whose
 :class:`~ckptstore.storage.upload.ParallelUploader` cuts ``part_size`` parts
 and uploads them on the I/O pool (at most ``window`` parts in flight per
-pack, part buffers from the handle's pool); a pack that reaches
+pack, part buffers from the handle's pool; on a local store the pieces
+go straight to their offsets in the pack's file instead, see
+:class:`~ckptstore.storage.upload.ParallelUploader`); a pack that reaches
 ``pack_size`` is sealed (table and footer written, upload completed) on the
 seal pool while the next one fills, at most ``packs_in_flight`` at once.
 :meth:`PackWriter.finish` waits for every pack and checks that each one
@@ -65,8 +67,7 @@ class PackWriter:
         stored_len = sum(len(p) for p in pieces)
         e = builder.add(h, codec, stored_len, raw_len)
         self.counts[pid] = self.counts.get(pid, 0) + 1
-        for p in pieces:
-            up.write(p)
+        up.write_many(pieces)
         if builder.size >= self.o.pack_size:
             self.seal()
         return ChunkRef(h, pid, e.offset, stored_len, raw_len, codec)

@@ -4,8 +4,9 @@ A read maps the wanted slice to a box, intersects it with every stored
 shard, turns each shard's sub-box into byte runs and the runs into the
 chunks they touch (:mod:`ckptstore.planner`), and fetches those chunks
 through the repository's one :class:`~ckptstore.fetch.ChunkFetcher`
-(coalesced, concurrent, verified), writing straight into the destination
-tensor where it can.
+(coalesced, concurrent, verified), decoding each chunk straight into the
+destination tensor's memory where the chunk lies wholly inside it (no
+per-chunk scratch allocation and copy).
 """
 
 from __future__ import annotations
@@ -187,12 +188,15 @@ class Checkpoint:
                 refs.append(c)
                 targets.append((view, start))
 
-        def deliver(i: int, raw, stored) -> None:
+        def into(i: int):
             view, start = targets[i]
-            n = len(raw)
-            view[start : start + n] = np.frombuffer(raw, dtype=np.uint8, count=n)
+            return view[start : start + refs[i].raw_len]
 
-        self.repo.fetcher.fetch(refs, deliver, lambda i: f"{self.repo.url}: step {self.step}: tensor {keys[i]!r}: ")
+        def deliver(i: int, raw, stored) -> None:  # every chunk has a destination
+            into(i)[:] = np.frombuffer(raw, dtype=np.uint8, count=len(raw))
+
+        self.repo.fetcher.fetch(refs, deliver, lambda i: f"{self.repo.url}: step {self.step}: tensor {keys[i]!r}: ",
+                                into=into)
         if rest:
             self.repo.runtime.map_tensors(lambda k: self.read_into(k, dests[k]), rest)
 
@@ -280,6 +284,12 @@ class Checkpoint:
             buf = torch.empty((r1 - r0,) + tuple(shape[1:]), dtype=stored_dtype)
         view = byte_view(buf)
 
+        def into(k: int):
+            # A chunk wholly inside the span decodes straight into its place.
+            i = needed[k]
+            cs, ce = starts[i], starts[i] + shard.chunks[i].raw_len
+            return view[cs - span_lo : ce - span_lo] if span_lo <= cs and ce <= span_hi else None
+
         def deliver(k: int, raw, stored) -> None:
             i = needed[k]
             cs, ce = starts[i], starts[i] + shard.chunks[i].raw_len
@@ -288,7 +298,8 @@ class Checkpoint:
                 view[lo - span_lo : hi - span_lo] = np.frombuffer(raw, dtype=np.uint8, count=hi - lo, offset=lo - cs)
 
         self.repo.fetcher.fetch(
-            [shard.chunks[i] for i in needed], deliver, lambda k: f"{self.repo.url}: step {self.step}: tensor {e.key!r}: "
+            [shard.chunks[i] for i in needed], deliver, lambda k: f"{self.repo.url}: step {self.step}: tensor {e.key!r}: ",
+            into=into,
         )
         if not direct:
             sub = buf

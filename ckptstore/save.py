@@ -377,10 +377,20 @@ class ChunkWriter:
                 self.scratch.put(scratch)
         refs.append(ref)
 
-    def finish(self) -> dict[str, int]:
-        """Write out every chunk; pack id -> size of each pack written, all verified complete."""
+    def drain(self) -> None:
+        """Append every pending chunk and start sealing the open pack (returns before it is sealed).
+
+        Every chunk reference is known afterwards, so the caller can write
+        the chunk table while the last pack is still being completed (its
+        ``fsync`` on a local store); :meth:`finish` then waits for the packs.
+        """
         while self.pending:
             self._drain_one()
+        self.packs.seal()
+
+    def finish(self) -> dict[str, int]:
+        """Write out every chunk; pack id -> size of each pack written, all verified complete."""
+        self.drain()
         return self.packs.finish()
 
     def abort(self) -> None:
@@ -415,6 +425,17 @@ def save_step(cat: Catalog, tree, tensors: dict[str, torch.Tensor], step: int, m
             for key in tree_keys(tree):
                 t = tensors[key]
                 entries[key] = (t, writer.add(t))
+            writer.drain()
+            # The chunk table goes out while the last pack is completed; the
+            # manifest naming both is created only once both are verified.
+            builder = TableBuilder()
+            te = {}
+            for key, (t, refs) in entries.items():
+                shape = tuple(t.shape)
+                first, count = builder.extend(refs)
+                te[key] = TensorEntry(key, _m.dtype_name(t.dtype), shape,
+                                      (Shard((0,) * len(shape), shape, tuple(refs), TableRef(0, first, count)),))
+            seg = write_segment(cat, builder)
             packs = writer.finish()
         except PackVanishedError as e:
             writer.abort()
@@ -423,14 +444,6 @@ def save_step(cat: Catalog, tree, tensors: dict[str, torch.Tensor], step: int, m
         except BaseException:
             writer.abort()
             raise
-        builder = TableBuilder()
-        te = {}
-        for key, (t, refs) in entries.items():
-            shape = tuple(t.shape)
-            first, count = builder.extend(refs)
-            te[key] = TensorEntry(key, _m.dtype_name(t.dtype), shape,
-                                  (Shard((0,) * len(shape), shape, tuple(refs), TableRef(0, first, count)),))
-        seg = write_segment(cat, builder)
         stats = writer.stats(packs)
         stats["segment_bytes"] = seg.size
         man = Manifest(

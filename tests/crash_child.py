@@ -1,6 +1,6 @@
 """A saver to be killed with SIGKILL mid-save (driven by tests/test_crash.py).
 
-    python tests/crash_child.py URL STEP SEED [STORAGE_OPTIONS_JSON]
+    python tests/crash_child.py URL STEP SEED [STORAGE_OPTIONS_JSON] [direct]
 
 Opens the repository with small chunk, pack and part sizes (so packs go
 through multipart uploads of several parts), builds a deterministic state
@@ -15,6 +15,12 @@ where the save is:
                      manifest is written
 
 and ``DONE`` when the save returned (the parent does not expect it).
+
+With ``direct`` (a local directory only) the store is a bare
+:class:`~ckptstore.storage.local.LocalStore` whose packs take the direct
+path (chunk pieces written at their offsets, no parts): the markers then
+count those writes instead of parts (a wrapper store would turn the direct
+path off).
 """
 
 from __future__ import annotations
@@ -54,6 +60,33 @@ def build_state(seed: int, mib: int = 64) -> dict:
     }
 
 
+def _phased_local_store(root: str, on_write, on_commit):
+    """A LocalStore calling ``on_write`` before each positional write into a pack, ``on_commit`` before a manifest."""
+    from ckptstore.storage.local import LocalStore
+
+    class PhasedLocalStore(LocalStore):
+        def create_multipart(self, key, part_size):
+            mpu = super().create_multipart(key, part_size)
+            if key.startswith("packs/"):
+                write_at = mpu.write_at
+
+                def traced(offset, buffers):
+                    on_write("write_at", key)
+                    return write_at(offset, buffers)
+
+                mpu.write_at = traced
+            return mpu
+
+        def put_if_absent(self, key, data):
+            if key.startswith("manifests/"):
+                on_commit("put_if_absent", key)
+            return super().put_if_absent(key, data)
+
+    store = PhasedLocalStore(root)
+    assert store.positional_multipart
+    return store
+
+
 def main(argv: list[str]) -> int:
     from ckptstore.repository import Repository
     from ckptstore.storage import open_store
@@ -89,9 +122,13 @@ def main(argv: list[str]) -> int:
         time.sleep(COMMIT_SLEEP)  # the parent kills us here, before the manifest exists
         return None
 
-    store = FaultStore(open_store(url, so))
-    store.add_rule("upload_part", "packs/*", on_part)
-    store.add_rule("put_if_absent", "manifests/*", on_commit)
+    direct = len(argv) > 4 and argv[4] == "direct"
+    if direct:
+        store = _phased_local_store(url, on_part, on_commit)
+    else:
+        store = FaultStore(open_store(url, so))
+        store.add_rule("upload_part", "packs/*", on_part)
+        store.add_rule("put_if_absent", "manifests/*", on_commit)
     # The child never commits (it is killed first); a long grace keeps its
     # stale-base check from refusing before the commit marker on a slow host.
     repo = Repository(store, grace=3600.0, **CHILD_OPTS)

@@ -50,12 +50,12 @@ def _referenced(repo) -> set[str]:
     return {c.pack for s in repo.steps() for c in repo.chunks(s)}
 
 
-def _kill_at(url, so, step, seed, phase, delay, log) -> None:
+def _kill_at(url, so, step, seed, phase, delay, log, mode="") -> None:
     """Run the child until it prints ``PHASE <phase>``, then SIGKILL it after ``delay`` s."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     with tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(
-            [sys.executable, CHILD, url, str(step), str(seed), json.dumps(so) if so else ""],
+            [sys.executable, CHILD, url, str(step), str(seed), json.dumps(so) if so else "", mode],
             stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT, env=env,
         )
         watchdog = threading.Timer(120, proc.kill)  # never hang the suite
@@ -80,7 +80,7 @@ def _kill_at(url, so, step, seed, phase, delay, log) -> None:
         assert proc.returncode == -signal.SIGKILL, (proc.returncode, seen)
 
 
-def _crash_rounds(url, so, local: bool, seed: int) -> None:
+def _crash_rounds(url, so, local: bool, seed: int, mode: str = "") -> None:
     # fixed by default (reproducible); CKPTSTORE_CRASH_SEED explores others
     seed = int(os.environ.get("CKPTSTORE_CRASH_SEED", seed))
     rng = random.Random(seed)
@@ -102,7 +102,7 @@ def _crash_rounds(url, so, local: bool, seed: int) -> None:
         before_packs = set(_pack_objects(store))
         before_uploads = {u.upload_id for u in store.list_multipart()}
         child_seed = 1000 * seed + step
-        _kill_at(url, so, step, child_seed, phase, rng.uniform(0.0, 0.03), log)
+        _kill_at(url, so, step, child_seed, phase, rng.uniform(0.0, 0.03), log, mode)
         t_kill = clock.time()
 
         # GC right now: nothing this saver left may be reclaimed yet
@@ -187,7 +187,13 @@ def _crash_rounds(url, so, local: bool, seed: int) -> None:
 
 
 def test_sigkilled_saver_local(tmp_path):
+    # Through a FaultStore: packs go up as parts.
     _crash_rounds(str(tmp_path / "repo"), None, local=True, seed=11)
+
+
+def test_sigkilled_saver_local_direct_writes(tmp_path):
+    # A bare LocalStore: chunk pieces written straight at their offsets in the pack file.
+    _crash_rounds(str(tmp_path / "repo"), None, local=True, seed=13, mode="direct")
 
 
 def test_sigkilled_saver_s3(s3):

@@ -5,12 +5,21 @@ renamed into place (``put``) or hard-linked into place (``put_if_absent``:
 ``link`` fails if the target exists, which makes it an atomic exclusive
 create even on file systems where ``O_EXCL`` on the final name would expose a
 half-written file). Multipart uploads write parts with ``pwrite`` at their
-final offsets into one temporary file.
+final offsets into one temporary file; they also take positional writes
+(:meth:`_LocalMultipart.write_at`, ``pwritev`` of a chunk's pieces straight
+from the caller's buffers, no part buffer in between: what
+:class:`~ckptstore.storage.upload.ParallelUploader` uses for local packs).
+Write-out of an upload's data is started every :data:`WRITEBACK_BYTES`
+(``sync_file_range``, Linux), so that the ``fsync`` of :meth:`complete`
+finds little left to write instead of the whole object. A directory
+created for an object is made durable in its parent too.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import threading
 import uuid
 from typing import Iterator, Sequence
 
@@ -18,10 +27,41 @@ from ..errors import ObjectExistsError, ObjectNotFoundError
 from .base import MultipartInfo, MultipartUpload, ObjectInfo, ObjectStore, check_key, check_ranges
 
 _TMP = ".tmp"
+MiB = 1 << 20
+#: Bytes written to an upload after which their write-out to disk is started.
+WRITEBACK_BYTES = 8 * MiB
+_SYNC_FILE_RANGE_WRITE = 2
+_IOV_MAX = 1024
+
+
+def _find_sync_file_range():
+    """libc's ``sync_file_range`` (GIL released while it runs), or None off Linux."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (AttributeError, OSError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_sync_file_range = _find_sync_file_range()
+
+
+def start_writeback(fd: int, offset: int, length: int) -> None:
+    """Start writing ``[offset, offset + length)`` of ``fd`` to disk; returns at once.
+
+    A hint only (no durability: the ``fsync`` that follows is what makes the
+    data durable, and reports errors); a no-op where it is unavailable.
+    """
+    if _sync_file_range is not None and length > 0:
+        _sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
 
 
 class LocalStore(ObjectStore):
     mtime_resolution = 0.01  # coarse-timestamp file systems
+    #: Its uploads take ``write_at(offset, buffers)`` and ``complete_written(size)``.
+    positional_multipart = True
     """Objects as files under ``root``.
 
     Parameters
@@ -92,16 +132,31 @@ class LocalStore(ObjectStore):
             finally:
                 os.close(fd)
 
+    def _make_parent(self, path: str) -> None:
+        """Create ``path``'s directory; each directory created is made durable in its parent."""
+        d = os.path.dirname(path)
+        if os.path.isdir(d):
+            return
+        created = []
+        p = d
+        while p != self.root and not os.path.isdir(p):
+            created.append(p)
+            p = os.path.dirname(p)
+        os.makedirs(d, exist_ok=True)
+        # Parents first: a name is durable once the directory holding it is.
+        for c in reversed(created):
+            self._sync_dir(c)
+
     def put(self, key: str, data) -> None:
         path = self._path(key)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self._make_parent(path)
         tmp = self._write_tmp(data)
         os.replace(tmp, path)
         self._sync_dir(path)
 
     def put_if_absent(self, key: str, data) -> None:
         path = self._path(key)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self._make_parent(path)
         if os.path.exists(path):
             raise ObjectExistsError(f"{self.url}/{key}: object already exists")
         tmp = self._write_tmp(data)
@@ -180,6 +235,8 @@ class LocalStore(ObjectStore):
 
 
 class _LocalMultipart(MultipartUpload):
+    """An upload into one temporary file: parts (``upload_part``) or positional writes (``write_at``)."""
+
     def __init__(self, store: LocalStore, key: str, part_size: int):
         super().__init__(key, part_size)
         self.store = store
@@ -194,33 +251,83 @@ class _LocalMultipart(MultipartUpload):
         os.replace(self._marker + ".new", self._marker)
         self._fd = os.open(self._data, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         self._sizes: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self._written = 0  # bytes written by write_at
+        self._wb_from = 0  # write_at's data before this offset has had its write-out started
+
+    def _open_fd(self) -> int:
+        if self._fd < 0:
+            raise ObjectNotFoundError(f"{self.store.url}/{self.key}: multipart upload was aborted")
+        return self._fd
 
     def upload_part(self, number: int, data) -> None:
         self._check_part(number, data)
-        if self._fd < 0:
-            raise ObjectNotFoundError(f"{self.store.url}/{self.key}: multipart upload was aborted")
+        fd = self._open_fd()
         mv = memoryview(data).cast("B")
-        off = (number - 1) * self.part_size
+        off = start = (number - 1) * self.part_size
         while len(mv):
-            n = os.pwrite(self._fd, mv, off)
+            n = os.pwrite(fd, mv, off)
             mv, off = mv[n:], off + n
+        if self.store.fsync:
+            start_writeback(fd, start, off - start)
         self._sizes[number] = len(data)
 
+    def write_at(self, offset: int, buffers) -> int:
+        """Write ``buffers`` back to back at ``offset`` (one ``pwritev``, no copy); returns the bytes written.
+
+        Positional writes never overlap; the object is what
+        :meth:`complete_written` finds once every byte of it was written.
+        """
+        fd = self._open_fd()
+        views = [m for m in (memoryview(b).cast("B") for b in buffers) if len(m)]
+        total = sum(len(m) for m in views)
+        off = offset
+        while views:
+            n = os.pwritev(fd, views[:_IOV_MAX], off)
+            off += n
+            # A short write (rare on files): drop what went out, go on with the rest.
+            while views and n >= len(views[0]):
+                n -= len(views[0])
+                views.pop(0)
+            if views and n:
+                views[0] = views[0][n:]
+        wb = None
+        with self._lock:
+            self._written += total
+            if self.store.fsync and off - self._wb_from >= WRITEBACK_BYTES:
+                wb = (self._wb_from, off - self._wb_from)
+                self._wb_from = off
+        if wb is not None:
+            start_writeback(fd, *wb)
+        return total
+
     def complete(self, nparts: int) -> None:
+        if self._written:
+            raise ValueError(f"{self.store.url}/{self.key}: bytes were written at offsets; use complete_written")
         missing = [n for n in range(1, nparts + 1) if n not in self._sizes]
         if missing:
             raise ValueError(f"{self.key}: parts {missing[:5]} were never uploaded")
         for n in range(1, nparts):
             if self._sizes[n] != self.part_size:
                 raise ValueError(f"{self.key}: part {n} is {self._sizes[n]} bytes, not {self.part_size}")
-        size = (nparts - 1) * self.part_size + self._sizes[nparts]
+        self._finish((nparts - 1) * self.part_size + self._sizes[nparts])
+
+    def complete_written(self, size: int) -> None:
+        """Make the ``size`` bytes written by :meth:`write_at` the object (fsynced, then renamed into place)."""
+        self._open_fd()
+        if self._sizes or self._written != size:
+            raise ValueError(f"{self.store.url}/{self.key}: {self._written} bytes written at offsets, "
+                             f"completing {size}" + (" (parts were uploaded too)" if self._sizes else ""))
+        self._finish(size)
+
+    def _finish(self, size: int) -> None:
         os.ftruncate(self._fd, size)
         if self.store.fsync:
             os.fsync(self._fd)
         os.close(self._fd)
         self._fd = -1
         path = self.store._path(self.key)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self.store._make_parent(path)
         os.replace(self._data, path)
         self.store._sync_dir(path)
         os.unlink(self._marker)

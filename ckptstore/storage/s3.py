@@ -32,15 +32,25 @@ legacy mode (5 attempts, backoff up to 8 s) under s3fs made one call against
 a killed server take up to ~15 s, and a load then failed after 77-95 s.
 
 Stores that bring explicit credentials share one process-wide botocore
-session, so opening a store does not reload the S3 service model each time.
+session, so opening a store does not reload the S3 service model each time,
+and stores with exactly the same options (credentials, endpoint, every
+client setting) share their clients too (:class:`_SharedClients`): a fresh
+repository handle on the same bucket reuses the warm connections of the
+previous one instead of paying a new client and new TCP connections on its
+first requests. Stores whose credentials come from the environment chain
+never share (the same rule as for the session).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import hashlib
+import json
 import os
 import re
 import threading
+import weakref
 from typing import Iterator, Sequence
 
 from ..errors import (
@@ -191,6 +201,15 @@ def _total_size(content_range: str | None) -> int | None:
     return int(m.group(3))
 
 
+def _copy_dicts(obj):
+    """``obj`` with every nested dict and list copied (other values as they are)."""
+    if isinstance(obj, dict):
+        return {k: _copy_dicts(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_copy_dicts(v) for v in obj]
+    return obj
+
+
 def _body(data):
     # aiobotocore sends bytes and bytearray as they are; anything else
     # (memoryview, numpy buffers) is copied once into bytes.
@@ -244,6 +263,102 @@ def _shared_session(kind: str = "aio"):
                 session = botocore.session.Session()
             _SESSIONS[kind] = session
         return session
+
+
+#: Idle shared clients kept open (least recently used ones beyond it are closed).
+SHARED_CLIENTS_IDLE = 8
+
+
+def _client_key(opts: dict, upload_client: bool = False) -> str | None:
+    """A digest of the exact client options when stores with them may share clients, else None.
+
+    Only options that are plain values (so that equal options mean equal
+    clients) and only stores allowed the shared session (explicit
+    credentials or anonymous): two stores share only when every option,
+    the credentials included, is the same (and whether uploads go through
+    a separate client, ``upload_client``).
+    """
+    if not _can_share_session(opts):
+        return None
+    try:
+        canon = json.dumps([opts, upload_client], sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError):
+        return None
+    return hashlib.sha256(canon.encode()).hexdigest()
+
+
+class _SharedClients:
+    """Process-wide S3 clients (s3fs's file system object and the upload client), by :func:`_client_key`.
+
+    A store holds its entry while open (a count of users); entries nobody
+    holds stay open for the next store with the same options, at most
+    :data:`SHARED_CLIENTS_IDLE` of them (older idle ones are closed).
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._entries: collections.OrderedDict[str, dict] = collections.OrderedDict()
+
+    def forget(self) -> None:
+        """Drop every entry without closing it (in a forked child: the parent's
+        connections and event loop are not the child's to use or close)."""
+        self._lock = threading.Lock()
+        self._entries = collections.OrderedDict()
+
+    def acquire(self, key: str, make_fs) -> dict:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                entry = self._entries[key] = {"fs": make_fs(), "upload": None, "users": 0,
+                                              "lock": threading.Lock()}
+            self._entries.move_to_end(key)
+            entry["users"] += 1
+            idle = [k for k, e in self._entries.items() if e["users"] == 0]
+            evict = [self._entries.pop(k) for k in idle[: max(0, len(idle) - SHARED_CLIENTS_IDLE)]]
+        for e in evict:
+            _close_clients(e["fs"], e["upload"])
+        return entry
+
+    def release(self, key: str) -> None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and entry["users"] > 0:
+                entry["users"] -= 1
+
+    def clear(self) -> None:
+        """Close every idle shared client (tests; the next store opens new ones)."""
+        with self._lock:
+            idle = [k for k, e in self._entries.items() if e["users"] == 0]
+            evict = [self._entries.pop(k) for k in idle]
+        for e in evict:
+            _close_clients(e["fs"], e["upload"])
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+_SHARED = _SharedClients()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_SHARED.forget)
+
+
+def _close_clients(fs, upload) -> None:
+    """Close an s3fs file system's client and an upload client (either may be None)."""
+    from fsspec.asyn import sync
+
+    if upload is not None:
+        try:
+            upload.close()
+        except Exception:
+            pass
+    creator = getattr(fs, "_s3creator", None) if fs is not None else None
+    if fs is None or getattr(fs, "_s3", None) is None or creator is None:
+        return
+    try:
+        sync(fs.loop, creator.__aexit__, None, None, None, timeout=10)
+    except Exception:
+        pass
+    fs._s3 = None
 
 
 #: ``client_kwargs`` keys botocore's ``create_client`` takes as they are.
@@ -365,7 +480,10 @@ class S3Store(ObjectStore):
         self.url = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
         self.max_concurrency = max_concurrency
 
-        opts = dict(storage_options or {})
+        # Nested option dicts copied too: botocore rewrites a ``retries`` dict
+        # in place, which changed the caller's options (and this store's
+        # client key) after the first client was made.
+        opts = _copy_dicts(dict(storage_options or {}))
         opts["skip_instance_cache"] = True
         opts["use_listings_cache"] = False
         config = dict(opts.get("config_kwargs") or {})
@@ -393,11 +511,41 @@ class S3Store(ObjectStore):
         self._upload = None
         self._upload_kwargs: dict[str, dict] = {}
         self._upload_lock = threading.Lock()
+        key = _client_key(opts, self._upload_spec is not None)
         if _can_share_session(opts):
             opts["session"] = _shared_session()
-        self._fs = s3fs.S3FileSystem(**opts)
-        self._fs.retries = S3FS_ATTEMPTS
+
+        def make_fs():
+            fs = s3fs.S3FileSystem(**opts)
+            fs.retries = S3FS_ATTEMPTS
+            return fs
+
+        self._make_fs = make_fs
+        self._key = key
+        self._own_fs = make_fs() if key is None else None
+        self._shared: dict | None = None  # the entry of _SHARED this store holds
+        self._release = None
         self._catch = _errors_to_classify()
+
+    @property
+    def _fs(self):
+        """s3fs's file system: this store's own, or the shared one of its options
+        (held from the first use until :meth:`close`; a use after it holds it again)."""
+        if self._key is None:
+            return self._own_fs
+        return self._entry()["fs"]
+
+    def _entry(self) -> dict:
+        """The shared entry this store holds (taken again after :meth:`close`)."""
+        entry = self._shared
+        if entry is None:
+            with self._upload_lock:
+                if self._shared is None:
+                    self._shared = _SHARED.acquire(self._key, self._make_fs)
+                    # Released on close, or when the store is collected unclosed.
+                    self._release = weakref.finalize(self, _SHARED.release, self._key)
+                entry = self._shared
+        return entry
 
     def __repr__(self) -> str:
         return f"S3Store({self.url!r})"
@@ -553,6 +701,19 @@ class S3Store(ObjectStore):
         self._send("put_object", key, exists_on_412=True, Key=self._full(key), Body=_body(data), IfNoneMatch="*")
 
     def _upload_client(self):
+        up = self._upload
+        if up is not None:
+            return up
+        if self._key is not None:
+            shared = self._entry()
+            with shared["lock"]:
+                if shared["upload"] is None:
+                    shared["upload"] = _make_upload_client(self._upload_spec)
+                up = shared["upload"]
+            with self._upload_lock:
+                if self._shared is shared:  # not closed meanwhile
+                    self._upload = up
+            return up
         with self._upload_lock:
             if self._upload is None:
                 self._upload = _make_upload_client(self._upload_spec)
@@ -612,22 +773,20 @@ class S3Store(ObjectStore):
 
     # ------------------------------------------------------------ lifetime
     def close(self) -> None:
-        """Close the HTTP client; a later call opens a new one."""
-        from fsspec.asyn import sync
+        """Close the HTTP clients; a later call opens new ones.
 
+        Shared clients (:class:`_SharedClients`) go back to the process-wide
+        cache instead, open for the next store with the same options; a
+        later call on this store takes them again.
+        """
         with self._upload_lock:
             up, self._upload = self._upload, None
-        if up is not None:
-            up.close()
-        fs = self._fs
-        creator = getattr(fs, "_s3creator", None)
-        if getattr(fs, "_s3", None) is None or creator is None:
+            release, self._release, self._shared = self._release, None, None
+        if self._key is not None:
+            if release is not None:
+                release()
             return
-        try:
-            sync(fs.loop, creator.__aexit__, None, None, None, timeout=10)
-        except Exception:
-            pass
-        fs._s3 = None
+        _close_clients(self._own_fs, up)
 
 
 def _checksums_on(config: dict) -> bool:

@@ -48,6 +48,14 @@ class ParallelUploader:
     uploads. ``close`` uploads the last part, waits, and completes; any
     failure aborts the upload and re-raises. A small object (one short part)
     becomes a plain PUT.
+
+    Where the store's uploads take positional writes (``positional_multipart``:
+    local files) the uploader is *direct*: each :meth:`write_many` goes
+    straight to its offset in the object (one ``pwritev`` of the caller's
+    buffers on the calling thread, no part buffer, no copy), and ``close``
+    completes the upload with the size written. Either way the caller may
+    reuse its buffers as soon as ``write``/``write_many`` returns.
+    ``direct=False`` forces parts.
     """
 
     def __init__(
@@ -59,8 +67,10 @@ class ParallelUploader:
         window: int = 4,
         budget: threading.Semaphore | None = None,
         buffers: BufferPool | None = None,
+        direct: bool | None = None,
     ):
         self.store = store
+        self.direct = bool(getattr(store, "positional_multipart", False)) if direct is None else direct
         self.key = key
         self.part_size = part_size
         self.pool = pool
@@ -81,6 +91,9 @@ class ParallelUploader:
         return self._size
 
     def write(self, data) -> None:
+        if self.direct:
+            self.write_many((data,))
+            return
         if self._closed:
             raise ValueError("write to a closed uploader")
         mv = memoryview(data).cast("B")
@@ -96,6 +109,22 @@ class ParallelUploader:
                 buf, self._buf = self._buf, None
                 self._submit(buf, self.part_size)
         self._raise_failed()
+
+    def write_many(self, buffers) -> None:
+        """Append ``buffers`` in order (a chunk's pieces)."""
+        if not self.direct:
+            for b in buffers:
+                self.write(b)
+            return
+        if self._closed:
+            raise ValueError("write to a closed uploader")
+        try:
+            if self._mpu is None:
+                self._mpu = self.store.create_multipart(self.key, self.part_size)
+            self._size += self._mpu.write_at(self._size, buffers)
+        except BaseException:
+            self.abort()
+            raise
 
     def _raise_failed(self) -> None:
         for f in self._futures:
@@ -138,6 +167,16 @@ class ParallelUploader:
         if self._closed:
             return self._size
         self._closed = True
+        if self.direct:
+            try:
+                if self._mpu is None:
+                    self.store.put(self.key, b"")
+                else:
+                    self._mpu.complete_written(self._size)
+            except BaseException:
+                self.abort()
+                raise
+            return self._size
         try:
             if self._mpu is None:
                 # Small object: one plain PUT is cheaper than a multipart upload.
