@@ -185,7 +185,7 @@ def main(argv=None) -> int:
         with open(out) as f:
             results[name] = json.load(f)
     print(f"\nload average at end {_loadavg()}")
-    print(f"\n| store | exchange | seconds (best) | all runs | pack bytes fetched | largest rank / mean | "
+    print("\n| store | exchange | seconds (best) | all runs | pack bytes fetched | largest rank / mean | "
           f"ranged GETs | busiest rank sent |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, res in results.items():

@@ -159,7 +159,7 @@ def test_strict_errors_name_keys_like_load_state_dict_and_change_nothing(tmp_pat
     with pytest.raises(RuntimeError) as ei:
         ckptstore.load_module(m, repo)
     msg = str(ei.value)
-    assert f"step 1" in msg and repo.url in msg
+    assert "step 1" in msg and repo.url in msg
     # the lines load_state_dict itself writes for the same state dict
     with pytest.raises(RuntimeError) as torch_ei:
         _ref().load_state_dict(sd)
