@@ -186,7 +186,7 @@ def main(argv=None) -> int:
             results[name] = json.load(f)
     print(f"\nload average at end {_loadavg()}")
     print("\n| store | exchange | seconds (best) | all runs | pack bytes fetched | largest rank / mean | "
-          f"ranged GETs | busiest rank sent |")
+          "ranged GETs | busiest rank sent |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, res in results.items():
         ranks = res["ranks"]
