@@ -8,8 +8,9 @@ go through a threaded botocore client built from the same options
 (``_upload_client_spec``), because aiohttp on Python < 3.12.9 copies every
 body into fresh memory two or three times, which made the S3 transport the
 largest client CPU cost of a save after the codec, and of a load after
-decoding (ranged GETs of 8 MiB on SeaweedFS, client CPU per GiB: 1.2-1.4
-CPU-s through s3fs, 0.7-0.8 through the threaded client). Uploads
+decoding (8 MiB ranged GETs from SeaweedFS, ``benchmarks/s3_reads.py``:
+0.95-1.0 client CPU-s per GiB through s3fs, 0.57-0.68 through the threaded
+client). Uploads
 send a CRC32 of the body that the server checks, and skip botocore's
 SHA-256 payload signature (see ``S3Store.__init__``).
 
