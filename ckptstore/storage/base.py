@@ -10,6 +10,8 @@ import abc
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
+from ..errors import TransientStorageError
+
 MiB = 1 << 20
 
 #: S3 limits on multipart uploads; every backend enforces them so that a
@@ -65,6 +67,26 @@ def check_ranges(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
             raise ValueError(f"invalid byte range [{start}, {end})")
         out.append((start, end))
     return out
+
+
+class RangeReplyError(ValueError):
+    """A ranged read asked for bytes past the object's end (remote stores raise it as ``ValueError``)."""
+
+
+def check_range_reply(where: str, start: int, end: int, data, total: int | None) -> None:
+    """Check the reply to a ranged GET of ``[start, end)`` of an object of ``total`` bytes (None: not said).
+
+    A range past the end raises :class:`RangeReplyError`; so does a short
+    reply without a size, which cannot tell a short object from a cut
+    transfer (either way the bytes must not be used). A short reply of an
+    object long enough is a cut transfer: :class:`TransientStorageError`.
+    """
+    if total is not None and end > total:
+        raise RangeReplyError(f"{where}: range [{start}, {end}) past end of {total}-byte object")
+    if len(data) != end - start:
+        if total is None:
+            raise RangeReplyError(f"{where}: range [{start}, {end}) returned {len(data)} bytes")
+        raise TransientStorageError(f"{where}: short read of range [{start}, {end}): {len(data)} bytes")
 
 
 class MultipartUpload(abc.ABC):

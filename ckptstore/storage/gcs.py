@@ -100,7 +100,9 @@ from .base import (  # noqa: E402
     MultipartUpload,
     ObjectInfo,
     ObjectStore,
+    RangeReplyError,
     check_key,
+    check_range_reply,
     check_ranges,
 )
 
@@ -197,8 +199,7 @@ def _body(data) -> bytes:
     return memoryview(data).cast("B").tobytes()
 
 
-class _RangeError(Exception):
-    pass
+_RangeError = RangeReplyError
 
 
 _TOKEN_METHODS = frozenset({"anon", "google_default", "cache", "cloud", "browser"})
@@ -393,14 +394,7 @@ class GCSStore(ObjectStore):
             # The server ignored the Range header and sent the whole object.
             total = len(data)
             data = data[start:end]
-        if total is not None and end > total:
-            raise _RangeError(f"{self._where(key)}: range [{start}, {end}) past end of {total}-byte object")
-        if len(data) != end - start:
-            if total is None:
-                raise _RangeError(f"{self._where(key)}: range [{start}, {end}) returned {len(data)} bytes")
-            raise TransientStorageError(
-                f"{self._where(key)}: short read of range [{start}, {end}): {len(data)} bytes"
-            )
+        check_range_reply(self._where(key), start, end, data, total)
         return data, total
 
     def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:

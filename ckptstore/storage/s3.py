@@ -66,7 +66,16 @@ from ..errors import (
     TransientStorageError,
 )
 from ._classify import MAX_MESSAGE, in_chain, is_network_error, optional_types, scrub
-from .base import MultipartInfo, MultipartUpload, ObjectInfo, ObjectStore, check_key, check_ranges
+from .base import (
+    MultipartInfo,
+    MultipartUpload,
+    ObjectInfo,
+    ObjectStore,
+    RangeReplyError,
+    check_key,
+    check_range_reply,
+    check_ranges,
+)
 
 #: S3 error codes that are worth retrying: throttling, server-side failures,
 #: and conflicting concurrent conditional writes (S3 answers those with 409
@@ -433,8 +442,7 @@ def _make_upload_client(spec: dict):
         return session.create_client("s3", config=Config(**config), **spec["client"])
 
 
-class _RangeError(ValueError):
-    pass
+_RangeError = RangeReplyError
 
 
 class S3Store(ObjectStore):
@@ -630,20 +638,7 @@ class S3Store(ObjectStore):
             total = _total_size(resp.get("ContentRange"))
             if total is not None:
                 sizes.append(total)
-                if end > total:
-                    raise _RangeError(
-                        f"{self._where(key)}: range [{start}, {end}) past end of {total}-byte object"
-                    )
-            if len(data) != end - start:
-                if total is None:
-                    # No Content-Range to tell a short object from a cut
-                    # transfer; both mean the caller must not use the bytes.
-                    raise _RangeError(
-                        f"{self._where(key)}: range [{start}, {end}) returned {len(data)} bytes"
-                    )
-                raise TransientStorageError(
-                    f"{self._where(key)}: short read of range [{start}, {end}): {len(data)} bytes"
-                )
+            check_range_reply(self._where(key), start, end, data, total)
             out[i] = data
 
         tasks = [asyncio.ensure_future(one(i, s, e)) for i, (s, e) in enumerate(ranges) if e > s]
@@ -674,14 +669,7 @@ class S3Store(ObjectStore):
         total = _total_size(resp.get("ContentRange"))
         if total is not None:
             sizes.append(total)
-            if end > total:
-                raise _RangeError(f"{self._where(key)}: range [{start}, {end}) past end of {total}-byte object")
-        if len(data) != end - start:
-            if total is None:
-                raise _RangeError(f"{self._where(key)}: range [{start}, {end}) returned {len(data)} bytes")
-            raise TransientStorageError(
-                f"{self._where(key)}: short read of range [{start}, {end}): {len(data)} bytes"
-            )
+        check_range_reply(self._where(key), start, end, data, total)
         return data
 
     def _get_ranges_threaded(self, full: str, key: str, ranges: list[tuple[int, int]]):
