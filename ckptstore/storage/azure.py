@@ -66,7 +66,16 @@ from ..errors import (
     TransientStorageError,
 )
 from ._classify import MAX_MESSAGE, in_chain, is_network_error, optional_types
-from .base import MultipartInfo, MultipartUpload, ObjectInfo, ObjectStore, check_key, check_ranges
+from .base import (
+    MultipartInfo,
+    MultipartUpload,
+    ObjectInfo,
+    ObjectStore,
+    RangeReplyError,
+    check_key,
+    check_range_reply,
+    check_ranges,
+)
 
 #: Reserved directory (under the store root) holding upload markers.
 UPLOADS = ".uploads"
@@ -179,8 +188,7 @@ def block_id(upload_id: str, number: int) -> str:
     return base64.b64encode(f"{upload_id}-{number:05d}".encode()).decode()
 
 
-class _RangeError(Exception):
-    pass
+_RangeError = RangeReplyError
 
 
 #: Where adlfs finds each secret when ``storage_options`` does not name it.
@@ -383,12 +391,7 @@ class AzureStore(ObjectStore):
             raise
         data = await d.readall()
         total = _total_size(getattr(d.properties, "content_range", None))
-        if total is not None and end > total:
-            raise _RangeError(f"{self._where(key)}: range [{start}, {end}) past end of {total}-byte object")
-        if len(data) != end - start:
-            if total is None:
-                raise _RangeError(f"{self._where(key)}: range [{start}, {end}) returned {len(data)} bytes")
-            raise TransientStorageError(f"{self._where(key)}: short read of range [{start}, {end}): {len(data)} bytes")
+        check_range_reply(self._where(key), start, end, data, total)
         return data, total
 
     def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
