@@ -310,23 +310,22 @@ class Catalog:
             self._tombstones.put(key, hit)
         return hit[0]
 
+    def _listed(self, prefix: str, id_of) -> dict[str, ObjectInfo]:
+        """Id -> listing of the objects under ``prefix`` whose key ``id_of`` parses (others skipped)."""
+        out = {}
+        for o in self.store.list(prefix):
+            oid = id_of(o.key)
+            if oid is not None:
+                out[oid] = o
+        return out
+
     def packs(self) -> dict[str, ObjectInfo]:
         """Pack id -> what the store lists for it."""
-        out = {}
-        for o in self.store.list(PACK_PREFIX):
-            pid = pack_id_of_key(o.key)
-            if pid is not None:
-                out[pid] = o
-        return out
+        return self._listed(PACK_PREFIX, pack_id_of_key)
 
     def segments(self) -> dict[str, ObjectInfo]:
         """Chunk-table segment id -> what the store lists for it."""
-        out = {}
-        for o in self.store.list(SEGMENT_PREFIX):
-            sid = segment_id_of_key(o.key)
-            if sid is not None:
-                out[sid] = o
-        return out
+        return self._listed(SEGMENT_PREFIX, segment_id_of_key)
 
     def relocated_packs(self) -> set[str]:
         """Ids of packs that have a relocation record."""

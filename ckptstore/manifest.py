@@ -440,6 +440,18 @@ def _common_fields(doc: dict, expect_step: int | None):
     return step, created, base_step, metadata, stats
 
 
+def _manifest(doc: dict, version, common: tuple, packs: dict, tensors: dict, **v2) -> Manifest:
+    """The :class:`Manifest` of a parsed document, once its tree and DCP metadata check against ``tensors``."""
+    step, created, base_step, metadata, stats = common
+    tree = doc["tree"]
+    _check_tree(tree, tensors, "tree", 0)
+    dcp = doc.get("dcp")
+    if dcp is not None:
+        _check_dcp(dcp, tensors)
+    return Manifest(step=step, created=float(created), tensors=tensors, tree=tree, packs=packs,
+                    metadata=metadata, base_step=base_step, stats=stats, dcp=dcp, version=version, **v2)
+
+
 def _dtype_and_shape(t: dict, w: str) -> tuple[str, tuple[int, ...]]:
     """A tensor entry's dtype and shape, bounded (both versions)."""
     dtype = t["dtype"]
@@ -527,23 +539,7 @@ def from_json(data: bytes, expect_step: int | None = None) -> Manifest:
             shards.append(Shard(offs, sizes, tuple(chunks)))
         tensors[key] = TensorEntry(key, dtype, shape, tuple(shards))
 
-    tree = doc["tree"]
-    _check_tree(tree, tensors, "tree", 0)
-    dcp = doc.get("dcp")
-    if dcp is not None:
-        _check_dcp(dcp, tensors)
-    return Manifest(
-        step=step,
-        created=float(created),
-        tensors=tensors,
-        tree=tree,
-        packs=packs,
-        metadata=metadata,
-        base_step=base_step,
-        stats=stats,
-        dcp=doc.get("dcp"),
-        version=version,
-    )
+    return _manifest(doc, version, (step, created, base_step, metadata, stats), packs, tensors)
 
 
 def is_pack_id(s: object) -> bool:
@@ -860,25 +856,8 @@ def _from_doc_v2(doc: dict, version: tuple[int, int], expect_step: int | None) -
         tensors[key] = TensorEntry(key, dtype, shape, offsets=offs, sizes=sizes, tables=tabs,
                                    stored_bytes=stored, nchunks=nchunks)
 
-    tree = doc["tree"]
-    _check_tree(tree, tensors, "tree", 0)
-    dcp = doc.get("dcp")
-    if dcp is not None:
-        _check_dcp(dcp, tensors)
-    return Manifest(
-        step=step,
-        created=float(created),
-        tensors=tensors,
-        tree=tree,
-        packs=packs,
-        metadata=metadata,
-        base_step=base_step,
-        stats=stats,
-        dcp=dcp,
-        version=version,
-        segments=tuple(segments),
-        pack_use=use,
-    )
+    return _manifest(doc, version, (step, created, base_step, metadata, stats), packs, tensors,
+                     segments=tuple(segments), pack_use=use)
 
 
 # ------------------------------------------------------------------ what a step references (GC)
