@@ -326,6 +326,12 @@ def to_json(m: Manifest) -> bytes:
     return _to_json_v1(m)
 
 
+def _common_doc(m: Manifest) -> dict:
+    """The fields both versions write first, in this order (GC reads ``created`` from a root's first bytes)."""
+    return {"format": FORMAT, "version": list(m.version), "step": m.step, "created": m.created,
+            "base_step": m.base_step, "metadata": m.metadata, "stats": m.stats}
+
+
 def _to_json_v1(m: Manifest) -> bytes:
     pack_ids = sorted(m.packs)
     index = {p: i for i, p in enumerate(pack_ids)}
@@ -344,13 +350,7 @@ def _to_json_v1(m: Manifest) -> bytes:
             )
         tensors.append({"key": t.key, "dtype": t.dtype, "shape": list(t.shape), "shards": shards})
     doc = {
-        "format": FORMAT,
-        "version": list(m.version),
-        "step": m.step,
-        "created": m.created,
-        "base_step": m.base_step,
-        "metadata": m.metadata,
-        "stats": m.stats,
+        **_common_doc(m),
         "packs": [{"id": p, "size": m.packs[p]} for p in pack_ids],
         "tensors": tensors,
         "tree": m.tree,
@@ -742,13 +742,7 @@ def _to_json_v2(m: Manifest) -> bytes:
     if len(seg_index) != len(m.segments):
         raise ValueError("duplicate segment ids")
     doc = {
-        "format": FORMAT,
-        "version": list(m.version),
-        "step": m.step,
-        "created": m.created,
-        "base_step": m.base_step,
-        "metadata": m.metadata,
-        "stats": m.stats,
+        **_common_doc(m),
         "segments": [
             {"id": s.id, "size": s.size, "records": s.records, "header": s.header, "digest": s.digest}
             for s in m.segments
