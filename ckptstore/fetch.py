@@ -166,9 +166,9 @@ class _Job:
             dest = self.into(i) if self.into is not None else None
             if dest is not None:
                 try:
-                    if memoryview(dest).nbytes != r.raw_len:
-                        raise IntegrityError(f"{where}: holds {r.raw_len} bytes, "
-                                             f"its place in the tensor {memoryview(dest).nbytes}")
+                    room = memoryview(dest).nbytes
+                    if room != r.raw_len:
+                        raise IntegrityError(f"{where}: holds {r.raw_len} bytes, its place in the tensor {room}")
                     _codec.decode_verified_into(r.codec, stored, dest, r.hash, where)
                 except IntegrityError as e:
                     self.fail(i, e)
