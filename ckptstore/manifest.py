@@ -885,7 +885,9 @@ def parse_refs(data: bytes, expect_step: int | None = None, intern: dict | None 
 
     A 1.x manifest is parsed whole (its chunks are its references). A 2.x
     root's packs, segments, step and creation time are validated as
-    :func:`from_json` does; its tensors and columns are not decoded. ``intern``
+    :func:`from_json` does, except that a pack listed twice is not refused
+    (both entries count as referenced, which only keeps more); its tensors
+    and columns are not decoded. ``intern``
     (a dict) shares the pack id strings of many steps.
     """
     doc, version = _load_doc(data)
