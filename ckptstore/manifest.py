@@ -886,7 +886,7 @@ def parse_refs(data: bytes, expect_step: int | None = None, intern: dict | None 
     A 1.x manifest is parsed whole (its chunks are its references). A 2.x
     root's packs, segments, step and creation time are validated as
     :func:`from_json` does, except that a pack listed twice is not refused
-    (both entries count as referenced, which only keeps more); its tensors
+    (the pack counts as referenced, with its last entry's size and use); its tensors
     and columns are not decoded. ``intern``
     (a dict) shares the pack id strings of many steps.
     """
