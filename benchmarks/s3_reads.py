@@ -1,24 +1,20 @@
-"""Client CPU of ranged S3 reads: s3fs's aiohttp client against the threaded botocore one.
+"""Client CPU of ranged S3 reads: s3fs's aiohttp client, the threaded botocore one, and streamed reads.
 
 Run from the repository root::
 
-    python -m benchmarks.s3_reads [--server seaweedfs] [--mib 512] [--rounds 3]
+    python -m benchmarks.s3_reads [--server seaweedfs] [--mib 512] [--rounds 3] [--threads 16]
 
 Puts ``--mib`` of random bytes as 16 MiB objects, then reads them back as 8
-MiB ranges the way the loader does (16 threads, one range per
-``get_ranges`` call) through two ``S3Store`` s: ``upload_client=False``
-(every request through s3fs's aiobotocore client on fsspec's loop) and the
-default (ranged reads through the threaded botocore client). The server
-is pinned to CPU 1 and this process to CPU 0, as in ``benchmarks.run``;
-rounds alternate. Prints the client's CPU seconds (``process_time``) and
-wall seconds per GiB, each round and the median.
-
-Measured on 2026-12-01 (2 cores, SeaweedFS 4.48, 512 MiB, medians of 3-5
-rounds): with 4 threads 0.95 against 0.65 CPU-s/GiB at the same wall time
-(1.06 and 1.07 s/GiB), with 8 threads 0.99 against 0.57 (1.12 and 1.11
-s/GiB); with 16 threads 1.00 against 0.67 CPU-s/GiB, but 1.35 against 1.87
-s/GiB of wall time: at 16 concurrent requests the one-core server slows
-both clients down, the threaded one more (not explained yet).
+MiB ranges, ``--threads`` at once, three ways: ``get_ranges`` through an
+``S3Store(upload_client=False)`` (every request through s3fs's aiobotocore
+client on fsspec's loop), ``get_ranges`` through a default one (the
+threaded botocore client, a fresh ``bytes`` per range), and
+``read_range_into`` through the default one into one reused buffer per
+thread (the loader's path: the body is read straight into the buffer). The
+server is pinned to CPU 1 and this process to CPU 0, as in
+``benchmarks.run``; rounds alternate. Prints the client's CPU seconds
+(``process_time``) and wall seconds per GiB, each round and the median.
+Results: docs/performance.md, "S3 ranged reads".
 """
 
 from __future__ import annotations
@@ -26,6 +22,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import os
+import threading
 import statistics
 import time
 
@@ -38,6 +35,13 @@ from .common.servers import SERVERS, start_server
 
 OBJECT = 16 << 20
 RANGE = 8 << 20
+STREAMED = "threaded, read_range_into"
+
+
+def _probe(b) -> bytes:
+    """4 KiB from each end and the middle of a range (what a reused buffer is checked by)."""
+    m = len(b) // 2
+    return bytes(b[:4096]) + bytes(b[m : m + 4096]) + bytes(b[-4096:])
 
 
 def main(argv=None) -> int:
@@ -64,24 +68,43 @@ def main(argv=None) -> int:
         for i in range(n):
             put.put(f"o{i}", data)
         work = [(f"o{i}", s) for i in range(n) for s in range(0, OBJECT, RANGE)]
+        modes = {name: "get_ranges" for name in stores}
+        modes[STREAMED] = "read_range_into"
+        stores[STREAMED] = put
         results: dict[str, list[tuple[float, float]]] = {k: [] for k in stores}
+        buffers = threading.local()
+
+        def read(st, mode, w):
+            if mode == "get_ranges":
+                return st.get_ranges(w[0], [(w[1], w[1] + RANGE)])[0]
+            buf = getattr(buffers, "b", None)
+            if buf is None:
+                buf = buffers.b = bytearray(RANGE)  # one per thread, reused: the loader's pool
+            st.read_range_into(w[0], w[1], buf, lambda n: None)
+            return _probe(buf)  # the buffer is reused: keep a few bytes of each range to check
+
+        want = {w: _probe(data[w[1] : w[1] + RANGE]) for w in work}
         with cf.ThreadPoolExecutor(a.threads) as pool:
             for name, st in stores.items():  # untimed warm-up: connections, clients
-                list(pool.map(lambda w: st.get_ranges(w[0], [(w[1], w[1] + RANGE)]), work[: a.threads]))
+                list(pool.map(lambda w: read(st, modes[name], w), work[: a.threads]))
             for r in range(a.rounds):
                 for name, st in stores.items():
                     c0, t0 = time.process_time(), time.perf_counter()
-                    got = list(pool.map(lambda w: st.get_ranges(w[0], [(w[1], w[1] + RANGE)])[0], work))
+                    got = list(pool.map(lambda w: read(st, modes[name], w), work))
                     cpu, wall = time.process_time() - c0, time.perf_counter() - t0
-                    assert all(g == data[s : s + RANGE] for g, (_, s) in zip(got, work)), name
+                    if modes[name] == "get_ranges":
+                        assert all(g == data[s : s + RANGE] for g, (_, s) in zip(got, work)), name
+                    else:
+                        assert all(g == want[w] for g, w in zip(got, work)), name
                     del got
                     results[name].append((cpu / gib, wall / gib))
-                    print(f"  round {r + 1}  {name:28s} {cpu / gib:5.2f} CPU-s/GiB  {wall / gib:5.2f} s/GiB")
-        for st in stores.values():
-            st.close()
+                    print(f"  round {r + 1}  {name:30s} {cpu / gib:5.2f} CPU-s/GiB  {wall / gib:5.2f} s/GiB")
+        for name, st in stores.items():
+            if name != STREAMED:
+                st.close()
     print()
     for name, rows in results.items():
-        print(f"median {name:28s} {statistics.median(c for c, _ in rows):5.2f} CPU-s/GiB  "
+        print(f"median {name:30s} {statistics.median(c for c, _ in rows):5.2f} CPU-s/GiB  "
               f"{statistics.median(w for _, w in rows):5.2f} s/GiB")
     return 0
 

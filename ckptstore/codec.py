@@ -18,8 +18,14 @@ Codecs (names are part of the on-store format):
     weights and optimizer states compress well, mantissa planes barely;
     compressing them together (plain zstd) wastes both. Layout: u8 version
     (1), u8 element size, u8 transform (0 byte planes, 1 bfloat16 bit
-    split), u8 number of planes, then per plane u8 mode (0 raw, 1 zstd) and
-    u32 stored length (little-endian), then the plane payloads in order.
+    split, 2 top byte apart from the low 3 bytes of 4-byte elements), u8
+    number of planes, then per plane u8 mode (0 raw, 1 zstd) and u32 stored
+    length (little-endian), then the plane payloads in order. Transform 2
+    has two "planes": the top byte of every element, then the low 3 bytes of
+    every element kept together (always raw); writers use it for float32
+    chunks whose low bytes do not compress (it stores the same bytes as
+    transform 0 and decodes in one gather and one scatter instead of four
+    plane passes).
 
 A chunk is stored ``raw`` when zstd saves less than ``MIN_SAVING`` of it:
 decoding raw bytes costs nothing and the difference on the wire is noise.
@@ -334,9 +340,80 @@ def _plane_compressor() -> zstandard.ZstdCompressor:
     return c
 
 
+def _compresses(c: zstandard.ZstdCompressor, sample) -> bool:
+    return len(c.compress(sample)) * PLANE_MIN_RATIO < len(sample)
+
+
+#: Elements per block when 3-byte groups are packed (temporaries stay in cache).
+_PACK_BLOCK = 1 << 15
+
+
+def _pack_low3(x32: np.ndarray, out: np.ndarray) -> None:
+    """Bytes 0-2 of every little-endian u32 of ``x32``, back to back, into ``out`` (uint8, 3 per element).
+
+    Element i is written as one 4-byte word at ``3i`` whose top byte is the
+    byte that belongs there, byte 0 of element i+1: neighbouring words
+    overlap only where they hold the same byte, so the result does not
+    depend on the order of the writes. The last element has no neighbour
+    and is copied on its own.
+    """
+    m = len(x32)
+    if m > 1:
+        dst = np.ndarray((m - 1,), dtype="<u4", buffer=out, strides=(3,))
+        t_ = getattr(_tls, "pack", None)
+        if t_ is None or len(t_[0]) < min(m - 1, _PACK_BLOCK):
+            k = min(m - 1, _PACK_BLOCK)
+            t_ = _tls.pack = (np.empty(k, dtype="<u4"), np.empty(k, dtype="<u4"))
+        for s0 in range(0, m - 1, _PACK_BLOCK):
+            e0 = min(m - 1, s0 + _PACK_BLOCK)
+            a, b = t_[0][: e0 - s0], t_[1][: e0 - s0]
+            np.bitwise_and(x32[s0:e0], 0xFFFFFF, out=a)
+            np.left_shift(x32[s0 + 1 : e0 + 1], 24, out=b)
+            np.bitwise_or(a, b, out=a)
+            np.copyto(dst[s0:e0], a)
+    if m:
+        out[3 * (m - 1) : 3 * m] = x32[m - 1 :].view(np.uint8)[:3]
+
+
+def _low3_encode(arr: np.ndarray, c: zstandard.ZstdCompressor, scratch=None) -> list | None:
+    """Transform 2 of a 4-byte-element chunk, or None when its layout does not fit.
+
+    It fits when, judged on a sample, the top byte plane (sign and 7
+    exponent bits of a float32) compresses and the three low ones do not
+    (random or well-trained mantissas): the top plane is stored as a plane,
+    the low 3 bytes of every element stay together, raw. The stored size is
+    that of transform 0 with those plane decisions; decoding is one gather
+    of the groups and one plane scatter instead of four plane passes.
+    """
+    n = arr.size // 4
+    rows = arr.reshape(-1, 4)
+    head = rows[:PLANE_SAMPLE]
+    if not _compresses(c, np.ascontiguousarray(head[:, 3])):
+        return None
+    if any(_compresses(c, np.ascontiguousarray(head[:, j])) for j in (2, 1, 0)):
+        return None
+    if scratch is not None and len(scratch) >= arr.size:
+        buf = np.frombuffer(scratch, dtype=np.uint8, count=arr.size)
+    else:
+        buf = np.empty(arr.size, dtype=np.uint8)
+    top, low = buf[:n], buf[n:]
+    np.copyto(top, rows[:, 3])
+    _pack_low3(arr.view("<u4"), low)
+    mode, body = 0, top.data
+    z = c.compress(top.data)
+    if len(z) < n:
+        mode, body = 1, z
+    heads = [_BG_PLANE.pack(mode, len(body)), _BG_PLANE.pack(0, 3 * n)]
+    return [b"".join([_BG_HEAD.pack(1, 4, 2, 2), *heads]), body, low.data]
+
+
 def _bytegroup_encode(data, k: int, transform: int, level: int, scratch=None) -> list:
     arr = np.frombuffer(data, dtype=np.uint8)
     c = _plane_compressor()
+    if k == 4 and transform == 0:
+        pieces = _low3_encode(arr, c, scratch)
+        if pieces is not None:
+            return pieces
     heads, bodies = [], []
     for plane in _planes(arr, k, transform, scratch):
         raw = plane.data
@@ -357,7 +434,8 @@ def _bytegroup_decode(stored, raw_len: int, out: np.ndarray | None = None) -> me
         raise IntegrityError("bgz chunk truncated")
     version, k, transform, nplanes = _BG_HEAD.unpack_from(mv)
     valid = (version == 1 and ((transform == 0 and k in (2, 4, 8) and nplanes == k)
-                               or (transform == 1 and k == 2 and nplanes == 2)))
+                               or (transform == 1 and k == 2 and nplanes == 2)
+                               or (transform == 2 and k == 4 and nplanes == 2)))
     if not valid or raw_len % k:
         raise IntegrityError("bgz chunk has a bad header")
     n = raw_len // k
@@ -371,15 +449,36 @@ def _bytegroup_decode(stored, raw_len: int, out: np.ndarray | None = None) -> me
         if len(body) != length:
             raise IntegrityError("bgz chunk truncated")
         off += length
+        # transform 2: the second "plane" is the 3-byte groups, raw
+        want = 3 * n if transform == 2 and i == 1 else n
         if mode == 0:
             plane = body
-        elif mode == 1:
+        elif mode == 1 and want == n:
             plane = _unzstd(body, n, "bgz plane")
         else:
             raise IntegrityError(f"bgz plane has unknown mode {mode}")
-        if len(plane) != n:
-            raise IntegrityError(f"bgz plane holds {len(plane)} bytes, expected {n}")
+        if len(plane) != want:
+            raise IntegrityError(f"bgz plane holds {len(plane)} bytes, expected {want}")
         planes.append(np.frombuffer(plane, dtype=np.uint8))
     if off != len(mv):
         raise IntegrityError("bgz chunk has trailing bytes")
+    if transform == 2:
+        return _unlow3(planes[0], planes[1], n, out)
     return _unplanes(planes, k, transform, n, out)
+
+
+def _unlow3(top: np.ndarray, low: np.ndarray, n: int, out: np.ndarray | None = None) -> memoryview:
+    """Inverse of transform 2: 4-byte elements from their top bytes and their 3-byte low groups."""
+    if out is None:
+        out = np.empty(n * 4, dtype=np.uint8)
+    if n:
+        # Element i's low bytes are low[3i:3i+3]: one unaligned 4-byte read
+        # at 3i gets them (and a byte of the next group, overwritten below);
+        # the last group has no byte after it and is copied on its own.
+        o32 = out.view("<u4")
+        if n > 1:
+            np.copyto(o32[: n - 1], np.ndarray((n - 1,), dtype="<u4", buffer=low, strides=(3,)))
+        rows = out.reshape(n, 4)
+        rows[n - 1, :3] = low[3 * (n - 1) :]
+        rows[:, 3] = top
+    return memoryview(out)

@@ -20,8 +20,12 @@ chunk, the pack and the offset; wrong bytes are never delivered.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
+import threading
 from typing import Callable, Sequence
+
+import numpy as np
 
 from . import codec as _codec
 from . import planner as _plan
@@ -32,6 +36,7 @@ from .options import RepoOptions
 from .relocations import Relocations
 from .runtime import Runtime
 from .storage.base import ObjectStore
+from .storage.upload import BufferPool
 
 #: ``deliver(i, raw, stored)``: chunk ``i``'s decoded bytes and its stored
 #: bytes (both valid only during the call).
@@ -52,6 +57,8 @@ class ChunkFetcher:
         self.runtime = runtime
         self.options = options
         self.relocations = relocations
+        self._active = 0
+        self._lock = threading.Lock()
 
     def fetch(
         self,
@@ -79,7 +86,16 @@ class ChunkFetcher:
         if not refs:
             return
         job = _Job(self, list(refs), deliver, where, on_error, into)
-        job.run(list(range(len(refs))), 0)
+        with self._lock:
+            self._active += 1
+        try:
+            job.run(list(range(len(refs))), 0)
+        finally:
+            with self._lock:
+                self._active -= 1
+                idle = not self._active
+            if idle:  # no read under way: give the range buffers back to the system
+                self.runtime.read_buffers().clear()
 
 
 class _Job:
@@ -123,44 +139,41 @@ class _Job:
         # budget (half of max_inflight_bytes), shared by every read.
         budget = self.f.runtime.read_budget()
         n = req.end - req.start
-        budget.acquire(n)
+        # A range of at least half of max_request is read into a reusable
+        # max_request buffer (no fresh memory to fault in), and holds the
+        # budget for all of it; a smaller one into memory of its own size.
+        pool = self.f.runtime.read_buffers()
+        pooled = pool.size // 2 <= n <= pool.size
+        hold = pool.size if pooled else n
+        budget.acquire(hold)
         try:
-            gone = self.fetch_and_decode(req)
+            gone = self.fetch_and_decode(req, pool if pooled else None)
         finally:
-            budget.release(n)
+            budget.release(hold)
         if gone:  # outside the budget: the relocated reads acquire their own
-            self.relocated(req, hops)
+            self.relocated(req, gone, hops)
 
-    def fetch_and_decode(self, req: _plan.RangeRequest) -> bool:
-        """Fetch one request and deliver its chunks; True when its pack is gone."""
+    def fetch_and_decode(self, req: _plan.RangeRequest, pool: BufferPool | None = None) -> list[int]:
+        """Fetch one request, decoding each chunk as soon as its bytes are in.
+
+        Returns the chunks still to read when the pack turned out to be gone
+        (all of them, unless a retried read lost the pack half-way).
+        """
         first = req.items[0]
-        try:
-            (data,) = self.f.store.get_ranges(pack_key(req.pack), [(req.start, req.end)])
-        except ObjectNotFoundError:
-            return True
-        except ValueError as ex:
-            err = IntegrityError(
-                f"{self.where(first)}pack {req.pack} is shorter than the manifest says "
-                f"(offset {self.refs[first].offset}): {ex}"
-            )
-            for i in req.items:
-                self.fail(i, err)
-            return False
-        except StorageError as ex:
-            # The store's message names the object; add what it was read for
-            # (same class, so retry and caller logic see what they saw).
-            raise type(ex)(
-                f"{self.where(first)}reading bytes [{req.start}, {req.end}) of pack {req.pack} failed: {ex}"
-            ) from ex
-        if len(data) != req.end - req.start:
-            err = IntegrityError(f"{self.where(first)}pack {req.pack}: short read at {req.start}")
-            for i in req.items:
-                self.fail(i, err)
-            return False
-        mv = memoryview(data)
+        n = req.end - req.start
+        buf = pool.get() if pool is not None else np.empty(n, dtype=np.uint8)
+        mv = memoryview(buf)[:n]
+        refs = self.refs
+        # Chunks in the order their last byte arrives; each is handed to the
+        # CPU pool (decoding and hashing release the GIL; its tasks never
+        # wait on anything, so an I/O thread waiting on them cannot
+        # deadlock) while the rest of the range is still on the wire.
+        pending = collections.deque(sorted(req.items, key=lambda i: refs[i].offset + refs[i].stored_len))
+        started: list[cf.Future] = []
+        cpu = self.f.runtime.cpu
 
         def decode(i: int) -> None:
-            r = self.refs[i]
+            r = refs[i]
             stored = mv[r.offset - req.start : r.offset - req.start + r.stored_len]
             where = f"{self.where(i)}chunk {r.hash[:16]} in pack {r.pack} at offset {r.offset}"
             dest = self.into(i) if self.into is not None else None
@@ -180,21 +193,48 @@ class _Job:
                 return
             self.deliver(i, memoryview(raw), stored)
 
-        if len(req.items) == 1:
-            decode(first)
-            return False
-        # Decoding and hashing release the GIL: spread one request's chunks
-        # over the CPU pool (its tasks never wait on anything, so an I/O
-        # thread waiting here cannot deadlock).
-        cpu = self.f.runtime.cpu
-        futures = [cpu.submit(decode, i) for i in req.items]
-        for fut in futures:
-            fut.result()
-        return False
+        def arrived(got: int) -> None:
+            while pending and refs[pending[0]].offset + refs[pending[0]].stored_len - req.start <= got:
+                started.append(cpu.submit(decode, pending.popleft()))
 
-    def relocated(self, req: _plan.RangeRequest, hops: int) -> None:
-        """A pack is gone: follow its relocation record (written by repack), if any."""
-        first = req.items[0]
+        gone: list[int] = []
+        try:
+            try:
+                # One chunk: decoded here, once it is all in.
+                self.f.store.read_range_into(pack_key(req.pack), req.start, mv,
+                                             arrived if len(req.items) > 1 else None)
+            except ObjectNotFoundError:
+                gone = list(pending)
+            except ValueError as ex:
+                err = IntegrityError(
+                    f"{self.where(first)}pack {req.pack} is shorter than the manifest says "
+                    f"(offset {refs[first].offset}): {ex}"
+                )
+                for i in pending:
+                    self.fail(i, err)
+            except StorageError as ex:
+                # The store's message names the object; add what it was read for
+                # (same class, so retry and caller logic see what they saw).
+                raise type(ex)(
+                    f"{self.where(first)}reading bytes [{req.start}, {req.end}) of pack {req.pack} failed: {ex}"
+                ) from ex
+            else:
+                if len(req.items) == 1:
+                    decode(first)
+                else:
+                    arrived(n)  # a store must report the end; in case one did not
+            for fut in started:
+                fut.result()
+        finally:
+            # The decodes read from the buffer: wait for them before reusing it.
+            cf.wait(started)
+            if pool is not None:
+                pool.put(buf)
+        return gone
+
+    def relocated(self, req: _plan.RangeRequest, items: list[int], hops: int) -> None:
+        """A pack is gone: follow its relocation record (written by repack) for ``items``, if any."""
+        first = items[0]
         missing = MissingDataError(
             f"{self.where(first)}pack {req.pack} is missing (needed at offset "
             f"{self.refs[first].offset}) and no relocation record names its chunks; the step cannot be restored"
@@ -203,11 +243,11 @@ class _Job:
             table = self.f.relocations.table(req.pack) if hops < MAX_RELOCATION_HOPS else None
         except FormatError as e:
             err = FormatError(f"{self.where(first)}pack {req.pack} is missing and its relocation record is unreadable: {e}")
-            for i in req.items:
+            for i in items:
                 self.fail(i, err)
             return
         moved, lost = [], []
-        for i in req.items:
+        for i in items:
             new = table.get(self.refs[i].hash) if table else None
             if new is None:
                 lost.append(i)

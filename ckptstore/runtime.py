@@ -185,18 +185,25 @@ class Runtime:
                 self._budget = ByteBudget(max(o.max_request, o.max_inflight_bytes // 2))
             return self._budget
 
-    def buffers(self, name: str, size: int, keep: int) -> BufferPool:
+    def buffers(self, name: str, size: int, keep: int, zeroed: bool = True) -> BufferPool:
         """The pool ``name`` of reusable ``size``-byte buffers.
 
         Saves share them: ``"parts"`` (multipart part buffers) and
-        ``"scratch"`` (chunk-sized byte planes). A pool is rebuilt when its
+        ``"scratch"`` (chunk-sized byte planes); reads ``"reads"``
+        (:meth:`read_buffers`). A pool is rebuilt when its
         size changes (the repository's config can set ``chunk_size``).
         """
         with self._lock:
             pool = self._buffer_pools.get(name)
             if pool is None or pool.size != size:
-                pool = self._buffer_pools[name] = BufferPool(size, keep=keep)
+                pool = self._buffer_pools[name] = BufferPool(size, keep=keep, zeroed=zeroed)
             return pool
+
+    def read_buffers(self) -> BufferPool:
+        """Reusable buffers for range reads (``max_request`` bytes; as many as the read budget holds)."""
+        o = self.options
+        return self.buffers("reads", o.max_request, keep=max(1, self.read_budget().limit // max(1, o.max_request)),
+                            zeroed=False)
 
     def map_tensors(self, fn: Callable[[str], V], keys: list[str]) -> list[V]:
         """Run ``fn(key)`` for several tensors at once (each fans out to the I/O pool)."""

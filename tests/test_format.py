@@ -6,6 +6,7 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import zstandard
@@ -242,6 +243,58 @@ def test_bytegroup_rejects_damage():
             codec.decode("bgz", bad, len(raw))
     with pytest.raises(IntegrityError):
         codec.decode("bgz", stored, len(raw) + 4)
+
+
+def test_float32_low_bytes_stay_together_when_they_do_not_compress(monkeypatch):
+    """Random mantissas: transform 2 (top byte plane + 3-byte groups), the
+    bytes transform 0 would store; low bytes that compress: transform 0."""
+    raw = torch.randn(300_000).numpy().tobytes()
+    name, stored = codec.encode(raw, "zstd", 1, "float32")
+    assert name == "bgz" and stored[2] == 2 and stored[3] == 2
+    assert bytes(codec.decode(name, stored, len(raw))) == raw
+    out = np.full(len(raw) + 8, 7, dtype=np.uint8)
+    codec.decode_into(name, stored, out[4:-4])
+    assert out[4:-4].tobytes() == raw and (out[:4] == 7).all() and (out[-4:] == 7).all()
+    with monkeypatch.context() as m:
+        m.setattr(codec, "_low3_encode", lambda *a, **k: None)
+        name0, stored0 = codec.encode(raw, "zstd", 1, "float32")
+    assert stored0[2] == 0 and bytes(codec.decode(name0, stored0, len(raw))) == raw  # transform 0 still reads
+    assert len(stored) == len(stored0) - 2 * 5  # same planes, two plane headers fewer
+    half = torch.randn(300_000).half().float().numpy().tobytes()  # 13 zero mantissa bits
+    name, stored = codec.encode(half, "zstd", 1, "float32")
+    assert name == "bgz" and stored[2] == 0 and bytes(codec.decode(name, stored, len(half))) == half
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 5000), st.integers(0, 2**32 - 1))
+def test_float32_transform2_round_trips_at_every_length(n, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, 2**32, n, dtype=np.uint64).astype("<u4")
+    x = (x & 0x00FFFFFF) | (rng.choice([0x3C, 0x3D, 0xBC], n).astype("<u4") << 24)  # few top bytes
+    raw = x.tobytes()
+    name, stored = codec.encode(raw, "zstd", 1, "float32")
+    assert bytes(codec.decode(name, stored, len(raw))) == raw, (n, seed)
+    out = np.empty(len(raw), dtype=np.uint8)
+    codec.decode_into(name, stored, out)
+    assert out.tobytes() == raw, (n, seed)
+
+
+def test_float32_transform2_rejects_damage():
+    raw = torch.randn(50_000).numpy().tobytes()
+    _, stored = codec.encode(raw, "zstd", 1, "float32")
+    assert stored[2] == 2
+    head = 4 + 2 * 5
+    group = bytearray(stored[:head])
+    mode1 = bytearray(group)
+    mode1[4 + 5] = 1  # the 3-byte groups are never zstd
+    short = bytearray(group)
+    short[4 + 5 + 1 : 4 + 5 + 5] = (3 * 50_000 - 1).to_bytes(4, "little")
+    for bad in (bytes(mode1) + stored[head:], bytes(short) + stored[head:-1], stored[:-1], stored + b"\0",
+                stored[:2] + b"\x00" + stored[3:], stored[:1] + b"\x08" + stored[2:]):
+        with pytest.raises(IntegrityError):
+            codec.decode("bgz", bad, len(raw))
+    with pytest.raises(IntegrityError):
+        codec.decode("bgz", stored, len(raw) - 4)
 
 
 @settings(max_examples=300, deadline=None)

@@ -23,13 +23,16 @@ import random
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
 import ckptstore
 from ckptstore.errors import CkptStoreError, StaleBaseError, StepNotFoundError, StorageError
 from ckptstore.layout import PACK_PREFIX
-from ckptstore.storage.retry import RetryPolicy
+from ckptstore.storage.retry import RetryPolicy, RetryStore
+from ckptstore.storage.s3 import S3Store
+from ckptstore.storage.wrappers import WrapperStore
 from ckptstore.testing.faultproxy import Fault, FaultProxy
 from ckptstore.testing.seaweedfs import SeaweedFS
 
@@ -180,6 +183,39 @@ def test_stalled_part_upload_is_cut_by_the_timeout_and_retried(weed):
     assert_tree_equal(direct.load(1), sd)
     assert direct.store.list_multipart() == []
     direct.close()
+
+
+@pytest.mark.parametrize("kind", ["close", "reset"])
+def test_a_cut_range_read_resumes_on_a_new_connection(weed, kind):
+    """A ranged GET whose response is cut 3 MiB in: the retry asks only for
+    the rest (bytes already read are kept), and the range comes back whole."""
+    data = np.random.default_rng(5).integers(0, 256, 8 << 20, dtype=np.uint8).tobytes()
+    key = f"packs/cut-{kind}-{time.time_ns()}"
+    S3Store(f"{BUCKET}/net", _so(weed)).put(key, data)
+    with FaultProxy(_upstream(weed), rate=1.0, max_faults=1) as proxy:
+        proxy.plan = lambda i: Fault(kind, "down", 3 << 20) if i == 0 else None
+        spy = _Starts(S3Store(f"{BUCKET}/net", _so(weed, proxy.endpoint)))
+        store = RetryStore(spy, RetryPolicy(max_attempts=3), sleep=lambda s: None)
+        out = bytearray(len(data) - 1000)
+        seen: list[int] = []
+        store.read_range_into(key, 1000, out, seen.append)
+        assert proxy.counts()[kind] == 1
+    assert bytes(out) == data[1000:]
+    assert store.retries == 1 and len(spy.starts) == 2
+    resumed = spy.starts[1] - 1000
+    assert 0 < resumed < 3 << 20 and resumed in seen  # from the last byte reported
+    assert seen == sorted(seen) and seen[-1] == len(out)
+    store.close()
+
+
+class _Starts(WrapperStore):
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.starts: list[int] = []
+
+    def read_range_into(self, key, start, out, progress=None):
+        self.starts.append(start)
+        return self.inner.read_range_into(key, start, out, progress)
 
 
 # ---------------------------------------------------------------- 2. server killed mid-save

@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import copy
 import os
+import time
 import tracemalloc
 
 import numpy as np
@@ -23,10 +24,13 @@ import torch
 
 import ckptstore
 from ckptstore import codec
-from ckptstore.errors import IntegrityError
+from ckptstore.errors import IntegrityError, TransientStorageError
+from ckptstore.repository import Repository
 from ckptstore.storage import local as local_mod
 from ckptstore.storage.base import MiB
 from ckptstore.storage.local import LocalStore
+from ckptstore.storage.memory import MemoryStore
+from ckptstore.storage.retry import RetryPolicy, RetryStore
 from ckptstore.storage.upload import BufferPool, ParallelUploader
 from ckptstore.storage.wrappers import CountingStore
 from ckptstore.tensors import to_host
@@ -295,3 +299,110 @@ def test_s3_idle_shared_clients_are_bounded(s3):
     assert len(idle) <= s3_mod.SHARED_CLIENTS_IDLE
     assert fss[0]._s3 is None  # the least recently used was closed
     assert all(fs._s3 is not None for fs in fss[-s3_mod.SHARED_CLIENTS_IDLE + 1 :])
+
+
+# ------------------------------------------------------------------ streamed range reads
+class _GatedStore(CountingStore):
+    """Streams each pack range in two reports and, between them, waits until
+    ``gate()`` says a chunk of it has been decoded: a fetcher that decodes
+    only once the whole range is in never gets past the gate."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.gate = lambda: True
+        self.passed = self.pack_reads = 0
+
+    def read_range_into(self, key, start, out, progress=None):
+        n = memoryview(out).nbytes
+        self.inner.read_range_into(key, start, out)
+        if key.startswith("packs/"):
+            self.pack_reads += 1
+            assert progress is not None
+            progress(n // 2)
+            deadline = time.monotonic() + 30  # a guard against a hang, not a timing
+            while not self.gate():
+                assert time.monotonic() < deadline, "no chunk was decoded before its range was all in"
+                time.sleep(0.005)
+            self.passed += 1
+        if progress is not None:
+            progress(n)
+
+
+def test_chunks_are_decoded_while_their_range_is_still_arriving():
+    mem = MemoryStore()
+    w = torch.randn(256, 1024)  # 1 MiB: 16 chunks of 64 KiB in one pack
+    Repository(mem, **SMALL).save({"w": w}, step=1)
+    gated = _GatedStore(mem)
+    repo = Repository(gated, **SMALL)
+    refs = list(repo.chunks(1))
+    assert len({r.pack for r in refs}) == 1 and len(refs) == 16
+    got: dict[int, bytes] = {}
+    gated.gate = lambda: bool(got)
+
+    def deliver(i, raw, stored):
+        got[i] = bytes(raw)
+
+    repo.fetcher.fetch(refs, deliver, lambda i: "")
+    assert gated.passed == gated.pack_reads == 1  # one request, past the gate
+    raw = w.numpy().tobytes()
+    starts = np.cumsum([0] + [r.raw_len for r in refs])
+    assert all(got[i] == raw[starts[i] : starts[i + 1]] for i in range(len(refs)))
+    # A load decodes into place the same way.
+    dest = torch.full_like(w, float("nan"))
+    gated.gate = lambda: not bool(torch.isnan(dest).all())
+    repo.load(1, into={"w": dest})
+    assert torch.equal(dest, w) and gated.passed == 2
+
+
+def test_range_reads_reuse_their_buffers_and_give_them_back():
+    mem = MemoryStore()
+    w = torch.randn(2048, 1024)  # 8 MiB in 1 MiB packs: 6+ range requests
+    Repository(mem, **SMALL).save({"w": w}, step=1)
+    repo = Repository(mem, **SMALL, max_request=1 * MiB, max_inflight_bytes=4 * MiB)
+    counting = CountingStore(mem)
+    repo.fetcher.store = counting
+    pool = repo.runtime.read_buffers()
+    for _ in range(2):
+        before = pool.allocated
+        counting.reset()
+        dest = torch.full_like(w, float("nan"))
+        repo.load(1, into={"w": dest})
+        assert torch.equal(dest, w)
+        large = [r for r in counting.reads if r[0].startswith("packs/") and r[2] - r[1] >= MiB // 2]
+        assert len(large) >= 6  # 8 MiB stores about 6.6 MiB
+        # The read budget (half of max_inflight_bytes) holds two such ranges
+        # at once: two buffers serve them all ...
+        assert pool.keep == 2 and pool.allocated - before <= 2, pool.allocated
+        # ... and go back once no read is under way.
+        assert pool._free == []
+    repo.close()
+
+
+class _CutOnce(MemoryStore):
+    """Delivers the first ``cut`` bytes of the first ranged read, then fails it."""
+
+    def __init__(self, cut: int):
+        super().__init__()
+        self.cut = cut
+        self.starts: list[int] = []
+
+    def read_range_into(self, key, start, out, progress=None):
+        self.starts.append(start)
+        mv = memoryview(out).cast("B")
+        if len(self.starts) == 1:
+            super().read_range_into(key, start, mv[: self.cut], progress)
+            raise TransientStorageError(f"{key}: connection reset after {self.cut} bytes")
+        super().read_range_into(key, start, mv, progress)
+
+
+def test_a_retried_range_read_resumes_where_the_failed_one_stopped():
+    data = _bytes(3 * MiB, seed=9)
+    inner = _CutOnce(cut=MiB + 17)
+    inner.put("packs/x", data)
+    store = RetryStore(inner, RetryPolicy(max_attempts=3), sleep=lambda s: None)
+    out = bytearray(len(data) - 100)
+    seen: list[int] = []
+    store.read_range_into("packs/x", 100, out, seen.append)
+    assert bytes(out) == data[100:]
+    assert inner.starts == [100, 100 + MiB + 17]  # the retry asked only for the rest
+    assert seen == [MiB + 17, len(out)] and store.retries == 1

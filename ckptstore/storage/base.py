@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from ..errors import TransientStorageError
 
@@ -18,6 +18,9 @@ MiB = 1 << 20
 #: pipeline that works on the local store also works on S3.
 MIN_PART_SIZE = 5 * MiB
 MAX_PARTS = 10_000
+#: Bytes a streaming :meth:`ObjectStore.read_range_into` reads between two
+#: progress reports (a chunk is decoded as soon as its bytes are in).
+READ_PIECE = 1 * MiB
 
 
 @dataclass(frozen=True)
@@ -150,6 +153,29 @@ class ObjectStore(abc.ABC):
         A range reaching past the end of the object is an error, never a
         short read: callers rely on getting exactly what they asked for.
         """
+
+    def read_range_into(self, key: str, start: int, out, progress: Callable[[int], None] | None = None) -> None:
+        """Read bytes ``[start, start + len(out))`` of ``key`` into ``out``, a writable buffer.
+
+        ``progress(n)``, when given, is called on the calling thread as the
+        bytes arrive: the first ``n`` bytes of ``out`` then hold their final
+        value. ``n`` grows from call to call and the last call has ``n ==
+        len(out)``, so a caller may use a prefix before the rest is in (the
+        loader decodes each chunk as soon as its bytes are there). Errors are
+        those of :meth:`get_ranges`; after one, the bytes of ``out`` past the
+        last ``n`` reported are undefined.
+
+        This default reads the range whole through :meth:`get_ranges` and
+        reports once; stores that can stream a body (S3, local files) read
+        straight into ``out`` in pieces.
+        """
+        mv = memoryview(out).cast("B")
+        (data,) = self.get_ranges(key, [(start, start + len(mv))])
+        if len(data) != len(mv):
+            raise RangeReplyError(f"{self.url}/{key}: range [{start}, {start + len(mv)}) returned {len(data)} bytes")
+        mv[:] = data
+        if progress is not None:
+            progress(len(mv))
 
     @abc.abstractmethod
     def put(self, key: str, data) -> None:

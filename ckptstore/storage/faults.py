@@ -165,6 +165,10 @@ class FaultStore(WrapperStore):
     def get_ranges(self, key, ranges):
         return self._call("get_ranges", key, lambda _: self.inner.get_ranges(key, ranges))
 
+    def read_range_into(self, key, start, out, progress=None):
+        # Through get_ranges, so that its faults apply to streamed reads too.
+        return ObjectStore.read_range_into(self, key, start, out, progress)
+
     def put(self, key, data):
         return self._call("put", key, lambda d: self.inner.put(key, d), write_data=bytes(data))
 

@@ -24,7 +24,7 @@ import uuid
 from typing import Iterator, Sequence
 
 from ..errors import ObjectExistsError, ObjectNotFoundError
-from .base import MultipartInfo, MultipartUpload, ObjectInfo, ObjectStore, check_key, check_ranges
+from .base import READ_PIECE, MultipartInfo, MultipartUpload, ObjectInfo, ObjectStore, check_key, check_ranges
 
 _TMP = ".tmp"
 MiB = 1 << 20
@@ -112,6 +112,31 @@ class LocalStore(ObjectStore):
                     raise ValueError(f"{self.url}/{key}: range [{s}, {e}) past end of {size}-byte object")
                 out.append(os.pread(fd, e - s, s) if e > s else b"")
             return out
+        finally:
+            os.close(fd)
+
+    def read_range_into(self, key: str, start: int, out, progress=None) -> None:
+        mv = memoryview(out).cast("B")
+        n = len(mv)
+        try:
+            fd = os.open(self._path(key), os.O_RDONLY)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            raise self._missing(key) from None
+        try:
+            size = os.fstat(fd).st_size
+            if start < 0 or start + n > size:
+                raise ValueError(f"{self.url}/{key}: range [{start}, {start + n}) past end of {size}-byte object")
+            got = 0
+            while got < n:
+                k = os.preadv(fd, [mv[got : min(n, got + READ_PIECE)]], start + got)
+                if k <= 0:  # the file shrank under us: packs never do
+                    raise ValueError(f"{self.url}/{key}: object ended at {start + got}, inside range "
+                                     f"[{start}, {start + n})")
+                got += k
+                if progress is not None:
+                    progress(got)
+            if n == 0 and progress is not None:
+                progress(0)
         finally:
             os.close(fd)
 

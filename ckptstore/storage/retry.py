@@ -98,6 +98,25 @@ class RetryStore(WrapperStore):
     def get_ranges(self, key, ranges):
         return self._run(lambda: self.inner.get_ranges(key, ranges))
 
+    def read_range_into(self, key, start, out, progress=None):
+        # A retry reads only what the failed attempt had not delivered yet:
+        # reported bytes are final (the store's contract), and a caller may
+        # already be using them.
+        mv = memoryview(out).cast("B")
+        done = [0]
+
+        def attempt():
+            base = done[0]
+
+            def seen(n: int) -> None:
+                done[0] = base + n
+                if progress is not None:
+                    progress(base + n)
+
+            self.inner.read_range_into(key, start + base, mv[base:], seen)
+
+        return self._run(attempt)
+
     def put(self, key, data):
         return self._run(lambda: self.inner.put(key, data))
 

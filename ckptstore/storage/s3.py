@@ -67,6 +67,7 @@ from ..errors import (
 )
 from ._classify import MAX_MESSAGE, in_chain, is_network_error, optional_types, scrub
 from .base import (
+    READ_PIECE,
     MultipartInfo,
     MultipartUpload,
     ObjectInfo,
@@ -445,6 +446,42 @@ def _make_upload_client(spec: dict):
 _RangeError = RangeReplyError
 
 
+def _stream_body(body, mv: memoryview, progress) -> tuple[int, bool]:
+    """Read a botocore ``StreamingBody`` into ``mv`` piece by piece.
+
+    Straight into ``mv`` through the ``http.client`` response under urllib3's
+    (one copy, from the socket), when the body is a plain length-delimited
+    one; otherwise through ``body.read`` (a copy more). Returns ``(bytes
+    read, at end)``: at end, the body held exactly ``len(mv)`` bytes and its
+    connection went back to the pool; otherwise the caller closes it.
+    """
+    raw = getattr(body, "_raw_stream", None)
+    fp = getattr(raw, "_fp", None)
+    direct = (fp is not None and hasattr(fp, "readinto") and hasattr(fp, "isclosed")
+              and hasattr(raw, "release_conn") and not getattr(fp, "chunked", False)
+              and not (raw.headers or {}).get("content-encoding"))
+    n, got = len(mv), 0
+    while got < n:
+        piece = mv[got : min(n, got + READ_PIECE)]
+        if direct:
+            k = fp.readinto(piece)
+        else:
+            data = body.read(len(piece))
+            k = len(data)
+            piece[:k] = data
+        if not k:
+            return got, False
+        got += k
+        if progress is not None:
+            progress(got)
+    if direct:
+        if not fp.isclosed():  # more than Content-Length said, or no length
+            return got, False
+        raw.release_conn()
+        return got, True
+    return got, not body.read(1)
+
+
 class S3Store(ObjectStore):
     mtime_resolution = 1.0  # Last-Modified has whole seconds
     remote = True
@@ -715,6 +752,47 @@ class S3Store(ObjectStore):
                 if e > size:
                     raise ValueError(f"{self._where(key)}: range [{s}, {e}) past end of {size}-byte object")
         return out
+
+    def read_range_into(self, key: str, start: int, out, progress=None) -> None:
+        """Stream one ranged GET into ``out`` (threaded client; s3fs's reads whole, as the default)."""
+        mv = memoryview(out).cast("B")
+        n = len(mv)
+        if self._upload_spec is None or n == 0 or start < 0:
+            return super().read_range_into(key, start, out, progress)
+        full, end = self._full(key), start + n
+        body = None
+        try:
+            client = self._upload_client()
+            try:
+                resp = client.get_object(Bucket=self.bucket, Key=full, Range=f"bytes={start}-{end - 1}",
+                                         **self._op_kwargs(client, "get_object"))
+            except self._catch as e:
+                if error_code(e)[0] == "InvalidRange":
+                    raise ValueError(f"{self._where(key)}: range [{start}, {end}) past end of object") from None
+                raise
+            body = resp["Body"]
+            total = _total_size(resp.get("ContentRange"))
+            length = resp.get("ContentLength")
+            if total is not None and end > total:
+                raise RangeReplyError(f"{self._where(key)}: range [{start}, {end}) past end of {total}-byte object")
+            if length is not None and length != n:
+                if total is None:  # a whole object for a range, or a reply that cannot be placed
+                    raise RangeReplyError(f"{self._where(key)}: range [{start}, {end}) returned {length} bytes")
+                raise TransientStorageError(f"{self._where(key)}: range [{start}, {end}) answered with {length} bytes")
+            got, at_end = _stream_body(body, mv, progress)
+            if at_end:
+                body = None  # its connection went back to the pool
+            elif got == n:
+                raise RangeReplyError(f"{self._where(key)}: range [{start}, {end}) returned more than {n} bytes")
+            elif total is None:
+                raise RangeReplyError(f"{self._where(key)}: range [{start}, {end}) returned {got} bytes")
+            else:
+                raise TransientStorageError(f"{self._where(key)}: short read of range [{start}, {end}): {got} bytes")
+        except self._catch as e:
+            self._raise(e, key, "GetObject")
+        finally:
+            if body is not None:
+                body.close()  # not read to its end: drop the connection
 
     def head(self, key: str) -> ObjectInfo:
         resp = self._call("head_object", key, Key=self._full(key))

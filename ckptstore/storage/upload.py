@@ -3,9 +3,25 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import mmap
 import threading
 
+import numpy as np
+
 from .base import MAX_PARTS, MultipartUpload, ObjectStore
+
+
+def _populated(size: int):
+    """``size`` bytes of fresh memory with its pages already mapped (one
+    ``mmap(MAP_POPULATE)`` instead of a page fault per 4 KiB on first
+    write), or a plain uninitialised array where that is not available."""
+    flags = getattr(mmap, "MAP_POPULATE", 0)
+    if flags and size:
+        try:
+            return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | flags)
+        except (OSError, ValueError):
+            pass
+    return np.empty(size, dtype=np.uint8)
 
 
 class BufferPool:
@@ -16,19 +32,23 @@ class BufferPool:
     memory speed. At most ``keep`` idle buffers are retained.
     """
 
-    def __init__(self, size: int, keep: int = 8):
+    def __init__(self, size: int, keep: int = 8, zeroed: bool = True):
         self.size = size
         self.keep = keep
-        self._free: list[bytearray] = []
+        self.zeroed = zeroed
+        self._free: list = []
         self._lock = threading.Lock()
         self.allocated = 0
 
-    def get(self) -> bytearray:
+    def get(self):
+        """A ``size``-byte buffer: a zero-filled ``bytearray``, or with
+        ``zeroed=False`` memory whose pages are mapped in one call and whose
+        bytes are undefined (:func:`_populated`)."""
         with self._lock:
             if self._free:
                 return self._free.pop()
             self.allocated += 1
-        return bytearray(self.size)
+        return bytearray(self.size) if self.zeroed else _populated(self.size)
 
     def put(self, buf: bytearray) -> None:
         if len(buf) != self.size:
@@ -36,6 +56,11 @@ class BufferPool:
         with self._lock:
             if len(self._free) < self.keep:
                 self._free.append(buf)
+
+    def clear(self) -> None:
+        """Drop the idle buffers (those in use come back and are kept as usual)."""
+        with self._lock:
+            self._free.clear()
 
 
 class ParallelUploader:

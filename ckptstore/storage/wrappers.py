@@ -29,6 +29,9 @@ class WrapperStore(ObjectStore):
     def get_ranges(self, key, ranges):
         return self.inner.get_ranges(key, ranges)
 
+    def read_range_into(self, key, start, out, progress=None):
+        return self.inner.read_range_into(key, start, out, progress)
+
     def put(self, key, data):
         return self.inner.put(key, data)
 
@@ -100,6 +103,14 @@ class CountingStore(WrapperStore):
             self.read_by_prefix[key.split("/", 1)[0]] += sum(len(b) for b in out)
         self._count("get_ranges", read=sum(len(b) for b in out))
         return out
+
+    def read_range_into(self, key, start, out, progress=None):
+        n = memoryview(out).nbytes
+        self.inner.read_range_into(key, start, out, progress)
+        with self._lock:
+            self.reads.append((key, int(start), int(start) + n))
+            self.read_by_prefix[key.split("/", 1)[0]] += n
+        self._count("read_range_into", read=n)
 
     def put(self, key, data):
         self.inner.put(key, data)

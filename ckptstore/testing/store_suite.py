@@ -21,6 +21,7 @@ import random
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from ..errors import ObjectExistsError, ObjectNotFoundError
@@ -238,12 +239,51 @@ class StoreConformance:
         with pytest.raises(ObjectNotFoundError):
             store.get_ranges("nope", ranges)
 
+    def test_read_range_into(self, store):
+        data = payload(3 * (1 << 20) + 7, seed=5)  # streaming stores report in several pieces
+        store.put("r", data)
+        out = bytearray(len(data) - 10)
+        seen: list[int] = []
+        store.read_range_into("r", 5, out, seen.append)
+        assert bytes(out) == data[5:-5]
+        assert seen and seen[-1] == len(out)
+        assert all(a < b for a, b in zip(seen, seen[1:])), seen  # grows from call to call
+        # into part of a larger buffer, without progress reports
+        big = np.zeros(100, dtype=np.uint8)
+        store.read_range_into("r", 1000, memoryview(big)[10:60])
+        assert bytes(big[10:60]) == data[1000:1050] and not big[:10].any() and not big[60:].any()
+        store.read_range_into("r", len(data), bytearray(0))  # empty, at the end: nothing to read
+
+    def test_read_range_into_reports_only_final_bytes(self, store):
+        data = payload(2 * (1 << 20) + 3, seed=6)
+        store.put("r", data)
+        out = bytearray(len(data))
+        checked = []
+
+        def progress(n: int) -> None:
+            checked.append(bytes(out[:n]) == data[:n])  # a prefix reported is already right
+
+        store.read_range_into("r", 0, out, progress)
+        assert checked and all(checked)
+
+    @pytest.mark.parametrize("start,n", [(990, 11), (1000, 1), (1001, 0), (-1, 2)])
+    def test_read_range_into_outside_the_object(self, store, start, n):
+        store.put("r", payload(1000))
+        with pytest.raises(ValueError):
+            store.read_range_into("r", start, bytearray(n))
+
+    @pytest.mark.parametrize("n", [1, 0])
+    def test_read_range_into_missing(self, store, n):
+        with pytest.raises(ObjectNotFoundError):
+            store.read_range_into("nope", 0, bytearray(n))
+
     # ------------------------------------------------------------ keys
     @pytest.mark.parametrize("key", INVALID_KEYS)
     def test_invalid_keys(self, store, key):
         calls = [
             lambda: store.get(key),
             lambda: store.get_ranges(key, [(0, 1)]),
+            lambda: store.read_range_into(key, 0, bytearray(1)),
             lambda: store.put(key, b"x"),
             lambda: store.put_if_absent(key, b"x"),
             lambda: store.head(key),
