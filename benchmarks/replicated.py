@@ -118,7 +118,8 @@ def worker(rank: int, world: int, port: int, cfg: dict) -> None:
                 store = reader._repo.store
                 got = _digest(sd)
                 rows.append({"exchange": mode, "rep": rep, "seconds": took,
-                             "packs": store.read_by_prefix["packs"], "gets": store.calls["get_ranges"],
+                             "packs": store.read_by_prefix["packs"],
+                             "gets": store.calls["get_ranges"] + store.calls["read_range_into"],
                              "stats": reader.last_read_stats, "bad": [k for k in want if got[k] != want[k]]})
                 reader.close()
         gathered = [None] * world
