@@ -221,6 +221,25 @@ class TestS3Store(StoreConformance):
         finally:
             store.close()
 
+    def test_streamed_reads_go_straight_into_the_buffer_and_reuse_connections(self, s3, monkeypatch):
+        import http.client
+
+        store = s3.store()
+        data = bytes(range(256)) * 12288  # 3 MiB: three pieces
+        store.put("k", data)
+        calls = []
+        orig = http.client.HTTPResponse.readinto
+        monkeypatch.setattr(http.client.HTTPResponse, "readinto",
+                            lambda self, b: calls.append(len(b)) or orig(self, b))
+        for _ in range(3):
+            out = bytearray(len(data))
+            store.read_range_into("k", 0, out)
+            assert bytes(out) == data
+        assert calls and max(calls) <= 1 << 20  # read into the buffer, a piece at a time
+        mgr = store._upload_client()._endpoint.http_session._manager
+        assert sum(mgr.pools[k].num_connections for k in mgr.pools.keys()) == 1  # each one went back
+        store.close()
+
     def test_close_then_reuse(self, s3):
         store = s3.store()
         store.put("k", b"v")
@@ -473,3 +492,32 @@ def test_s3_requests_have_timeouts_and_one_bounded_retry_layer(s3):
         assert mine._upload.meta.config.retries["total_max_attempts"] == 2  # botocore: 1 retry
     finally:
         mine.close()
+
+
+class _Body:
+    """A StreamingBody without the http.client response under it (the fallback path)."""
+
+    def __init__(self, data: bytes):
+        self.data, self.pos, self.closed = data, 0, False
+
+    def read(self, n=-1):
+        n = len(self.data) - self.pos if n is None or n < 0 else n
+        out = self.data[self.pos : self.pos + n]
+        self.pos += len(out)
+        return out
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.mark.parametrize("size,want", [(3 << 20, (3 << 20, True)), ((3 << 20) + 1, (3 << 20, False)),
+                                       ((3 << 20) - 5, ((3 << 20) - 5, False))])
+def test_stream_body_without_a_socket_underneath(size, want):
+    from ckptstore.storage.s3 import _stream_body
+
+    data = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    out = bytearray(3 << 20)
+    seen: list[int] = []
+    assert _stream_body(_Body(data), memoryview(out), seen.append) == want
+    n = min(size, len(out))
+    assert bytes(out[:n]) == data[:n] and seen[-1] == n and seen == sorted(seen)
