@@ -473,12 +473,22 @@ def _unlow3(top: np.ndarray, low: np.ndarray, n: int, out: np.ndarray | None = N
         out = np.empty(n * 4, dtype=np.uint8)
     if n:
         # Element i's low bytes are low[3i:3i+3]: one unaligned 4-byte read
-        # at 3i gets them (and a byte of the next group, overwritten below);
-        # the last group has no byte after it and is copied on its own.
+        # at 3i gets them (and a byte of the next group, overwritten by the
+        # top byte right after); the last group has no byte after it and is
+        # copied on its own. Block by block, so that the top bytes land in
+        # lines still in cache.
         o32 = out.view("<u4")
-        if n > 1:
-            np.copyto(o32[: n - 1], np.ndarray((n - 1,), dtype="<u4", buffer=low, strides=(3,)))
         rows = out.reshape(n, 4)
-        rows[n - 1, :3] = low[3 * (n - 1) :]
-        rows[:, 3] = top
+        words = np.ndarray((n - 1,), dtype="<u4", buffer=low, strides=(3,)) if n > 1 else None
+        for s0 in range(0, n, _LOW3_BLOCK):
+            e0 = min(n, s0 + _LOW3_BLOCK)
+            if s0 < n - 1:
+                np.copyto(o32[s0 : min(e0, n - 1)], words[s0 : min(e0, n - 1)])
+            if e0 == n:
+                rows[n - 1, :3] = low[3 * (n - 1) :]
+            rows[s0:e0, 3] = top[s0:e0]
     return memoryview(out)
+
+
+#: Elements per block when transform 2 is decoded (256 KiB of output).
+_LOW3_BLOCK = 1 << 16
