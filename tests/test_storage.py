@@ -224,7 +224,9 @@ class TestS3Store(StoreConformance):
     def test_streamed_reads_go_straight_into_the_buffer_and_reuse_connections(self, s3, monkeypatch):
         import http.client
 
-        store = s3.store()
+        # Options of its own: a client (and a connection pool) no other test shares.
+        opts = {**s3.storage_options, "config_kwargs": {"user_agent_extra": f"stream-{uuid.uuid4().hex}"}}
+        store = type(s3.store())(f"{s3.bucket}/stream", opts)
         data = bytes(range(256)) * 12288  # 3 MiB: three pieces
         store.put("k", data)
         calls = []
