@@ -17,6 +17,7 @@ created for an object is made durable in its parent too.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import threading
@@ -98,32 +99,32 @@ class LocalStore(ObjectStore):
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             raise self._missing(key) from None
 
-    def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
-        ranges = check_ranges(ranges)
+    @contextlib.contextmanager
+    def _reading(self, key: str):
+        """An open descriptor of ``key`` and the object's size."""
         try:
             fd = os.open(self._path(key), os.O_RDONLY)
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             raise self._missing(key) from None
         try:
-            size = os.fstat(fd).st_size
+            yield fd, os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+
+    def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        ranges = check_ranges(ranges)
+        with self._reading(key) as (fd, size):
             out = []
             for s, e in ranges:
                 if e > size:
                     raise ValueError(f"{self.url}/{key}: range [{s}, {e}) past end of {size}-byte object")
                 out.append(os.pread(fd, e - s, s) if e > s else b"")
             return out
-        finally:
-            os.close(fd)
 
     def read_range_into(self, key: str, start: int, out, progress=None) -> None:
         mv = memoryview(out).cast("B")
         n = len(mv)
-        try:
-            fd = os.open(self._path(key), os.O_RDONLY)
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            raise self._missing(key) from None
-        try:
-            size = os.fstat(fd).st_size
+        with self._reading(key) as (fd, size):
             if start < 0 or start + n > size:
                 raise ValueError(f"{self.url}/{key}: range [{start}, {start + n}) past end of {size}-byte object")
             got = 0
@@ -137,8 +138,6 @@ class LocalStore(ObjectStore):
                     progress(got)
             if n == 0 and progress is not None:
                 progress(0)
-        finally:
-            os.close(fd)
 
     def _write_tmp(self, data) -> str:
         tmp = self._tmp_path()
