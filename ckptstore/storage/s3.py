@@ -453,7 +453,9 @@ def _stream_body(body, mv: memoryview, progress) -> tuple[int, bool]:
     (one copy, from the socket), when the body is a plain length-delimited
     one; otherwise through ``body.read`` (a copy more). Returns ``(bytes
     read, at end)``: at end, the body held exactly ``len(mv)`` bytes and its
-    connection went back to the pool; otherwise the caller closes it.
+    connection went back to the pool; otherwise the caller closes it. (A
+    botocore response-checksum wrapper would be bypassed too; S3 sends no
+    checksum for ranged GETs, and the loader checks every chunk's BLAKE3.)
     """
     raw = getattr(body, "_raw_stream", None)
     fp = getattr(raw, "_fp", None)
