@@ -391,7 +391,7 @@ class AzureStore(ObjectStore):
             raise
         data = await d.readall()
         total = _total_size(getattr(d.properties, "content_range", None))
-        check_range_reply(self._where(key), start, end, data, total)
+        check_range_reply(self._where(key), start, end, len(data), total)
         return data, total
 
     def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:

@@ -76,8 +76,8 @@ class RangeReplyError(ValueError):
     """A ranged read asked for bytes past the object's end (remote stores raise it as ``ValueError``)."""
 
 
-def check_range_reply(where: str, start: int, end: int, data, total: int | None) -> None:
-    """Check the reply to a ranged GET of ``[start, end)`` of an object of ``total`` bytes (None: not said).
+def check_range_reply(where: str, start: int, end: int, got: int, total: int | None) -> None:
+    """Check a reply of ``got`` bytes to a ranged GET of ``[start, end)`` of an object of ``total`` bytes (None: not said).
 
     A range past the end raises :class:`RangeReplyError`; so does a short
     reply without a size, which cannot tell a short object from a cut
@@ -86,10 +86,10 @@ def check_range_reply(where: str, start: int, end: int, data, total: int | None)
     """
     if total is not None and end > total:
         raise RangeReplyError(f"{where}: range [{start}, {end}) past end of {total}-byte object")
-    if len(data) != end - start:
+    if got != end - start:
         if total is None:
-            raise RangeReplyError(f"{where}: range [{start}, {end}) returned {len(data)} bytes")
-        raise TransientStorageError(f"{where}: short read of range [{start}, {end}): {len(data)} bytes")
+            raise RangeReplyError(f"{where}: range [{start}, {end}) returned {got} bytes")
+        raise TransientStorageError(f"{where}: short read of range [{start}, {end}): {got} bytes")
 
 
 class MultipartUpload(abc.ABC):
@@ -171,8 +171,7 @@ class ObjectStore(abc.ABC):
         """
         mv = memoryview(out).cast("B")
         (data,) = self.get_ranges(key, [(start, start + len(mv))])
-        if len(data) != len(mv):
-            raise RangeReplyError(f"{self.url}/{key}: range [{start}, {start + len(mv)}) returned {len(data)} bytes")
+        check_range_reply(f"{self.url}/{key}", start, start + len(mv), len(data), None)
         mv[:] = data
         if progress is not None:
             progress(len(mv))

@@ -394,7 +394,7 @@ class GCSStore(ObjectStore):
             # The server ignored the Range header and sent the whole object.
             total = len(data)
             data = data[start:end]
-        check_range_reply(self._where(key), start, end, data, total)
+        check_range_reply(self._where(key), start, end, len(data), total)
         return data, total
 
     def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:

@@ -677,7 +677,7 @@ class S3Store(ObjectStore):
             total = _total_size(resp.get("ContentRange"))
             if total is not None:
                 sizes.append(total)
-            check_range_reply(self._where(key), start, end, data, total)
+            check_range_reply(self._where(key), start, end, len(data), total)
             out[i] = data
 
         tasks = [asyncio.ensure_future(one(i, s, e)) for i, (s, e) in enumerate(ranges) if e > s]
@@ -690,16 +690,19 @@ class S3Store(ObjectStore):
             raise
         return out, (sizes[0] if sizes else None)
 
-    def _get_range(self, client, full: str, key: str, start: int, end: int, sizes: list[int]) -> bytes:
-        """One ranged GET through the threaded client (the checks of :meth:`_aget_ranges`)."""
+    def _ranged_get(self, client, full: str, key: str, start: int, end: int) -> dict:
+        """One ranged GetObject through the threaded client; a range past the end raises :class:`RangeReplyError`."""
         try:
-            resp = client.get_object(Bucket=self.bucket, Key=full, Range=f"bytes={start}-{end - 1}",
+            return client.get_object(Bucket=self.bucket, Key=full, Range=f"bytes={start}-{end - 1}",
                                      **self._op_kwargs(client, "get_object"))
         except self._catch as e:
-            code, _, _ = error_code(e)
-            if code == "InvalidRange":
-                raise _RangeError(f"{self._where(key)}: range [{start}, {end}) past end of object") from None
+            if error_code(e)[0] == "InvalidRange":
+                raise RangeReplyError(f"{self._where(key)}: range [{start}, {end}) past end of object") from None
             raise
+
+    def _get_range(self, client, full: str, key: str, start: int, end: int, sizes: list[int]) -> bytes:
+        """One ranged GET through the threaded client (the checks of :meth:`_aget_ranges`)."""
+        resp = self._ranged_get(client, full, key, start, end)
         body = resp["Body"]
         try:
             data = body.read()  # botocore checks the length against Content-Length
@@ -708,7 +711,7 @@ class S3Store(ObjectStore):
         total = _total_size(resp.get("ContentRange"))
         if total is not None:
             sizes.append(total)
-        check_range_reply(self._where(key), start, end, data, total)
+        check_range_reply(self._where(key), start, end, len(data), total)
         return data
 
     def _get_ranges_threaded(self, full: str, key: str, ranges: list[tuple[int, int]]):
@@ -764,32 +767,19 @@ class S3Store(ObjectStore):
         full, end = self._full(key), start + n
         body = None
         try:
-            client = self._upload_client()
-            try:
-                resp = client.get_object(Bucket=self.bucket, Key=full, Range=f"bytes={start}-{end - 1}",
-                                         **self._op_kwargs(client, "get_object"))
-            except self._catch as e:
-                if error_code(e)[0] == "InvalidRange":
-                    raise ValueError(f"{self._where(key)}: range [{start}, {end}) past end of object") from None
-                raise
+            resp = self._ranged_get(self._upload_client(), full, key, start, end)
             body = resp["Body"]
             total = _total_size(resp.get("ContentRange"))
             length = resp.get("ContentLength")
-            if total is not None and end > total:
-                raise RangeReplyError(f"{self._where(key)}: range [{start}, {end}) past end of {total}-byte object")
-            if length is not None and length != n:
-                if total is None:  # a whole object for a range, or a reply that cannot be placed
-                    raise RangeReplyError(f"{self._where(key)}: range [{start}, {end}) returned {length} bytes")
-                raise TransientStorageError(f"{self._where(key)}: range [{start}, {end}) answered with {length} bytes")
+            # Before any byte is read: the size and length the headers state.
+            check_range_reply(self._where(key), start, end, n if length is None else length, total)
             got, at_end = _stream_body(body, mv, progress)
             if at_end:
                 body = None  # its connection went back to the pool
             elif got == n:
                 raise RangeReplyError(f"{self._where(key)}: range [{start}, {end}) returned more than {n} bytes")
-            elif total is None:
-                raise RangeReplyError(f"{self._where(key)}: range [{start}, {end}) returned {got} bytes")
             else:
-                raise TransientStorageError(f"{self._where(key)}: short read of range [{start}, {end}): {got} bytes")
+                check_range_reply(self._where(key), start, end, got, total)  # a body cut short: raises
         except self._catch as e:
             self._raise(e, key, "GetObject")
         finally:
