@@ -375,23 +375,18 @@ def _pack_low3(x32: np.ndarray, out: np.ndarray) -> None:
         out[3 * (m - 1) : 3 * m] = x32[m - 1 :].view(np.uint8)[:3]
 
 
-def _low3_encode(arr: np.ndarray, c: zstandard.ZstdCompressor, scratch=None) -> list | None:
-    """Transform 2 of a 4-byte-element chunk, or None when its layout does not fit.
+def _low3_encode(arr: np.ndarray, c: zstandard.ZstdCompressor, scratch=None) -> list:
+    """Transform 2 of a 4-byte-element chunk.
 
-    It fits when, judged on a sample, the top byte plane (sign and 7
-    exponent bits of a float32) compresses and the three low ones do not
-    (random or well-trained mantissas): the top plane is stored as a plane,
-    the low 3 bytes of every element stay together, raw. The stored size is
-    that of transform 0 with those plane decisions; decoding is one gather
-    of the groups and one plane scatter instead of four plane passes.
+    The caller uses it when, judged on a sample, the top byte plane (sign
+    and 7 exponent bits of a float32) compresses and the three low ones do
+    not (random or well-trained mantissas): the top plane is stored as a
+    plane, the low 3 bytes of every element stay together, raw. The stored
+    size is that of transform 0 with those plane decisions; decoding is one
+    gather of the groups and one plane scatter instead of four plane passes.
     """
     n = arr.size // 4
     rows = arr.reshape(-1, 4)
-    head = rows[:PLANE_SAMPLE]
-    if not _compresses(c, np.ascontiguousarray(head[:, 3])):
-        return None
-    if any(_compresses(c, np.ascontiguousarray(head[:, j])) for j in (2, 1, 0)):
-        return None
     if scratch is not None and len(scratch) >= arr.size:
         buf = np.frombuffer(scratch, dtype=np.uint8, count=arr.size)
     else:
@@ -410,16 +405,24 @@ def _low3_encode(arr: np.ndarray, c: zstandard.ZstdCompressor, scratch=None) -> 
 def _bytegroup_encode(data, k: int, transform: int, level: int, scratch=None) -> list:
     arr = np.frombuffer(data, dtype=np.uint8)
     c = _plane_compressor()
+    # judged[i]: plane i (most significant byte first) compresses, judged on
+    # its first PLANE_SAMPLE bytes; each sample is compressed once.
+    judged: list[bool | None] = [None] * k
     if k == 4 and transform == 0:
-        pieces = _low3_encode(arr, c, scratch)
-        if pieces is not None:
-            return pieces
+        head = arr.reshape(-1, 4)[:PLANE_SAMPLE]
+
+        def judge(i: int) -> bool:
+            if judged[i] is None:
+                judged[i] = _compresses(c, np.ascontiguousarray(head[:, 3 - i]))
+            return judged[i]
+
+        if judge(0) and not any(judge(i) for i in (1, 2, 3)):
+            return _low3_encode(arr, c, scratch)
     heads, bodies = [], []
-    for plane in _planes(arr, k, transform, scratch):
+    for i, plane in enumerate(_planes(arr, k, transform, scratch)):
         raw = plane.data
         mode, body = 0, raw
-        sample = raw[:PLANE_SAMPLE]
-        if len(c.compress(sample)) * PLANE_MIN_RATIO < len(sample):
+        if judged[i] if judged[i] is not None else _compresses(c, raw[:PLANE_SAMPLE]):
             z = c.compress(raw)
             if len(z) < len(raw):
                 mode, body = 1, z
