@@ -375,6 +375,19 @@ def _pack_low3(x32: np.ndarray, out: np.ndarray) -> None:
         out[3 * (m - 1) : 3 * m] = x32[m - 1 :].view(np.uint8)[:3]
 
 
+def _low3_fits(arr: np.ndarray, c: zstandard.ZstdCompressor, judged: list) -> bool:
+    """Whether a 4-byte-element chunk takes transform 2: its top plane's sample
+    compresses and none of the low ones' does. Fills in ``judged`` (plane i,
+    most significant byte first) for the planes it had to look at."""
+    head = arr.reshape(-1, 4)[:PLANE_SAMPLE]
+
+    def judge(i: int) -> bool:
+        judged[i] = _compresses(c, np.ascontiguousarray(head[:, 3 - i]))
+        return judged[i]
+
+    return judge(0) and not any(judge(i) for i in (1, 2, 3))
+
+
 def _low3_encode(arr: np.ndarray, c: zstandard.ZstdCompressor, scratch=None) -> list:
     """Transform 2 of a 4-byte-element chunk.
 
@@ -408,16 +421,8 @@ def _bytegroup_encode(data, k: int, transform: int, level: int, scratch=None) ->
     # judged[i]: plane i (most significant byte first) compresses, judged on
     # its first PLANE_SAMPLE bytes; each sample is compressed once.
     judged: list[bool | None] = [None] * k
-    if k == 4 and transform == 0:
-        head = arr.reshape(-1, 4)[:PLANE_SAMPLE]
-
-        def judge(i: int) -> bool:
-            if judged[i] is None:
-                judged[i] = _compresses(c, np.ascontiguousarray(head[:, 3 - i]))
-            return judged[i]
-
-        if judge(0) and not any(judge(i) for i in (1, 2, 3)):
-            return _low3_encode(arr, c, scratch)
+    if k == 4 and transform == 0 and _low3_fits(arr, c, judged):
+        return _low3_encode(arr, c, scratch)
     heads, bodies = [], []
     for i, plane in enumerate(_planes(arr, k, transform, scratch)):
         raw = plane.data
