@@ -485,6 +485,12 @@ class AsyncSaver:
     2 s per GiB measured here); copying into buffers already touched runs
     at memory speed. So staging buffers are reused, but only once the async
     save that used them has finished; otherwise fresh ones are allocated.
+
+    CUDA tensors stage into pinned host buffers (reused the same way): every
+    copy is issued ``non_blocking`` on the tensor's current stream, and the
+    call waits once per device, after the last copy, so the copies overlap
+    each other instead of each waiting on a bounce buffer. Tensors of other
+    devices go through :func:`~ckptstore.tensors.stage`.
     """
 
     def __init__(self, cat: Catalog):
@@ -496,14 +502,26 @@ class AsyncSaver:
         last = self.last
         pool = self.staging if (last is None or last.done()) else {}
         staged = {}
-        for k, t in tensors.items():
-            buf = pool.get(k)
-            src = t.detach()
-            if buf is not None and src.device.type == "cpu" and buf.shape == src.shape and buf.dtype == src.dtype:
-                buf.copy_(src.resolve_conj().resolve_neg())
+        waits: set[torch.device] = set()
+        try:
+            for k, t in tensors.items():
+                src = t.detach()
+                kind = src.device.type
+                if kind not in ("cpu", "cuda"):
+                    staged[k] = stage(t)
+                    continue
+                buf = pool.get(k)
+                if not _fits(buf, src):
+                    buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=kind == "cuda")
+                if kind == "cuda":
+                    buf.copy_(src, non_blocking=True)  # conj/neg bits resolve in the copy
+                    waits.add(src.device)
+                else:
+                    buf.copy_(src.resolve_conj().resolve_neg())
                 staged[k] = buf
-            else:
-                staged[k] = stage(t)
+        finally:
+            for dev in waits:  # also on failure: no copy may still be writing a buffer we drop
+                torch.cuda.synchronize(dev)
         self.staging = staged
         return staged
 
@@ -512,6 +530,12 @@ class AsyncSaver:
         fut = self.cat.runtime.background.submit(save_step, self.cat, tree, staged, step, metadata, base)
         self.last = fut
         return fut
+
+
+def _fits(buf: torch.Tensor | None, src: torch.Tensor) -> bool:
+    """A staging buffer from the last save that can take ``src``: same shape and dtype, pinned for CUDA."""
+    return (buf is not None and buf.shape == src.shape and buf.dtype == src.dtype
+            and (src.device.type != "cuda" or buf.is_pinned()))
 
 
 def flatten_for_save(state_dict: Mapping, step, metadata) -> tuple[dict, dict, int, dict]:

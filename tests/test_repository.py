@@ -477,6 +477,46 @@ def test_async_saves_reuse_staging_buffers_safely():
     assert torch.equal(repo.load(9)["w"], w)
 
 
+def test_async_staging_copies_views_and_refits_buffers_when_shapes_change():
+    repo = _mem_repo()
+    z = torch.randn(50, 40, dtype=torch.complex64)
+    m = torch.randn(80, 60)
+    sd = {"conj": z.conj(), "neg": torch._neg_view(m), "cols": m[:, ::3]}
+    expected = {k: v.resolve_conj().resolve_neg().clone() for k, v in sd.items()}
+    repo.save(sd, step=1, blocking=False).result(timeout=60)
+    assert_tree_equal(repo.load(1), expected)
+    ptr = repo._async.staging["cols"].data_ptr()
+    sd2 = {"conj": z, "neg": m, "cols": m[:, ::2]}  # same keys; "cols" changes shape
+    repo.save(sd2, step=2, blocking=False).result(timeout=60)
+    assert_tree_equal(repo.load(2), {k: v.clone() for k, v in sd2.items()})
+    assert repo._async.staging["cols"].shape == (80, 30) and repo._async.staging["cols"].data_ptr() != ptr
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_async_save_from_cuda_stages_into_reused_pinned_buffers(tmp_path):
+    repo = ckptstore.open(str(tmp_path / "r"))
+    w = torch.randn(1 << 20, device="cuda")
+    b = torch.randn(100, 30, device="cuda").t()  # not contiguous
+    snaps = []
+    for step in (1, 2):
+        snaps.append({"w": w.cpu(), "b": b.cpu()})
+        fut = repo.save({"w": w, "b": b}, step=step, blocking=False)
+        w.add_(1.0)  # the caller's next step writes the tensors at once
+        b.mul_(2.0)
+        fut.result(timeout=120)
+        if step == 1:
+            first = {k: v.data_ptr() for k, v in repo._async.staging.items()}
+    assert all(v.is_pinned() and v.device.type == "cpu" for v in repo._async.staging.values())
+    assert {k: v.data_ptr() for k, v in repo._async.staging.items()} == first  # reused after the 1st finished
+    for step, snap in enumerate(snaps, start=1):
+        assert_tree_equal(repo.load(step), snap)
+    into = {"w": torch.zeros_like(w), "b": torch.zeros(30, 100, device="cuda")}
+    repo.load(2, into=into)
+    assert into["w"].device.type == "cuda" and torch.equal(into["w"].cpu(), snaps[1]["w"])
+    assert torch.equal(into["b"].cpu(), snaps[1]["b"])
+    repo.close()
+
+
 def test_local_stores_get_few_io_threads_and_small_requests_unless_asked(tmp_path):
     from ckptstore.options import LOCAL_IO_WORKERS, LOCAL_MAX_REQUEST, RepoOptions
     from ckptstore.storage.local import LocalStore
