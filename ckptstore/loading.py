@@ -379,7 +379,8 @@ class TensorReader:
         if staging is None:
             limit = self.checkpoint.repo.runtime.read_budget().limit
             staging = make_staging(self.checkpoint, pin=target.device.type == "cuda" and torch.cuda.is_available(),
-                                   staging_bytes=min(16 * MiB, limit // 4), room=_largest_chunk([e]))
+                                   staging_bytes=min(16 * MiB, limit // 4),
+                                   room=self.checkpoint.largest_chunk(e.key, self.checkpoint.meeting(e, box)))
             own = True
         try:
             stored = _m.DTYPES[e.dtype]

@@ -393,6 +393,56 @@ def test_tensor_reader_reads_slices_onto_other_dtypes_and_strided_destinations(t
     assert repo.runtime.read_budget().used == 0
 
 
+def test_tensor_reader_on_a_fresh_handle_sizes_staging_from_the_shards_it_reads(tmp_path):
+    # A fresh handle has read only the 2.0 root: chunk tables come when a shard
+    # is read. Staged reads (a cast, a strided destination) used to size their
+    # buffers from chunk lists not loaded yet and failed with a TypeError.
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(300, 40, generator=g)
+    _, repo = _repo(tmp_path)
+    repo.save({"w": w}, step=1)
+    store, fresh = _repo(tmp_path)
+    r = TensorReader(fresh.checkpoint(1))
+    assert torch.equal(r.read("w", (slice(10, 20),), dtype=torch.bfloat16), w[10:20].bfloat16())
+    dest = torch.empty(40, 300).t()
+    r.read_into("w", dest)
+    assert torch.equal(dest, w)
+    assert fresh.runtime.read_budget().used == 0
+
+
+def test_load_into_casts_and_strided_destinations_through_bounded_staging(tmp_path, monkeypatch):
+    # load(into=) decodes in place where it can; the other destinations (another
+    # dtype, not contiguous, CUDA) go through one set of staging buffers of at
+    # most half the read budget, not a host copy of each tensor.
+    g = torch.Generator().manual_seed(6)
+    sd = {f"w{i}": torch.randn(256, 1024, generator=g) for i in range(6)}  # 1 MiB each
+    sd["b"] = torch.randn(64, generator=g)
+    _, repo = _repo(tmp_path, max_inflight_bytes=2 << 20, max_request=64 << 10)
+    repo.save(sd, step=1)
+    _, fresh = _repo(tmp_path, max_inflight_bytes=2 << 20, max_request=64 << 10)
+    into = {k: torch.zeros(v.shape, dtype=torch.bfloat16) for k, v in sd.items() if k != "w5"}
+    into["w5"] = torch.zeros(1024, 256).t()  # strided, same dtype
+    made = []
+    real = loading.make_staging
+
+    def spy(*args, **kwargs):
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(loading, "make_staging", spy)
+    allocs = CpuAllocations(monkeypatch)
+    fresh.load(1, into=into)
+    monkeypatch.undo()
+    (st,) = made
+    budget = fresh.runtime.read_budget()
+    assert st.capacity <= budget.limit // 2 and st.allocated_bytes <= st.capacity
+    assert max(allocs.sizes) <= st.slot_bytes < 1 << 20, "no host tensor of a whole 1 MiB tensor"
+    assert budget.peak <= budget.limit and budget.used == 0
+    for k, v in sd.items():
+        want = v if k == "w5" else v.bfloat16()
+        assert torch.equal(into[k], want), k
+
+
 def test_progress_bar(tmp_path, capsys):
     _, repo = _repo(tmp_path)
     repo.save(_ref().state_dict(), step=4)

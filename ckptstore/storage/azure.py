@@ -188,8 +188,6 @@ def block_id(upload_id: str, number: int) -> str:
     return base64.b64encode(f"{upload_id}-{number:05d}".encode()).decode()
 
 
-_RangeError = RangeReplyError
-
 
 #: Where adlfs finds each secret when ``storage_options`` does not name it.
 _SECRET_ENV = {"account_key": "AZURE_STORAGE_ACCOUNT_KEY", "connection_string": "AZURE_STORAGE_CONNECTION_STRING",
@@ -341,7 +339,7 @@ class AzureStore(ObjectStore):
         cc = self._container()
         try:
             return sync(self._fs_obj.loop, coro_fn, cc, *args)
-        except _RangeError as e:
+        except RangeReplyError as e:
             raise ValueError(str(e)) from None
         except self._catch as e:
             err = self._error(e, key, op, exists)
@@ -387,7 +385,7 @@ class AzureStore(ObjectStore):
             d = await cc.get_blob_client(full).download_blob(offset=start, length=end - start, **self._req)
         except self._catch as e:
             if _http(e)[0] == 416:
-                raise _RangeError(f"{self._where(key)}: range [{start}, {end}) past end of object") from None
+                raise RangeReplyError(f"{self._where(key)}: range [{start}, {end}) past end of object") from None
             raise
         data = await d.readall()
         total = _total_size(getattr(d.properties, "content_range", None))

@@ -199,8 +199,6 @@ def _body(data) -> bytes:
     return memoryview(data).cast("B").tobytes()
 
 
-_RangeError = RangeReplyError
-
 
 _TOKEN_METHODS = frozenset({"anon", "google_default", "cache", "cloud", "browser"})
 
@@ -291,7 +289,7 @@ class GCSStore(ObjectStore):
         fs = self._fs
         try:
             return sync(fs.loop, coro_fn, *args, **kwargs)
-        except _RangeError as e:
+        except RangeReplyError as e:
             raise ValueError(str(e)) from None
         except self._catch as e:
             err = self._error(e, key, op, exists_on_412)
@@ -386,7 +384,7 @@ class GCSStore(ObjectStore):
             )
         except HttpError as e:
             if e.code == 416:
-                raise _RangeError(f"{self._where(key)}: range [{start}, {end}) past end of object") from None
+                raise RangeReplyError(f"{self._where(key)}: range [{start}, {end}) past end of object") from None
             raise
         m = _CONTENT_RANGE.match(headers.get("Content-Range", ""))
         total = int(m.group(3)) if m and m.group(3) != "*" else None

@@ -443,8 +443,6 @@ def _make_upload_client(spec: dict):
         return session.create_client("s3", config=Config(**config), **spec["client"])
 
 
-_RangeError = RangeReplyError
-
 
 def _stream_body(body, mv: memoryview, progress) -> tuple[int, bool]:
     """Read a botocore ``StreamingBody`` into ``mv`` piece by piece.
@@ -666,7 +664,7 @@ class S3Store(ObjectStore):
                     code, _, _ = error_code(e)
                     if code == "InvalidRange":
                         # S3 refuses a range starting at or past the end.
-                        raise _RangeError(
+                        raise RangeReplyError(
                             f"{self._where(key)}: range [{start}, {end}) past end of object"
                         ) from None
                     raise
@@ -744,7 +742,7 @@ class S3Store(ObjectStore):
                 out, size = self._get_ranges_threaded(full, key, ranges)
             else:
                 out, size = self._run(self._aget_ranges, full, key, ranges)
-        except _RangeError as e:
+        except RangeReplyError as e:
             raise ValueError(str(e)) from None
         except self._catch as e:
             self._raise(e, key, "GetObject")
