@@ -437,6 +437,16 @@ def ckpt_note(infos) -> str:
 REPEAT_LIMIT_S = 30.0
 
 
+def settle_disk() -> None:
+    """Write out every dirty page before a timed save (``os.sync``, outside the timing).
+
+    Otherwise a save pays for the write-back of what the row before it
+    wrote (a 1 GiB DCP directory, a server's volume files), and which
+    system follows which decides part of its time.
+    """
+    os.sync()
+
+
 def bench_save_load(run: Run, wl: str, sd: dict, like: dict, systems: list[System], repeat: int = 1) -> None:
     """Save then load with every system, ``repeat`` rounds interleaved; rows give the median round.
 
@@ -455,6 +465,7 @@ def bench_save_load(run: Run, wl: str, sd: dict, like: dict, systems: list[Syste
                 continue
             with run.pinning.client(s.remote):
                 try:
+                    settle_disk()
                     with Timer(pid_of(s)) as tm:
                         s.save(sd, wl, 1)
                     note, uploaded = "", None
@@ -544,6 +555,7 @@ def raw_put(server: S3Server, nbytes: int, concurrency: int) -> Timer:
                           if sizes[i] != RAW_PUT_OBJECT else body)
 
     try:
+        settle_disk()
         with Timer(server.pid) as tm:
             with cf.ThreadPoolExecutor(concurrency) as ex:
                 list(ex.map(put, range(len(sizes))))
@@ -565,6 +577,7 @@ def bench_sequence(run: Run, wl: str, sd0: dict, train: list[str], like: dict, s
                 for step in range(1, C_STEPS + 1):
                     if step > 1:
                         step_c(sd, train, step)
+                    settle_disk()
                     with Timer(pid_of(s)) as tm:
                         s.save(sd, wl, step)
                     total += tm.seconds
