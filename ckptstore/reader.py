@@ -210,10 +210,10 @@ class Checkpoint:
 
         pin = torch.cuda.is_available() and any(dests[k].device.type == "cuda" for k in keys)
         room = max(self.largest_chunk(k, range(self.entry(k).nshards)) for k in keys)
-        # Half the read budget (the staging is reserved in it, so memory stays
-        # within the budget): 1 GiB of fp32 into bf16 from SeaweedFS took
-        # 1.99 s with the 64 MiB default, 1.69 s with this (128 MiB), and
-        # 1.74 s with a host copy of each tensor (peak +580 MiB, not +144).
+        # Half the read budget (reserved in it, so memory stays within the
+        # budget). Each block is its own fetch: load_module's smaller default
+        # (a quarter, at most 64 MiB) was slower than a host copy per tensor
+        # here; this is faster (benchmarks/load_staged.py, docs/performance.md).
         nbytes = self.repo.runtime.read_budget().limit // 2
         with make_staging(self, pin=pin, room=room, staging_bytes=nbytes) as staging:
             reader = TensorReader(self, staging)

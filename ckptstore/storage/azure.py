@@ -188,7 +188,6 @@ def block_id(upload_id: str, number: int) -> str:
     return base64.b64encode(f"{upload_id}-{number:05d}".encode()).decode()
 
 
-
 #: Where adlfs finds each secret when ``storage_options`` does not name it.
 _SECRET_ENV = {"account_key": "AZURE_STORAGE_ACCOUNT_KEY", "connection_string": "AZURE_STORAGE_CONNECTION_STRING",
                "sas_token": "AZURE_STORAGE_SAS_TOKEN", "client_secret": "AZURE_STORAGE_CLIENT_SECRET"}

@@ -199,7 +199,6 @@ def _body(data) -> bytes:
     return memoryview(data).cast("B").tobytes()
 
 
-
 _TOKEN_METHODS = frozenset({"anon", "google_default", "cache", "cloud", "browser"})
 
 

@@ -443,7 +443,6 @@ def _make_upload_client(spec: dict):
         return session.create_client("s3", config=Config(**config), **spec["client"])
 
 
-
 def _stream_body(body, mv: memoryview, progress) -> tuple[int, bool]:
     """Read a botocore ``StreamingBody`` into ``mv`` piece by piece.
 
