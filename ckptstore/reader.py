@@ -23,6 +23,7 @@ from . import planner as _plan
 from .catalog import Catalog
 from .errors import FormatError, StepNotFoundError
 from .manifest import Manifest, Shard, TensorEntry
+from .staging import TensorReader, make_staging
 from .tensors import byte_view, castable, writable_in_place
 from .tree import flatten, tree_keys, unflatten
 
@@ -206,8 +207,6 @@ class Checkpoint:
         of staging buffers (pinned when a destination is on CUDA), the path of
         :func:`~ckptstore.load_module`. Host memory stays at the staging size
         instead of a host copy of each tensor being read."""
-        from .loading import TensorReader, make_staging
-
         pin = torch.cuda.is_available() and any(dests[k].device.type == "cuda" for k in keys)
         room = max(self.largest_chunk(k, range(self.entry(k).nshards)) for k in keys)
         # Half the read budget (reserved in it, so memory stays within the

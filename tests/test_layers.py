@@ -27,7 +27,7 @@ LAYERS: list[list[str]] = [
     ["runtime"],
     ["relocations"],
     ["fetch", "packs", "tables"],
-    ["catalog"],
+    ["catalog", "staging"],
     ["save", "reader"],
     ["verify", "zero"],
     ["gc", "transfer"],

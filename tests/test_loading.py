@@ -17,6 +17,7 @@ from torch import nn
 
 import ckptstore
 from ckptstore import loading
+from ckptstore import reader as reader_mod
 from ckptstore.loading import IncompatibleKeys, ModuleLoader, StagingBuffers, TensorReader, plan_blocks
 from ckptstore.planner import box_shape, byte_runs
 from ckptstore.storage import open_store
@@ -423,13 +424,13 @@ def test_load_into_casts_and_strided_destinations_through_bounded_staging(tmp_pa
     into = {k: torch.zeros(v.shape, dtype=torch.bfloat16) for k, v in sd.items() if k != "w5"}
     into["w5"] = torch.zeros(1024, 256).t()  # strided, same dtype
     made = []
-    real = loading.make_staging
+    real = reader_mod.make_staging
 
     def spy(*args, **kwargs):
         made.append(real(*args, **kwargs))
         return made[-1]
 
-    monkeypatch.setattr(loading, "make_staging", spy)
+    monkeypatch.setattr(reader_mod, "make_staging", spy)
     allocs = CpuAllocations(monkeypatch)
     fresh.load(1, into=into)
     monkeypatch.undo()
