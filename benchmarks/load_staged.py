@@ -26,6 +26,7 @@ is checked bit for bit.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import tempfile
@@ -86,23 +87,19 @@ def main(argv=None) -> int:
           f"{args.where}")
     sd = data_a(args.gib)
     want = {k: v.bfloat16() for k, v in sd.items()}
-    if args.where == "s3":
-        with start_server("seaweedfs", BUCKET) as srv:
+    with contextlib.ExitStack() as stack:
+        if args.where == "s3":
+            srv = stack.enter_context(start_server("seaweedfs", BUCKET))
             pin(srv.pid, {1})
             os.sched_setaffinity(0, {0})
             print("seaweedfs pinned to CPU 1, this process on CPU 0")
             system = CkptSystem(server=srv)
-            system.save(sd, "a", 1)
-            system.end_saves()
-            del sd
-            res = run(system, args, want)
-    else:
-        with tempfile.TemporaryDirectory(prefix="ckpt-staged-") as tmp:
-            system = CkptSystem(tmp=tmp)
-            system.save(sd, "a", 1)
-            system.end_saves()
-            del sd
-            res = run(system, args, want)
+        else:
+            system = CkptSystem(tmp=stack.enter_context(tempfile.TemporaryDirectory(prefix="ckpt-staged-")))
+        system.save(sd, "a", 1)
+        system.end_saves()
+        del sd
+        res = run(system, args, want)
     print()
     for name, rows in res.items():
         print(f"median {name:7s} {statistics.median(r[0] for r in rows):6.3f} s  "
