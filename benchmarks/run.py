@@ -401,6 +401,8 @@ class Run:
     def __init__(self, pinning: Pinning | None = None):
         self.rows: list[dict] = []
         self.notes: list[str] = []
+        #: A peer's failed round (its error), kept instead of ending the run.
+        self.problems: list[str] = []
         self.pinning = pinning or Pinning(enabled=False)
 
     def add(self, wl, system, op_key, op, tm, logical, stored=None, note="", extra=None):
@@ -484,6 +486,17 @@ def bench_save_load(run: Run, wl: str, sd: dict, like: dict, systems: list[Syste
                     loads.setdefault(s.name, []).append((tm,))
                     verify(sd, got, f"{wl} {s.name} load")
                     del got
+                except Exception as e:
+                    # A peer's error (its server answered 500 once, say) costs
+                    # that round of that peer, not the run; ckptstore's end it.
+                    if isinstance(s, CkptSystem):
+                        raise
+                    msg = f"{wl} {s.name} round {rnd + 1}: {type(e).__name__}: {str(e)[:300]}"
+                    print(f"  PROBLEM: {msg} (round dropped)", flush=True)
+                    run.problems.append(msg)
+                    if len(saves.get(s.name, [])) > len(loads.get(s.name, [])):
+                        saves[s.name].pop()
+                    continue
                 finally:
                     s.cleanup(wl)
                 if isinstance(s, CkptSystem) and s.server is not None and not s.suffix:
@@ -492,7 +505,7 @@ def bench_save_load(run: Run, wl: str, sd: dict, like: dict, systems: list[Syste
     all_s = lambda samples: {"all_seconds": [x[0].seconds for x in samples]}  # noqa: E731
     raw_median = {key: median_sample(samples) for key, samples in raws.items()}
     for s in systems:
-        if s.name not in saves:
+        if not saves.get(s.name):
             continue
         tm, stored, note, uploaded = median_sample(saves[s.name])
         extra = all_s(saves[s.name])
@@ -1046,6 +1059,7 @@ def main(argv=None) -> int:
         print(f"  server {name}: " + ", ".join(f"{k}={v}" for k, v in info.items() if k != "command"))
     for m in skipped:
         print(f"  peer {m}")
+    problems += run.problems
     for p in problems:
         print(f"  PROBLEM: {p}")
     checks = target_checks(run.rows, used_servers, pinned=pinning.enabled)
