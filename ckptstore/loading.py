@@ -68,8 +68,10 @@ def resolve_checkpoint(url, step: int | None, storage_options: dict | None, open
         raise
 
 
-def _largest_chunk(entries) -> int:
-    return max((c.stored_len for e in entries for s in e.shards for c in s.chunks), default=0)
+def _largest_chunks(entries) -> tuple[int, int]:
+    """``(stored, raw)`` bytes of the largest chunks of resolved entries."""
+    chunks = [c for e in entries for s in e.shards for c in s.chunks]
+    return max((c.stored_len for c in chunks), default=0), max((c.raw_len for c in chunks), default=0)
 
 
 # ---------------------------------------------------------------- load_module
@@ -335,9 +337,9 @@ class ModuleLoader:
         if any(not self._direct(g) for g in todo):
             pin = torch.cuda.is_available() and any(g.device.type == "cuda" for g in todo)
             self.ckpt.prefetch([g.key for g in todo])  # every chunk table this load needs, in one batch
-            room = _largest_chunk(self.ckpt.resolved(g.key) for g in todo)
+            room, chunk = _largest_chunks(self.ckpt.resolved(g.key) for g in todo)
             self.staging = make_staging(self.ckpt, pin=pin, staging_bytes=self.staging_bytes, room=room,
-                                        cls=self.staging_cls)
+                                        chunk=chunk, cls=self.staging_cls)
         bar = None
         if self.progress:
             from tqdm.auto import tqdm

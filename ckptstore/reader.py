@@ -208,13 +208,14 @@ class Checkpoint:
         :func:`~ckptstore.load_module`. Host memory stays at the staging size
         instead of a host copy of each tensor being read."""
         pin = torch.cuda.is_available() and any(dests[k].device.type == "cuda" for k in keys)
-        room = max(self.largest_chunk(k, range(self.entry(k).nshards)) for k in keys)
+        sizes = [self.largest_chunks(k, range(self.entry(k).nshards)) for k in keys]
+        room, chunk = max(r for r, _ in sizes), max(c for _, c in sizes)
         # Half the read budget (reserved in it, so memory stays within the
         # budget). Each block is its own fetch: load_module's smaller default
         # (a quarter, at most 64 MiB) was slower than a host copy per tensor
         # here; this is faster (benchmarks/load_staged.py, docs/performance.md).
         nbytes = self.repo.runtime.read_budget().limit // 2
-        with make_staging(self, pin=pin, room=room, staging_bytes=nbytes) as staging:
+        with make_staging(self, pin=pin, room=room, chunk=chunk, staging_bytes=nbytes) as staging:
             reader = TensorReader(self, staging)
             self.repo.runtime.map_tensors(lambda k: reader.read_into(k, dests[k]), keys)
 
@@ -237,9 +238,11 @@ class Checkpoint:
         hi = [a + (_plan.box_len((a, b, st)) - 1) * st + 1 if b > a else a for a, b, st in box]
         return e.meeting(lo, [h - l for l, h in zip(lo, hi)])
 
-    def largest_chunk(self, key: str, indices) -> int:
-        """Stored bytes of the largest chunk of shards ``indices`` of ``key`` (their chunk tables read as needed)."""
-        return max((c.stored_len for s in self.shards(key, list(indices)) for c in s.chunks), default=0)
+    def largest_chunks(self, key: str, indices) -> tuple[int, int]:
+        """``(stored, raw)`` bytes of the largest chunks of shards ``indices`` of ``key``
+        (their chunk tables read as needed)."""
+        chunks = [c for s in self.shards(key, list(indices)) for c in s.chunks]
+        return max((c.stored_len for c in chunks), default=0), max((c.raw_len for c in chunks), default=0)
 
     def read_box(self, e: TensorEntry, box, out: torch.Tensor) -> None:
         """Fill ``out`` (the box's shape; any device, a dtype the stored one casts to)

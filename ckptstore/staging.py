@@ -19,7 +19,7 @@ not contiguous, and of ``ckptstore.integrations.hf.lazy_state_dict``:
   straight into the buffer.
 
 Below :mod:`ckptstore.reader` in the import order: a checkpoint is used
-through its methods (``entry``, ``read_box``, ``largest_chunk``, ``meeting``,
+through its methods (``entry``, ``read_box``, ``largest_chunks``, ``meeting``,
 ``repo``), not imported.
 """
 
@@ -242,7 +242,7 @@ class StagingBuffers:
         self.close()
 
 
-def staging_sizes(ckpt, staging_bytes: int | None = None, room: int = 0) -> tuple[int, int, int]:
+def staging_sizes(ckpt, staging_bytes: int | None = None, room: int = 0, chunk: int = 0) -> tuple[int, int, int]:
     """``(slot_bytes, slots, room)`` of the staging buffers for reads of ``ckpt``.
 
     Total size: ``staging_bytes``, default :data:`STAGING_BYTES` but at most
@@ -251,19 +251,30 @@ def staging_sizes(ckpt, staging_bytes: int | None = None, room: int = 0) -> tupl
     ``room``: the largest range request the reads may make (the largest
     chunk given, or ``max_request``), which their reservation in the read
     budget leaves free.
+
+    ``chunk``, the chunk size of what will be read (its largest raw chunk),
+    makes a buffer a multiple of it where one fits: blocks are whole rows
+    (:func:`plan_blocks`), so wherever a row's bytes divide the chunk size a
+    block ends on a chunk boundary and no chunk is fetched for two blocks
+    (with 4096-byte alignment alone, 9% more pack bytes were read for a cast
+    load of 256 MiB in 4 MiB chunks).
     """
     o = ckpt.repo.options
     limit = ckpt.repo.runtime.read_budget().limit
     slots = o.tensor_workers + 2
     total = staging_bytes if staging_bytes is not None else min(STAGING_BYTES, limit // 4)
-    slot_bytes = max(STAGING_ALIGN, total // slots // STAGING_ALIGN * STAGING_ALIGN)
+    per = total // slots
+    unit = math.lcm(chunk, STAGING_ALIGN) if chunk > 0 else STAGING_ALIGN
+    if unit > per:
+        unit = STAGING_ALIGN
+    slot_bytes = max(STAGING_ALIGN, per // unit * unit)
     return slot_bytes, slots, max(room, o.max_request)
 
 
-def make_staging(ckpt, *, pin: bool, staging_bytes: int | None = None, room: int = 0,
+def make_staging(ckpt, *, pin: bool, staging_bytes: int | None = None, room: int = 0, chunk: int = 0,
                  cls: type[StagingBuffers] = StagingBuffers) -> StagingBuffers:
     """Staging buffers sized by :func:`staging_sizes`, reserved in ``ckpt``'s read budget."""
-    slot_bytes, slots, room = staging_sizes(ckpt, staging_bytes, room)
+    slot_bytes, slots, room = staging_sizes(ckpt, staging_bytes, room, chunk)
     return cls(slot_bytes, slots, pin=pin, budget=ckpt.repo.runtime.read_budget(), room=room)
 
 
@@ -345,7 +356,7 @@ class TensorReader:
             limit = self.checkpoint.repo.runtime.read_budget().limit
             staging = make_staging(self.checkpoint, pin=target.device.type == "cuda" and torch.cuda.is_available(),
                                    staging_bytes=min(16 * MiB, limit // 4),
-                                   room=self.checkpoint.largest_chunk(e.key, self.checkpoint.meeting(e, box)))
+                                   room=self.checkpoint.largest_chunks(e.key, self.checkpoint.meeting(e, box))[0])
             own = True
         try:
             stored = _m.DTYPES[e.dtype]

@@ -444,6 +444,33 @@ def test_load_into_casts_and_strided_destinations_through_bounded_staging(tmp_pa
         assert torch.equal(into[k], want), k
 
 
+def test_staged_loads_fetch_each_chunk_once_when_rows_divide_the_chunk_size(tmp_path, monkeypatch):
+    # Staging buffers are a multiple of the chunk size (20 KiB here, 5 rows),
+    # so blocks end on chunk boundaries: a cast load reads the same pack bytes
+    # as a load in place (with 4 KiB-aligned buffers, each block boundary
+    # inside a chunk made two blocks fetch that chunk).
+    g = torch.Generator().manual_seed(7)
+    sd = {f"w{i}": torch.randn(600, 1024, generator=g) for i in range(3)}
+    opts = dict(max_inflight_bytes=2 << 20, max_request=64 << 10)
+    store = CountingStore(open_store(str(tmp_path / "repo")))
+    ckptstore.Repository(store, chunk_size=20480, **opts).save(sd, step=1)
+    made = []
+    real = reader_mod.make_staging
+    monkeypatch.setattr(reader_mod, "make_staging", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    read = {}
+    for name, dtype in (("in place", torch.float32), ("cast", torch.bfloat16)):
+        store = CountingStore(open_store(str(tmp_path / "repo")))
+        repo = ckptstore.Repository(store, **opts)
+        into = {k: torch.zeros(v.shape, dtype=dtype) for k, v in sd.items()}
+        repo.load(1, into=into)
+        assert all(torch.equal(into[k], v.to(dtype)) for k, v in sd.items())
+        read[name] = _pack_bytes(store)
+        repo.close()
+    assert read["cast"] == read["in place"], read
+    (st,) = made
+    assert st.slot_bytes % 20480 == 0 and st.slot_bytes < 600 * 4096, "blocks: several per tensor, whole chunks"
+
+
 def test_progress_bar(tmp_path, capsys):
     _, repo = _repo(tmp_path)
     repo.save(_ref().state_dict(), step=4)
