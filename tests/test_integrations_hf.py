@@ -108,6 +108,19 @@ def test_lazy_state_dict_errors_name_what_failed(tmp_path):
             lazy["w"][5]
 
 
+def test_lazy_tensors_of_a_url_materialize_as_another_dtype(tmp_path):
+    # lazy_state_dict(url) opens a fresh handle, which has read no chunk table
+    # yet; a cast (or a device) goes through staging, which used to size its
+    # buffers from those tables and failed with a TypeError.
+    url = str(tmp_path / "repo")
+    w = torch.randn(300, 40, generator=torch.Generator().manual_seed(4))
+    with ckptstore.open(url) as repo:
+        repo.save({"w": w}, step=1)
+    with hf.lazy_state_dict(url) as lazy:
+        got = lazy["w"].materialize(dtype=torch.bfloat16)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, w.bfloat16())
+
+
 def test_tensor_parallel_from_pretrained_reads_local_slices(tmp_path):
     url = str(tmp_path / "repo")
     with ckptstore.open(url, chunk_size=4096) as repo:
