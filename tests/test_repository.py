@@ -492,6 +492,7 @@ def test_async_staging_copies_views_and_refits_buffers_when_shapes_change():
     assert repo._async.staging["cols"].shape == (80, 30) and repo._async.staging["cols"].data_ptr() != ptr
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_async_save_from_cuda_stages_into_reused_pinned_buffers(tmp_path):
     repo = ckptstore.open(str(tmp_path / "r"))
