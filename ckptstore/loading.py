@@ -68,12 +68,6 @@ def resolve_checkpoint(url, step: int | None, storage_options: dict | None, open
         raise
 
 
-def _largest_chunks(entries) -> tuple[int, int]:
-    """``(stored, raw)`` bytes of the largest chunks of resolved entries."""
-    chunks = [c for e in entries for s in e.shards for c in s.chunks]
-    return max((c.stored_len for c in chunks), default=0), max((c.raw_len for c in chunks), default=0)
-
-
 # ---------------------------------------------------------------- load_module
 class IncompatibleKeys(NamedTuple):
     """What :func:`load_module` did not match, as ``Module.load_state_dict`` returns it."""
@@ -337,7 +331,7 @@ class ModuleLoader:
         if any(not self._direct(g) for g in todo):
             pin = torch.cuda.is_available() and any(g.device.type == "cuda" for g in todo)
             self.ckpt.prefetch([g.key for g in todo])  # every chunk table this load needs, in one batch
-            room, chunk = _largest_chunks(self.ckpt.resolved(g.key) for g in todo)
+            room, chunk = self.ckpt.largest_chunks(g.key for g in todo)
             self.staging = make_staging(self.ckpt, pin=pin, staging_bytes=self.staging_bytes, room=room,
                                         chunk=chunk, cls=self.staging_cls)
         bar = None

@@ -208,8 +208,7 @@ class Checkpoint:
         :func:`~ckptstore.load_module`. Host memory stays at the staging size
         instead of a host copy of each tensor being read."""
         pin = torch.cuda.is_available() and any(dests[k].device.type == "cuda" for k in keys)
-        sizes = [self.largest_chunks(k, range(self.entry(k).nshards)) for k in keys]
-        room, chunk = max(r for r, _ in sizes), max(c for _, c in sizes)
+        room, chunk = self.largest_chunks(keys)
         # Half the read budget (reserved in it, so memory stays within the
         # budget). Each block is its own fetch: load_module's smaller default
         # (a quarter, at most 64 MiB) was slower than a host copy per tensor
@@ -238,10 +237,12 @@ class Checkpoint:
         hi = [a + (_plan.box_len((a, b, st)) - 1) * st + 1 if b > a else a for a, b, st in box]
         return e.meeting(lo, [h - l for l, h in zip(lo, hi)])
 
-    def largest_chunks(self, key: str, indices) -> tuple[int, int]:
-        """``(stored, raw)`` bytes of the largest chunks of shards ``indices`` of ``key``
-        (their chunk tables read as needed)."""
-        chunks = [c for s in self.shards(key, list(indices)) for c in s.chunks]
+    def largest_chunks(self, keys, indices=None) -> tuple[int, int]:
+        """``(stored, raw)`` bytes of the largest chunks of tensors ``keys``: of their
+        shards ``indices``, default every shard (chunk tables read as needed)."""
+        chunks = [c for k in keys
+                  for s in self.shards(k, range(self.entry(k).nshards) if indices is None else list(indices))
+                  for c in s.chunks]
         return max((c.stored_len for c in chunks), default=0), max((c.raw_len for c in chunks), default=0)
 
     def read_box(self, e: TensorEntry, box, out: torch.Tensor) -> None:

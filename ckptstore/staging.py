@@ -356,7 +356,7 @@ class TensorReader:
             limit = self.checkpoint.repo.runtime.read_budget().limit
             staging = make_staging(self.checkpoint, pin=target.device.type == "cuda" and torch.cuda.is_available(),
                                    staging_bytes=min(16 * MiB, limit // 4),
-                                   room=self.checkpoint.largest_chunks(e.key, self.checkpoint.meeting(e, box))[0])
+                                   room=self.checkpoint.largest_chunks([e.key], self.checkpoint.meeting(e, box))[0])
             own = True
         try:
             stored = _m.DTYPES[e.dtype]
