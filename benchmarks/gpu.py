@@ -42,13 +42,14 @@ import statistics
 import sys
 import tempfile
 import time
-import warnings
 
 import torch
 
 import ckptstore
 
 from .common.report import git_commit, write_results
+from .common.verify import scrub, verify
+from .run import _dcp
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -76,20 +77,6 @@ def timed(fn, device) -> float:
     return time.perf_counter() - t0
 
 
-def check_equal(got: dict, want: dict, what: str) -> None:
-    for k, v in want.items():
-        if not torch.equal(got[k], v):
-            raise AssertionError(f"{what}: tensor {k!r} differs from what was saved")
-
-
-def _dcp():
-    import torch.distributed.checkpoint as dcp
-
-    warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-    warnings.filterwarnings("ignore", message=".*(process group|ProcessGroup).*")
-    return dcp
-
-
 def dcp_round(sd, like, tmp, device, out: dict) -> None:
     from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
@@ -98,11 +85,10 @@ def dcp_round(sd, like, tmp, device, out: dict) -> None:
     try:
         out.setdefault("dcp-fs save", []).append(timed(lambda: dcp.save(sd, storage_writer=FileSystemWriter(path)),
                                                        device))
-        for t in like.values():
-            t.fill_(float("nan"))
+        scrub(like)
         out.setdefault("dcp-fs load", []).append(
             timed(lambda: dcp.load(like, storage_reader=FileSystemReader(path)), device))
-        check_equal(like, sd, "dcp-fs load")
+        verify(sd, like, "dcp-fs load")
     finally:
         shutil.rmtree(path, ignore_errors=True)
     path = os.path.join(tmp, "dcp-async")
@@ -125,11 +111,10 @@ def ckpt_round(sd, like, tmp, device, out: dict) -> None:
     try:
         with ckptstore.open(url) as repo:
             out.setdefault("ckptstore-local save", []).append(timed(lambda: repo.save(sd, step=1), device))
-        for t in like.values():
-            t.fill_(float("nan"))
+        scrub(like)
         with ckptstore.open(url) as repo:
             out.setdefault("ckptstore-local load", []).append(timed(lambda: repo.load(1, into=like), device))
-        check_equal(like, sd, "ckptstore-local load")
+        verify(sd, like, "ckptstore-local load")
     finally:
         shutil.rmtree(url, ignore_errors=True)
     url = os.path.join(tmp, "ckpt-async")
@@ -152,7 +137,7 @@ def ckpt_round(sd, like, tmp, device, out: dict) -> None:
             got = repo.load(ASYNC_SAVES)
         first.view(-1)[0] = keep + ASYNC_SAVES
         try:
-            check_equal({k: v.to(device) for k, v in got.items()}, sd, "ckptstore-local-async load")
+            verify(sd, {k: v.to(device) for k, v in got.items()}, "ckptstore-local-async load")
         finally:
             first.view(-1)[0] = keep
     finally:
