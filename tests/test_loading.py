@@ -411,6 +411,19 @@ def test_tensor_reader_on_a_fresh_handle_sizes_staging_from_the_shards_it_reads(
     assert fresh.runtime.read_budget().used == 0
 
 
+def _staging_made(monkeypatch) -> list:
+    """The staging buffers ``load(into=...)`` makes, in the order it makes them."""
+    made = []
+    real = reader_mod.make_staging
+
+    def spy(*args, **kwargs):
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(reader_mod, "make_staging", spy)
+    return made
+
+
 def test_load_into_casts_and_strided_destinations_through_bounded_staging(tmp_path, monkeypatch):
     # load(into=) decodes in place where it can; the other destinations (another
     # dtype, not contiguous, CUDA) go through one set of staging buffers of at
@@ -423,14 +436,7 @@ def test_load_into_casts_and_strided_destinations_through_bounded_staging(tmp_pa
     _, fresh = _repo(tmp_path, max_inflight_bytes=2 << 20, max_request=64 << 10)
     into = {k: torch.zeros(v.shape, dtype=torch.bfloat16) for k, v in sd.items() if k != "w5"}
     into["w5"] = torch.zeros(1024, 256).t()  # strided, same dtype
-    made = []
-    real = reader_mod.make_staging
-
-    def spy(*args, **kwargs):
-        made.append(real(*args, **kwargs))
-        return made[-1]
-
-    monkeypatch.setattr(reader_mod, "make_staging", spy)
+    made = _staging_made(monkeypatch)
     allocs = CpuAllocations(monkeypatch)
     fresh.load(1, into=into)
     monkeypatch.undo()
@@ -454,9 +460,7 @@ def test_staged_loads_fetch_each_chunk_once_when_rows_divide_the_chunk_size(tmp_
     opts = dict(max_inflight_bytes=2 << 20, max_request=64 << 10)
     store = CountingStore(open_store(str(tmp_path / "repo")))
     ckptstore.Repository(store, chunk_size=20480, **opts).save(sd, step=1)
-    made = []
-    real = reader_mod.make_staging
-    monkeypatch.setattr(reader_mod, "make_staging", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    made = _staging_made(monkeypatch)
     read = {}
     for name, dtype in (("in place", torch.float32), ("cast", torch.bfloat16)):
         store = CountingStore(open_store(str(tmp_path / "repo")))
