@@ -180,11 +180,13 @@ def moto_thread(bucket: str | None = None):
 
 
 @contextmanager
-def seaweedfs(bucket: str | None = None, key: str = "ckptrunkey", secret: str = "ckptrunsecret"):
-    """``weed server -s3`` by :class:`~ckptstore.testing.seaweedfs.SeaweedFS`, data in a temp dir deleted after."""
+def seaweedfs(bucket: str | None = None, key: str = "ckptrunkey", secret: str = "ckptrunsecret",
+              extra_args: tuple[str, ...] = ()):
+    """``weed server -s3`` by :class:`~ckptstore.testing.seaweedfs.SeaweedFS`, data in a temp dir deleted after
+    (``extra_args``: more ``weed server`` flags)."""
     from ckptstore.testing.seaweedfs import SeaweedFS
 
-    with SeaweedFS(key=key, secret=secret) as weed:
+    with SeaweedFS(key=key, secret=secret, extra_args=extra_args) as weed:
         srv = S3Server("seaweedfs", weed.endpoint, weed.key, weed.secret, weed.storage_options(), pid=weed.pid,
                        info={"server": f"SeaweedFS {weed.version} ({weed.binary})",
                              "command": shlex.join(weed.command), "ready_seconds": weed.ready_seconds},

@@ -73,13 +73,17 @@ class SeaweedFS:
         by :meth:`stop`).
     startup_timeout:
         Seconds to wait for the S3 gateway to answer a PUT.
+    extra_args:
+        More ``weed server`` flags, appended to the command (for example
+        ``["-debug", "-debug.port=6061"]`` to serve Go's pprof endpoints).
     """
 
     def __init__(self, key: str = "ckpttestkey", secret: str = "ckpttestsecret", workdir: str | None = None,
-                 startup_timeout: float = 90.0):
+                 startup_timeout: float = 90.0, extra_args: tuple[str, ...] | list[str] = ()):
         self.binary = weed_binary()
         self.key, self.secret = key, secret
         self.startup_timeout = startup_timeout
+        self.extra_args = tuple(extra_args)
         self._own_dir = workdir is None
         self.workdir = workdir
         self.ports = free_ports(8)
@@ -135,6 +139,7 @@ class SeaweedFS:
             "-master.volumeSizeLimitMB=1024", "-volume.preStopSeconds=0",
             # a restarted master elects itself within ~1 s, not 10 s
             "-master.electionTimeout=1s",
+            *self.extra_args,
         ]
         self._remove_sockets()  # a SIGKILLed server leaves its sockets behind
         log = open(os.path.join(tmp, "weed.log"), "ab")
