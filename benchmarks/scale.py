@@ -26,7 +26,9 @@ same layout as base; the coordinator's ``finish`` (peak traced memory, CPU).
 ``--v1`` sizes also build the equivalent 1.0 manifest (one JSON document
 with every chunk) and time what a restoring rank pays for it today.
 ``--gc-steps N`` commits N steps of the 1 TB layout (10% of every step's
-shards changed) and times ``plan_gc`` over them (CPU, peak RSS growth).
+shards changed) and times ``plan_gc`` over them (CPU, peak RSS growth), then
+the plan's ``execute`` (CPU, wall, RSS growth), and checks that every kept step
+is listed and every pack it names still exists.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ from ckptstore import manifest as _m
 from ckptstore.chunktable import TableBuilder
 from ckptstore.clock import ManualClock
 from ckptstore.dcp import _ItemResult, _RankInfo, build_manifest
-from ckptstore.layout import pack_key
+from ckptstore.layout import PACK_PREFIX, pack_id_of_key, pack_key
 from ckptstore.manifest import ChunkRef
 from ckptstore.repository import Repository
 from ckptstore.save import StepCommit, dedup_share, pack_usage, write_segment
@@ -322,9 +324,39 @@ def gc_bench(steps: int) -> dict:
         plan = fresh.plan_gc(keep_last=10)
     secs = time.process_time() - c0
     peak = sampler.peak
-    return {"steps": steps, "plan_cpu_s": secs, "rss_before": base, "peak_rss": peak, "growth": peak - base,
-            "delete_steps": len(plan.delete_steps), "delete_packs": len(plan.delete_packs),
-            "delete_segments": len(plan.delete_segments), "packs": plan.stats["packs"]}
+    out = {"steps": steps, "plan_cpu_s": secs, "rss_before": base, "peak_rss": peak, "growth": peak - base,
+           "delete_steps": len(plan.delete_steps), "delete_packs": len(plan.delete_packs),
+           "delete_segments": len(plan.delete_segments), "packs": plan.stats["packs"]}
+    # Execute: every deletion re-checked against the references read again just before it.
+    kept = sorted(set(fresh.steps()) - set(plan.delete_steps))
+    last = {"t": time.perf_counter()}
+
+    def progress(what, done, total):
+        now = time.perf_counter()
+        if now - last["t"] >= 30 or done == total:
+            last["t"] = now
+            print(f"  gc execute: {what} {done}/{total}", file=sys.stderr)
+
+    _pygc.collect()
+    base = rss()
+    c0, w0 = time.process_time(), time.perf_counter()
+    with Sampler() as sampler:
+        res = plan.execute(progress=progress)
+    out.update({"execute_cpu_s": time.process_time() - c0, "execute_wall_s": time.perf_counter() - w0,
+                "execute_growth": sampler.peak - base, "deleted_steps": len(res.deleted_steps),
+                "deleted_packs": len(res.deleted_packs), "deleted_segments": len(res.deleted_segments),
+                "skipped": len(res.skipped_steps) + len(res.skipped_packs)})
+    # What is kept still restores: every step GC kept is listed and every pack its root names exists.
+    after = Repository(store, clock=clock)
+    left = sorted(after.steps())
+    if left != kept:
+        raise AssertionError(f"GC kept steps {left[:5]}..., expected {kept[:5]}...")
+    packs = {pack_id_of_key(o.key) for o in store.list(PACK_PREFIX)}
+    missing = sum(1 for st in left for pid in after.step_refs(st).packs if pid not in packs)
+    if missing:
+        raise AssertionError(f"GC deleted {missing} pack(s) a kept step references")
+    out["kept_steps"] = len(left)
+    return out
 
 
 def human(n: float) -> str:
@@ -395,6 +427,10 @@ def main(argv=None) -> int:
               f"{human(g['rss_before'])} before, the simulated store included); "
               f"{g['packs']} packs, plan deletes {g['delete_steps']} steps, {g['delete_packs']} packs, "
               f"{g['delete_segments']} segments")
+        print(f"execute: {g['execute_cpu_s']:.1f} s CPU, {g['execute_wall_s']:.1f} s wall, RSS grew by "
+              f"{human(g['execute_growth'])}; deleted {g['deleted_steps']} steps, {g['deleted_packs']} packs, "
+              f"{g['deleted_segments']} segments, skipped {g['skipped']}; the {g['kept_steps']} kept steps "
+              f"are listed and every pack they name exists")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -542,8 +543,12 @@ def from_json(data: bytes, expect_step: int | None = None) -> Manifest:
     return _manifest(doc, version, (step, created, base_step, metadata, stats), packs, tensors)
 
 
+_PACK_ID = re.compile(r"[0-9a-f]{32}")
+
+
 def is_pack_id(s: object) -> bool:
-    return isinstance(s, str) and len(s) == 32 and all(c in "0123456789abcdef" for c in s)
+    """32 lowercase hex digits (a regex: GC parses hundreds of thousands of them per run)."""
+    return isinstance(s, str) and _PACK_ID.fullmatch(s) is not None
 
 
 # ------------------------------------------------------------------ state-dict tree
