@@ -217,6 +217,11 @@ class GCPlan:
         return _execute(self, self.repo, progress or (lambda what, done, total: None))
 
 
+#: Packs (and segments) GC clears and deletes together: one ``delete_many``
+#: (one S3 ``DeleteObjects`` request) per batch.
+DELETE_BATCH = 1000
+
+
 class _FnClock(Clock):
     """A wall clock given as a function (``lambda: time.time() + ahead``)."""
 
@@ -674,44 +679,76 @@ def _execute(plan: GCPlan, cat: Catalog, progress) -> GCResult:
         found = _chunks_in(cat, _users(cat, st, g), set(relocated), view, st.packs, st.relocations)
         return {pid: {h for _, _, h in found.get(pid, ())} for pid in relocated}
 
+    #    Deletions go out in batches (``store.delete_many``: 1000 keys a
+    #    request on S3). Each batch is cleared against the latest listing and
+    #    sent at once; the listing is renewed before a batch whenever half
+    #    the margin has passed since it, and a batch that took over a
+    #    quarter of the margin makes the next ones smaller, so every key's
+    #    deletion stays within the margin of the listing that cleared it.
+    margin = safety_margin(g)
     state, view, refs = reread()
     moved_needs = needs(state, view) if relocated else {}
-    todo = [pid for pid, _ in plan.delete_packs] + list(relocated)
-    for i, pid in enumerate(todo):
-        if clock.time() - state.listed_at > safety_margin(g) / 2:
-            state, view, refs = reread()
-            if relocated:
-                moved_needs = needs(state, view)
+
+    def delete_batched(what, items, clear, key_of, done) -> None:
+        nonlocal state, view, refs, moved_needs
+        size, i = DELETE_BATCH, 0
+        while i < len(items):
+            if clock.time() - state.listed_at > margin / 2:
+                state, view, refs = reread()
+                if relocated:
+                    moved_needs = needs(state, view)
+            part = items[i : i + size]
+            i += len(part)
+            batch = [c for c in map(clear, part) if c is not None]
+            if batch:
+                t0 = clock.time()
+                store.delete_many([key_of(x) for x, _ in batch])
+                done(batch)
+                if clock.time() - t0 > margin / 4:
+                    size = max(1, size // 4)
+            progress(what, i, len(items))
+
+    def clear_pack(pid):
         info = state.packs.get(pid)
         if info is None:
             res.skipped_packs.append((pid, "already gone"))
-            continue
+            return None
         size, mtime = info
         if state.age(mtime) <= g:
             res.skipped_packs.append((pid, "younger than the grace period"))
-            continue
+            return None
         if pid in relocated:
             # Every chunk any manifest (or protecting tombstone) now uses must be relocated.
             if not moved_needs.get(pid, set()) <= set(relocated[pid]):
                 res.skipped_packs.append((pid, "gained references during repack"))
-                continue
+                return None
         elif pid in refs.packs:
             res.skipped_packs.append((pid, "referenced again"))
-            continue
-        store.delete(pack_key(pid))
-        res.deleted_packs.append(pid)
-        res.freed_bytes += size
-        progress("packs", i + 1, len(todo))
+            return None
+        return pid, size
+
+    def packs_deleted(batch):
+        res.deleted_packs.extend(pid for pid, _ in batch)
+        res.freed_bytes += sum(size for _, size in batch)
+
+    todo = [pid for pid, _ in plan.delete_packs] + list(relocated)
+    delete_batched("packs", todo, clear_pack, pack_key, packs_deleted)
 
     # 3b. Chunk-table segments no step (or protecting tombstone) names, old enough.
     state, view, refs = reread()
-    for sid, _ in plan.delete_segments:
+
+    def clear_segment(sid):
         info = state.segments.get(sid)
         if info is None or sid in refs.segments or state.age(info[1]) <= g:
-            continue
-        store.delete(segment_key(sid))
-        res.deleted_segments.append(sid)
-        res.freed_bytes += info[0]
+            return None
+        return sid, info[0]
+
+    def segments_deleted(batch):
+        res.deleted_segments.extend(sid for sid, _ in batch)
+        res.freed_bytes += sum(size for _, size in batch)
+
+    delete_batched("segments", [sid for sid, _ in plan.delete_segments], clear_segment, segment_key,
+                   segments_deleted)
 
     # 4. Incomplete multipart uploads of crashed savers.
     for u in plan.abort_uploads:

@@ -398,3 +398,52 @@ def test_gc_reads_no_chunk_table_and_caches_stay_bounded():
     for s in (10, 11, 12):
         assert torch.equal(repo.load(s)["frozen"], torch.ones(50_000))
     assert repo.verify(read_data=True).ok
+
+
+@pytest.mark.parametrize("per_batch, sizes", [(0.24, [2] * 8), (0.34, [2, 1, 1, 1, 1, 1, 1] * 2)])
+def test_gc_deletes_in_batches_each_cleared_by_a_listing_within_half_the_margin(monkeypatch, per_batch, sizes):
+    # GC sends its pack and segment deletions as delete_many batches. Time
+    # passes while each batch goes out (``per_batch`` of the margin): every
+    # batch must follow a fresh listing of the manifests by at most half the
+    # margin (docs/gc.md, G3), so GC lists again between them; a batch that
+    # took over a quarter of the margin makes the next ones smaller.
+    from ckptstore import gc as gcmod
+    from ckptstore.layout import safety_margin
+    from ckptstore.storage.wrappers import WrapperStore
+
+    monkeypatch.setattr(gcmod, "DELETE_BATCH", 2)
+    clock = ManualClock()
+    margin = safety_margin(GRACE)
+    events: list[tuple[str, float, int]] = []
+
+    class Timed(WrapperStore):
+        def list(self, prefix=""):
+            if prefix.startswith("manifests"):
+                events.append(("list", clock.time(), 0))
+            return self.inner.list(prefix)
+
+        def delete_many(self, keys):
+            events.append(("delete_many", clock.time(), len(keys)))
+            self.inner.delete_many(keys)
+            clock.advance(margin * per_batch)
+
+    store = Timed(MemoryStore())
+    repo = Repository(store, grace=GRACE, clock=clock, **OPTS)
+    for s in range(1, 10):
+        repo.save({f"w{s}": torch.randn(20_000)}, step=s)  # every step its own pack and segment
+    clock.advance(_past_grace(repo))
+    plan = repo.plan_gc(keep_last=1)
+    assert len(plan.delete_packs) == 8 and len(plan.delete_segments) == 8
+    events.clear()
+    res = plan.execute()
+    assert len(res.deleted_packs) == 8 and len(res.deleted_segments) == 8
+    deletes = [e for e in events if e[0] == "delete_many"]
+    assert [n for _, _, n in deletes] == sizes
+    last_list = None
+    for kind, t, _ in events:
+        if kind == "list":
+            last_list = t
+        else:
+            assert last_list is not None and t - last_list <= margin / 2, events
+    assert sum(kind == "list" for kind, _, _ in events) >= 3  # GC listed again between batches
+    assert repo.steps() == [9] and repo.verify(read_data=True).ok

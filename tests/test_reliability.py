@@ -47,6 +47,21 @@ def test_transient_errors_are_retried_until_success():
     assert rs.retries == 3 and fs.injected["error"] == 3
 
 
+def test_delete_many_is_retried_whole_on_a_transient_error():
+    # The fault store deletes key by key (the base delete_many), so a fault
+    # lands mid-batch; the retry sends the whole batch again (deleting twice
+    # is harmless) and every key ends up deleted.
+    fs = FaultStore(MemoryStore(), seed=1)
+    for i in range(5):
+        fs.inner.put(f"k{i}", b"v")
+    fs.inner.put("keep", b"v")
+    fs.add_fault(op="delete", key="k3", kind="error", error=transient("SlowDown"), count=2)
+    rs = RetryStore(fs, FAST, seed=1)
+    rs.delete_many([f"k{i}" for i in range(5)])
+    assert [o.key for o in fs.inner.list()] == ["keep"]
+    assert rs.retries == 2 and fs.injected["error"] == 2
+
+
 def test_permanent_errors_fail_fast():
     fs = FaultStore(MemoryStore())
     fs.add_fault(op="put", kind="error", error=permanent("AccessDenied"), count=5)

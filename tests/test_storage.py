@@ -182,6 +182,75 @@ class TestS3Store(StoreConformance):
                           "UploadPart")
         assert isinstance(classify_error(err, "s3://b/k", "upload_part"), TransientStorageError)
 
+    def _spy_calls(self, store, monkeypatch, replace=None):
+        """Record the ops ``store`` sends through s3fs; ``replace(op, kwargs)`` may answer one instead."""
+        calls = []
+        real = store._fs._call_s3
+
+        async def spy(op, *args, **kwargs):
+            calls.append((op, kwargs))
+            if replace is not None:
+                got = replace(op, kwargs)
+                if got is not None:
+                    return got
+            return await real(op, *args, **kwargs)
+
+        monkeypatch.setattr(store._fs, "_call_s3", spy)
+        return calls
+
+    def test_delete_many_sends_delete_objects_in_batches(self, s3, monkeypatch):
+        from ckptstore.storage import s3 as s3mod
+
+        store = s3.store()
+        for i in range(10):
+            store.put(f"m/{i}", b"x")
+        store.put("keep", b"k")
+        monkeypatch.setattr(s3mod, "DELETE_BATCH", 3)
+        calls = self._spy_calls(store, monkeypatch)
+        store.delete_many([f"m/{i}" for i in range(10)])
+        batches = [kw["Delete"]["Objects"] for op, kw in calls if op == "delete_objects"]
+        assert [len(b) for b in batches] == [3, 3, 3, 1]
+        assert not any(op == "delete_object" for op, _ in calls)
+        assert [o.key for o in store.list()] == ["keep"]
+
+    @pytest.mark.parametrize("codes, transient", [(["AccessDenied"], False), (["SlowDown", "InternalError"], True),
+                                                  (["SlowDown", "AccessDenied"], False)])
+    def test_delete_many_reports_keys_the_reply_lists_as_failed(self, s3, monkeypatch, codes, transient):
+        store = s3.store()
+        root = store._root
+
+        def refuse(op, kwargs):
+            if op == "delete_objects":
+                errs = [{"Key": root + f"m/{i}", "Code": c, "Message": "refused"} for i, c in enumerate(codes)]
+                return {"Errors": errs + [{"Key": root + "m/9", "Code": "NoSuchKey", "Message": "gone"}]}
+            return None
+
+        self._spy_calls(store, monkeypatch, refuse)
+        with pytest.raises(StorageError) as ei:
+            store.delete_many([f"m/{i}" for i in range(4)] + ["m/9"])
+        assert isinstance(ei.value, TransientStorageError) == transient
+        msg = str(ei.value)
+        assert f"{store.url}/m/0" in msg and codes[0] in msg and f"{len(codes)} of 5" in msg
+
+    def test_delete_many_falls_back_to_single_deletes_without_delete_objects(self, s3, monkeypatch):
+        from botocore.exceptions import ClientError
+
+        store = s3.store()
+        for i in range(5):
+            store.put(f"m/{i}", b"x")
+
+        def not_implemented(op, kwargs):
+            if op == "delete_objects":
+                raise ClientError({"Error": {"Code": "NotImplemented", "Message": "no DeleteObjects here"}},
+                                  "DeleteObjects")
+            return None
+
+        calls = self._spy_calls(store, monkeypatch, not_implemented)
+        store.delete_many([f"m/{i}" for i in range(5)] + ["never/existed"])
+        assert sorted(kw["Key"] for op, kw in calls if op == "delete_object") == sorted(
+            store._root + k for k in [f"m/{i}" for i in range(5)] + ["never/existed"])
+        assert list(store.list()) == []
+
     def test_additional_kwargs_reach_uploads(self, s3):
         opts = {**s3.storage_options, "s3_additional_kwargs": {"ContentType": "application/x-ckpt-test"}}
         store = type(s3.store())(f"{s3.bucket}/repo", opts)

@@ -470,6 +470,36 @@ class AzureStore(ObjectStore):
     def delete(self, key: str) -> None:
         self._run(key, "DeleteBlob", self._adelete, self._full(key))
 
+    def delete_many(self, keys: Sequence[str]) -> None:
+        """One ``DeleteBlob`` per key, ``max_concurrency`` at a time; the first failure names its key."""
+        from fsspec.asyn import sync
+
+        fulls = [self._full(k) for k in keys]
+        failed: list[int] = []
+
+        async def run(cc):
+            async def one(i: int, full: str) -> None:
+                try:
+                    await self._adelete(cc, full)
+                except BaseException:
+                    failed.append(i)
+                    raise
+
+            await self._gather(one(i, f) for i, f in enumerate(fulls))
+
+        if not fulls:
+            return
+        cc = self._container()
+        try:
+            sync(self._fs_obj.loop, run, cc)
+        except self._catch as e:
+            err = self._error(e, keys[failed[0]] if failed else None, "DeleteBlob", False)
+            if err is e:
+                raise
+            if self._secrets:
+                raise err from None  # as _run: the SDK's exception may quote a secret
+            raise err from e
+
     # ------------------------------------------------------------ multipart
     def _marker(self, key: str, upload_id: str) -> str:
         return f"{self._root}{UPLOADS}/{key}/{upload_id}"

@@ -196,6 +196,21 @@ class ObjectStore(abc.ABC):
     def delete(self, key: str) -> None:
         """Delete an object; deleting a missing object is not an error."""
 
+    def delete_many(self, keys: Sequence[str]) -> None:
+        """Delete objects; missing ones are not an error.
+
+        Every key is checked before anything is deleted. On a failure it
+        raises, naming a key that failed; keys other than that one may or
+        may not have been deleted (deleting again is harmless). This one
+        deletes one key at a time through :meth:`delete`; remote stores
+        override it with batched or concurrent requests (S3's
+        ``DeleteObjects``, 1000 keys a request).
+        """
+        for key in keys:
+            check_key(key)
+        for key in keys:
+            self.delete(key)
+
     @abc.abstractmethod
     def create_multipart(self, key: str, part_size: int) -> MultipartUpload:
         """Start a multipart upload of ``key``."""

@@ -448,6 +448,28 @@ class GCSStore(ObjectStore):
     def delete(self, key: str) -> None:
         self._run(key, "objects.delete", self._adelete, self._full(key))
 
+    def delete_many(self, keys: Sequence[str]) -> None:
+        """One ``objects.delete`` per key, ``max_concurrency`` at a time; the first failure names its key."""
+        from fsspec.asyn import sync
+
+        fulls = [self._full(k) for k in keys]
+        failed: list[int] = []
+
+        async def one(i: int, full: str) -> None:
+            try:
+                await self._adelete(full)
+            except BaseException:
+                failed.append(i)
+                raise
+
+        try:
+            sync(self._fs.loop, self._gather, [one(i, f) for i, f in enumerate(fulls)])
+        except self._catch as e:
+            err = self._error(e, keys[failed[0]] if failed else None, "objects.delete", False)
+            if err is e:
+                raise
+            raise err from e
+
     # ------------------------------------------------------------ multipart
     def _upload_dir(self, key: str, upload_id: str) -> str:
         return f"{self._root}{UPLOADS}/{key}/{upload_id}/"

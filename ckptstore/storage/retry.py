@@ -137,6 +137,11 @@ class RetryStore(WrapperStore):
     def delete(self, key):
         return self._run(lambda: self.inner.delete(key))
 
+    def delete_many(self, keys):
+        # Deleting is idempotent: a failed batch is sent again whole.
+        keys = list(keys)
+        return self._run(lambda: self.inner.delete_many(keys))
+
     def create_multipart(self, key, part_size):
         return _RetryMultipart(self, self._run(lambda: self.inner.create_multipart(key, part_size)))
 

@@ -81,6 +81,10 @@ from .base import (
 #: S3 error codes that are worth retrying: throttling, server-side failures,
 #: and conflicting concurrent conditional writes (S3 answers those with 409
 #: ConditionalRequestConflict and asks the client to retry).
+#: Keys per ``DeleteObjects`` request (S3's limit) and such requests in flight at once.
+DELETE_BATCH = 1000
+DELETE_REQUESTS = 4
+
 TRANSIENT_CODES = frozenset(
     {
         "SlowDown",
@@ -858,6 +862,73 @@ class S3Store(ObjectStore):
             self._call("delete_object", key, Key=self._full(key))
         except ObjectNotFoundError:
             pass
+
+    def delete_many(self, keys: Sequence[str]) -> None:
+        """``DeleteObjects`` of up to :data:`DELETE_BATCH` keys a request, a few requests at a time.
+
+        A server without ``DeleteObjects`` (``NotImplemented``) gets one
+        ``DeleteObject`` per key instead, ``max_concurrency`` at a time.
+        Keys the reply lists as failed raise (transient when every code is
+        one S3 asks to retry), naming the first of them.
+        """
+        fulls = [self._full(k) for k in keys]
+        if not fulls:
+            return
+        batches = [fulls[i : i + DELETE_BATCH] for i in range(0, len(fulls), DELETE_BATCH)]
+        try:
+            failed = self._run(self._adelete_batches, batches)
+        except self._catch as e:
+            if error_code(e)[0] != "NotImplemented":
+                self._raise(e, keys[0], "DeleteObjects")
+            failed = []
+            try:
+                self._run(self._adelete_each, fulls)
+            except self._catch as e2:
+                self._raise(e2, keys[0], "DeleteObject")
+        if failed:
+            full, code, message = failed[0]
+            key = full[len(self._root) :] if full.startswith(self._root) else full
+            text = (f"{self._where(key)}: S3 DeleteObjects failed for {len(failed)} of {len(fulls)} object(s); "
+                    f"this one: {code}: {message[:MAX_MESSAGE]}")
+            transient = all(c in TRANSIENT_CODES for _, c, _ in failed)
+            raise (TransientStorageError if transient else StorageError)(text)
+
+    async def _gather_all(self, coros, limit: int) -> list:
+        """Run ``coros`` at most ``limit`` at a time; on the first failure cancel the rest and raise it."""
+        sem = asyncio.Semaphore(limit)
+
+        async def one(c):
+            async with sem:
+                return await c
+
+        tasks = [asyncio.ensure_future(one(c)) for c in coros]
+        try:
+            return await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    async def _adelete_batches(self, batches: list[list[str]]) -> list[tuple[str, str, str]]:
+        async def one(batch):
+            resp = await self._fs._call_s3("delete_objects", Bucket=self.bucket,
+                                           Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True})
+            return [(str(e.get("Key") or ""), str(e.get("Code") or ""), str(e.get("Message") or ""))
+                    for e in resp.get("Errors") or () if e.get("Code") != "NoSuchKey"]
+
+        got = await self._gather_all([one(b) for b in batches], min(self.max_concurrency, DELETE_REQUESTS))
+        return [f for fs in got for f in fs]
+
+    async def _adelete_each(self, fulls: list[str]) -> None:
+        async def one(full):
+            try:
+                await self._fs._call_s3("delete_object", Bucket=self.bucket, Key=full)
+            except self._catch as e:
+                if error_code(e)[0] != "NoSuchKey" and not isinstance(e, FileNotFoundError):
+                    raise
+
+        await self._gather_all([one(f) for f in fulls], self.max_concurrency)
 
     # ------------------------------------------------------------ multipart
     def create_multipart(self, key: str, part_size: int) -> MultipartUpload:

@@ -15,7 +15,13 @@ from .base import MultipartUpload, ObjectStore
 
 
 class WrapperStore(ObjectStore):
-    """Forwards every call to ``inner``; subclasses override what they need."""
+    """Forwards every call to ``inner``; subclasses override what they need.
+
+    ``delete_many`` is the exception: the base class's deletes key by key
+    through this wrapper's ``delete``, so a subclass that overrides
+    ``delete`` sees every key. Wrappers that only observe or retry forward
+    it (``CountingStore``, ``RetryStore``), keeping the backend's batches.
+    """
 
     def __init__(self, inner: ObjectStore):
         self.inner = inner
@@ -131,6 +137,10 @@ class CountingStore(WrapperStore):
     def delete(self, key):
         self._count("delete")
         return self.inner.delete(key)
+
+    def delete_many(self, keys):
+        self._count("delete_many")
+        return self.inner.delete_many(keys)
 
     def create_multipart(self, key, part_size):
         self._count("create_multipart")

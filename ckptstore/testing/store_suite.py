@@ -200,6 +200,23 @@ class StoreConformance:
         store.delete("d/1")  # missing: not an error
         store.delete("never/existed")
 
+    def test_delete_many(self, store):
+        for i in range(7):
+            store.put(f"m/{i}", bytes([i]))
+        store.put("keep", b"k")
+        store.delete_many(["m/0", "m/2", "m/4", "m/6", "never/existed"])  # a missing key is not an error
+        assert [o.key for o in store.list()] == ["keep", "m/1", "m/3", "m/5"]
+        store.delete_many([])
+        store.delete_many(["m/1", "m/1"])  # the same key twice
+        assert [o.key for o in store.list()] == ["keep", "m/3", "m/5"]
+
+    @pytest.mark.parametrize("bad", INVALID_KEYS)
+    def test_delete_many_checks_every_key_first(self, store, bad):
+        store.put("m/3", b"3")
+        with pytest.raises(ValueError):
+            store.delete_many(["m/3", bad])
+        assert store.get("m/3") == b"3"
+
     # ------------------------------------------------------------ ranges
     def test_get_ranges(self, store):
         data = payload(1000, seed=1)
