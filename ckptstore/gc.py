@@ -217,9 +217,11 @@ class GCPlan:
         return _execute(self, self.repo, progress or (lambda what, done, total: None))
 
 
-#: Packs (and segments) GC clears and deletes together: one ``delete_many``
-#: (one S3 ``DeleteObjects`` request) per batch.
-DELETE_BATCH = 1000
+#: Packs (and segments) GC clears and deletes together, in one
+#: ``delete_many``: on S3 four ``DeleteObjects`` requests of 1000 keys in
+#: flight (benchmarks/gc_deletes.py: 8.9x faster than a DeleteObject per
+#: key on a loopback SeaweedFS, 1.17x faster than 1000-key batches).
+DELETE_BATCH = 4000
 
 
 class _FnClock(Clock):
@@ -680,8 +682,9 @@ def _execute(plan: GCPlan, cat: Catalog, progress) -> GCResult:
         return {pid: {h for _, _, h in found.get(pid, ())} for pid in relocated}
 
     #    Deletions go out in batches (``store.delete_many``: 1000 keys a
-    #    request on S3). Each batch is cleared against the latest listing and
-    #    sent at once; the listing is renewed before a batch whenever half
+    #    request on S3, four requests in flight). Each batch is cleared
+    #    against the latest listing and sent at once; the listing is
+    #    renewed before a batch whenever half
     #    the margin has passed since it, and a batch that took over a
     #    quarter of the margin makes the next ones smaller, so every key's
     #    deletion stays within the margin of the listing that cleared it.
