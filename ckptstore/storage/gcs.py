@@ -104,6 +104,7 @@ from .base import (  # noqa: E402
     check_key,
     check_range_reply,
     check_ranges,
+    gather_limited,
 )
 
 #: Reserved directory (under the store root) holding multipart temporaries.
@@ -349,20 +350,7 @@ class GCSStore(ObjectStore):
                 return items
 
     async def _gather(self, coros) -> list:
-        sem = asyncio.Semaphore(self.max_concurrency)
-
-        async def one(c):
-            async with sem:
-                return await c
-
-        tasks = [asyncio.ensure_future(one(c)) for c in coros]
-        try:
-            return await asyncio.gather(*tasks)
-        except BaseException:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+        return await gather_limited(coros, self.max_concurrency)
 
     # ------------------------------------------------------------ reads
     def get(self, key: str) -> bytes:

@@ -76,15 +76,16 @@ from .base import (
     check_key,
     check_range_reply,
     check_ranges,
+    gather_limited,
 )
 
-#: S3 error codes that are worth retrying: throttling, server-side failures,
-#: and conflicting concurrent conditional writes (S3 answers those with 409
-#: ConditionalRequestConflict and asks the client to retry).
 #: Keys per ``DeleteObjects`` request (S3's limit) and such requests in flight at once.
 DELETE_BATCH = 1000
 DELETE_REQUESTS = 4
 
+#: S3 error codes that are worth retrying: throttling, server-side failures,
+#: and conflicting concurrent conditional writes (S3 answers those with 409
+#: ConditionalRequestConflict and asks the client to retry).
 TRANSIENT_CODES = frozenset(
     {
         "SlowDown",
@@ -893,23 +894,6 @@ class S3Store(ObjectStore):
             transient = all(c in TRANSIENT_CODES for _, c, _ in failed)
             raise (TransientStorageError if transient else StorageError)(text)
 
-    async def _gather_all(self, coros, limit: int) -> list:
-        """Run ``coros`` at most ``limit`` at a time; on the first failure cancel the rest and raise it."""
-        sem = asyncio.Semaphore(limit)
-
-        async def one(c):
-            async with sem:
-                return await c
-
-        tasks = [asyncio.ensure_future(one(c)) for c in coros]
-        try:
-            return await asyncio.gather(*tasks)
-        except BaseException:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
-
     async def _adelete_batches(self, batches: list[list[str]]) -> list[tuple[str, str, str]]:
         async def one(batch):
             resp = await self._fs._call_s3("delete_objects", Bucket=self.bucket,
@@ -917,7 +901,7 @@ class S3Store(ObjectStore):
             return [(str(e.get("Key") or ""), str(e.get("Code") or ""), str(e.get("Message") or ""))
                     for e in resp.get("Errors") or () if e.get("Code") != "NoSuchKey"]
 
-        got = await self._gather_all([one(b) for b in batches], min(self.max_concurrency, DELETE_REQUESTS))
+        got = await gather_limited([one(b) for b in batches], min(self.max_concurrency, DELETE_REQUESTS))
         return [f for fs in got for f in fs]
 
     async def _adelete_each(self, fulls: list[str]) -> None:
@@ -928,7 +912,7 @@ class S3Store(ObjectStore):
                 if error_code(e)[0] != "NoSuchKey" and not isinstance(e, FileNotFoundError):
                     raise
 
-        await self._gather_all([one(f) for f in fulls], self.max_concurrency)
+        await gather_limited([one(f) for f in fulls], self.max_concurrency)
 
     # ------------------------------------------------------------ multipart
     def create_multipart(self, key: str, part_size: int) -> MultipartUpload:
