@@ -683,11 +683,11 @@ def _execute(plan: GCPlan, cat: Catalog, progress) -> GCResult:
 
     #    Deletions go out in batches (``store.delete_many``: 1000 keys a
     #    request on S3, four requests in flight). Each batch is cleared
-    #    against the latest listing and sent at once; the listing is
-    #    renewed before a batch whenever half
-    #    the margin has passed since it, and a batch that took over a
-    #    quarter of the margin makes the next ones smaller, so every key's
-    #    deletion stays within the margin of the listing that cleared it.
+    #    against the latest listing and sent at once; the listing is renewed
+    #    before a batch whenever half the margin has passed since it, and a
+    #    batch that took over a quarter of the margin makes the next ones
+    #    smaller, so every key's deletion stays within the margin of the
+    #    listing that cleared it.
     margin = safety_margin(g)
     state, view, refs = reread()
     moved_needs = needs(state, view) if relocated else {}
