@@ -702,7 +702,35 @@ def _pack_entry(pid: str, size: int, use: PackUsage | None) -> dict:
             "ranges": [x for r in use.ranges for x in r]}
 
 
+_PACK_FIELDS = frozenset({"id", "size", "chunks", "live", "ranges"})
+
+
 def _parse_pack_entry(p, where: str) -> tuple[str, int, PackUsage]:
+    # The common case, a well-formed entry, checked in one pass (GC parses
+    # hundreds of thousands per run); anything else takes the path below,
+    # which accepts and refuses exactly the same entries and names the fault.
+    if type(p) is dict and p.keys() == _PACK_FIELDS:
+        pid, size, nchunks, live, flat = p["id"], p["size"], p["chunks"], p["live"], p["ranges"]
+        if (type(pid) is str and _PACK_ID.fullmatch(pid) is not None and type(size) is int
+                and 0 <= size <= MAX_PACK_BYTES and type(nchunks) is int and 0 <= nchunks <= 1 << 40
+                and type(live) is int and type(flat) is list and not len(flat) % 2):
+            ranges = []
+            prev, total = -1, 0
+            for k in range(0, len(flat), 2):
+                a, b = flat[k], flat[k + 1]
+                if type(a) is not int or type(b) is not int or not prev < a < b <= size:  # prev starts at -1
+                    break
+                ranges.append((a, b))
+                total += b - a
+                prev = b
+            else:
+                if total == live:
+                    return pid, size, PackUsage(nchunks, tuple(ranges))
+    return _parse_pack_entry_checked(p, where)
+
+
+def _parse_pack_entry_checked(p, where: str) -> tuple[str, int, PackUsage]:
+    """:func:`_parse_pack_entry` field by field, naming what is wrong."""
     p = _obj(p, where, {"id", "size", "chunks", "live", "ranges"})
     pid = p["id"]
     if not is_pack_id(pid):

@@ -304,3 +304,41 @@ def test_fuzz_bgz_decoder_only_raises_integrity_errors(blob, raw_len):
         codec.decode("bgz", blob, raw_len)
     except IntegrityError:
         pass
+
+
+# A root's pack entries: the one-pass check accepts and refuses exactly what the field-by-field one does.
+_ID = "0123456789abcdef" * 2
+_INTS = st.one_of(st.integers(-3, 70), st.sampled_from([True, 1.0, "7", None, 1 << 41, M.MAX_PACK_BYTES + 1]))
+
+
+@st.composite
+def _pack_entries(draw):
+    def mostly(good, bad):  # each field well-formed 7 times in 8
+        return draw(bad) if draw(st.integers(0, 7)) == 0 else draw(good)
+
+    size = mostly(st.integers(0, 64), _INTS)
+    cuts = sorted(draw(st.lists(st.integers(0, 64), max_size=8, unique=True)))
+    flat = mostly(st.just(cuts[: len(cuts) // 2 * 2]), st.lists(st.one_of(st.integers(-2, 70), _INTS), max_size=8))
+    live = sum(flat[k + 1] - flat[k] for k in range(0, len(flat) - 1, 2)
+               if type(flat[k]) is int and type(flat[k + 1]) is int)
+    e = {"id": mostly(st.just(_ID), st.sampled_from([_ID.upper(), _ID[:-1], _ID + "\n", 7])), "size": size,
+         "chunks": mostly(st.integers(0, 5), _INTS),
+         "live": mostly(st.just(live), st.sampled_from([live + 1, -1, "x"])),
+         "ranges": flat}
+    if draw(st.integers(0, 15)) == 0:
+        e.pop(draw(st.sampled_from(sorted(e))))
+    if draw(st.integers(0, 15)) == 0:
+        e["extra"] = 1
+    return e
+
+
+@settings(max_examples=400, deadline=None)
+@given(_pack_entries())
+def test_pack_entry_fast_path_matches_the_checked_one(e):
+    def run(fn):
+        try:
+            return fn(e, "packs[0]")
+        except FormatError:
+            return "refused"
+
+    assert run(M._parse_pack_entry) == run(M._parse_pack_entry_checked), e
