@@ -731,7 +731,7 @@ def _parse_pack_entry(p, where: str) -> tuple[str, int, PackUsage]:
 
 def _parse_pack_entry_checked(p, where: str) -> tuple[str, int, PackUsage]:
     """:func:`_parse_pack_entry` field by field, naming what is wrong."""
-    p = _obj(p, where, {"id", "size", "chunks", "live", "ranges"})
+    p = _obj(p, where, _PACK_FIELDS)
     pid = p["id"]
     if not is_pack_id(pid):
         _fail(where + ".id", f"not a pack id: {pid!r:.80}")

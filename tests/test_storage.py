@@ -251,6 +251,27 @@ class TestS3Store(StoreConformance):
             store._root + k for k in [f"m/{i}" for i in range(5)] + ["never/existed"])
         assert list(store.list()) == []
 
+    def test_delete_many_single_deletes_name_the_key_that_failed(self, s3, monkeypatch):
+        from botocore.exceptions import ClientError
+
+        store = s3.store()
+        for i in range(5):
+            store.put(f"m/{i}", b"x")
+
+        def refuse_m3(op, kwargs):
+            if op == "delete_objects":
+                raise ClientError({"Error": {"Code": "NotImplemented", "Message": "no DeleteObjects here"}},
+                                  "DeleteObjects")
+            if op == "delete_object" and kwargs["Key"].endswith("m/3"):
+                raise ClientError({"Error": {"Code": "AccessDenied", "Message": "not this one"}}, "DeleteObject")
+            return None
+
+        self._spy_calls(store, monkeypatch, refuse_m3)
+        with pytest.raises(StorageError, match="AccessDenied") as ei:
+            store.delete_many([f"m/{i}" for i in range(5)])
+        assert f"{store.url}/m/3" in str(ei.value)
+        assert "m/3" in [o.key for o in store.list()]
+
     def test_additional_kwargs_reach_uploads(self, s3):
         opts = {**s3.storage_options, "s3_additional_kwargs": {"ContentType": "application/x-ckpt-test"}}
         store = type(s3.store())(f"{s3.bucket}/repo", opts)

@@ -75,6 +75,7 @@ from .base import (
     check_key,
     check_range_reply,
     check_ranges,
+    each_limited,
     gather_limited,
 )
 
@@ -464,22 +465,12 @@ class AzureStore(ObjectStore):
 
         fulls = [self._full(k) for k in keys]
         failed: list[int] = []
-
-        async def run(cc):
-            async def one(i: int, full: str) -> None:
-                try:
-                    await self._adelete(cc, full)
-                except BaseException:
-                    failed.append(i)
-                    raise
-
-            await self._gather(one(i, f) for i, f in enumerate(fulls))
-
         if not fulls:
             return
         cc = self._container()
         try:
-            sync(self._fs_obj.loop, run, cc)
+            sync(self._fs_obj.loop, each_limited, lambda full: self._adelete(cc, full), fulls, self.max_concurrency,
+                 failed)
         except self._catch as e:
             err = self._error(e, keys[failed[0]] if failed else None, "DeleteBlob", False)
             if err is e:

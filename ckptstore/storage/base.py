@@ -71,6 +71,21 @@ async def gather_limited(coros, limit: int) -> list:
         raise
 
 
+async def each_limited(fn, items: Sequence, limit: int, failed: list[int]) -> None:
+    """Await ``fn(item)`` for every item through :func:`gather_limited`; the
+    index of each item whose call raised is appended to ``failed``, the
+    first failure first (the calls cancelled after it follow)."""
+
+    async def one(i: int, item) -> None:
+        try:
+            await fn(item)
+        except BaseException:
+            failed.append(i)
+            raise
+
+    await gather_limited([one(i, x) for i, x in enumerate(items)], limit)
+
+
 def check_key(key: str) -> str:
     """Refuse keys that could escape the store root or are not plain paths."""
     if not isinstance(key, str) or not key:

@@ -104,6 +104,7 @@ from .base import (  # noqa: E402
     check_key,
     check_range_reply,
     check_ranges,
+    each_limited,
     gather_limited,
 )
 
@@ -442,16 +443,8 @@ class GCSStore(ObjectStore):
 
         fulls = [self._full(k) for k in keys]
         failed: list[int] = []
-
-        async def one(i: int, full: str) -> None:
-            try:
-                await self._adelete(full)
-            except BaseException:
-                failed.append(i)
-                raise
-
         try:
-            sync(self._fs.loop, self._gather, [one(i, f) for i, f in enumerate(fulls)])
+            sync(self._fs.loop, each_limited, self._adelete, fulls, self.max_concurrency, failed)
         except self._catch as e:
             err = self._error(e, keys[failed[0]] if failed else None, "objects.delete", False)
             if err is e:

@@ -76,6 +76,7 @@ from .base import (
     check_key,
     check_range_reply,
     check_ranges,
+    each_limited,
     gather_limited,
 )
 
@@ -881,11 +882,11 @@ class S3Store(ObjectStore):
         except self._catch as e:
             if error_code(e)[0] != "NotImplemented":
                 self._raise(e, keys[0], "DeleteObjects")
-            failed = []
+            failed, failed_at = [], []
             try:
-                self._run(self._adelete_each, fulls)
+                self._run(each_limited, self._adelete_one, fulls, self.max_concurrency, failed_at)
             except self._catch as e2:
-                self._raise(e2, keys[0], "DeleteObject")
+                self._raise(e2, keys[failed_at[0]] if failed_at else None, "DeleteObject")
         if failed:
             full, code, message = failed[0]
             key = full[len(self._root) :] if full.startswith(self._root) else full
@@ -904,15 +905,12 @@ class S3Store(ObjectStore):
         got = await gather_limited([one(b) for b in batches], min(self.max_concurrency, DELETE_REQUESTS))
         return [f for fs in got for f in fs]
 
-    async def _adelete_each(self, fulls: list[str]) -> None:
-        async def one(full):
-            try:
-                await self._fs._call_s3("delete_object", Bucket=self.bucket, Key=full)
-            except self._catch as e:
-                if error_code(e)[0] != "NoSuchKey" and not isinstance(e, FileNotFoundError):
-                    raise
-
-        await gather_limited([one(f) for f in fulls], self.max_concurrency)
+    async def _adelete_one(self, full: str) -> None:
+        try:
+            await self._fs._call_s3("delete_object", Bucket=self.bucket, Key=full)
+        except self._catch as e:
+            if error_code(e)[0] != "NoSuchKey" and not isinstance(e, FileNotFoundError):
+                raise
 
     # ------------------------------------------------------------ multipart
     def create_multipart(self, key: str, part_size: int) -> MultipartUpload:
