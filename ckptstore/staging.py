@@ -354,9 +354,9 @@ class TensorReader:
         staging, own = self.staging, False
         if staging is None:
             limit = self.checkpoint.repo.runtime.read_budget().limit
+            room, chunk = self.checkpoint.largest_chunks([e.key], self.checkpoint.meeting(e, box))
             staging = make_staging(self.checkpoint, pin=target.device.type == "cuda" and torch.cuda.is_available(),
-                                   staging_bytes=min(16 * MiB, limit // 4),
-                                   room=self.checkpoint.largest_chunks([e.key], self.checkpoint.meeting(e, box))[0])
+                                   staging_bytes=min(16 * MiB, limit // 4), room=room, chunk=chunk)
             own = True
         try:
             stored = _m.DTYPES[e.dtype]

@@ -475,6 +475,26 @@ def test_staged_loads_fetch_each_chunk_once_when_rows_divide_the_chunk_size(tmp_
     assert st.slot_bytes % 20480 == 0 and st.slot_bytes < 600 * 4096, "blocks: several per tensor, whole chunks"
 
 
+def test_tensor_reader_own_staging_fetches_each_chunk_once(tmp_path):
+    # TensorReader without staging given makes its own for a cast read; its
+    # buffers are chunk multiples too (12 KiB chunks, 3 rows), so a cast read
+    # reads the same pack bytes as a read in the stored dtype (20% more
+    # before, with buffers only 4 KiB-aligned).
+    g = torch.Generator().manual_seed(8)
+    w = torch.randn(600, 1024, generator=g)
+    opts = dict(max_inflight_bytes=2 << 20, max_request=64 << 10)
+    ckptstore.Repository(open_store(str(tmp_path / "repo")), chunk_size=12288, **opts).save({"w": w}, step=1)
+    read = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        store = CountingStore(open_store(str(tmp_path / "repo")))
+        repo = ckptstore.Repository(store, **opts)
+        got = TensorReader(repo.checkpoint(1)).read("w", dtype=dtype)
+        assert torch.equal(got, w.to(dtype))
+        read[dtype] = _pack_bytes(store)
+        repo.close()
+    assert read[torch.bfloat16] == read[torch.float32], read
+
+
 def test_progress_bar(tmp_path, capsys):
     _, repo = _repo(tmp_path)
     repo.save(_ref().state_dict(), step=4)
