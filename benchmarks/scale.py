@@ -327,7 +327,7 @@ def gc_bench(steps: int) -> dict:
     out = {"steps": steps, "plan_cpu_s": secs, "rss_before": base, "peak_rss": peak, "growth": peak - base,
            "delete_steps": len(plan.delete_steps), "delete_packs": len(plan.delete_packs),
            "delete_segments": len(plan.delete_segments), "packs": plan.stats["packs"]}
-    # Execute: every deletion re-checked against the references read again just before it.
+    # Execute: each batch of deletions re-checked against a listing within half the margin.
     kept = sorted(set(fresh.steps()) - set(plan.delete_steps))
     last = {"t": time.perf_counter()}
 
