@@ -232,41 +232,35 @@ class TestS3Store(StoreConformance):
         msg = str(ei.value)
         assert f"{store.url}/m/0" in msg and codes[0] in msg and f"{len(codes)} of 5" in msg
 
-    def test_delete_many_falls_back_to_single_deletes_without_delete_objects(self, s3, monkeypatch):
+    def _without_delete_objects(self, store, monkeypatch, refused: str | None = None):
+        """Five objects ``m/0``..``m/4``; the server answers ``NotImplemented`` to
+        ``DeleteObjects``, and ``AccessDenied`` to a ``DeleteObject`` of ``refused``."""
         from botocore.exceptions import ClientError
 
-        store = s3.store()
         for i in range(5):
             store.put(f"m/{i}", b"x")
 
-        def not_implemented(op, kwargs):
+        def answer(op, kwargs):
             if op == "delete_objects":
                 raise ClientError({"Error": {"Code": "NotImplemented", "Message": "no DeleteObjects here"}},
                                   "DeleteObjects")
+            if op == "delete_object" and refused is not None and kwargs["Key"] == store._root + refused:
+                raise ClientError({"Error": {"Code": "AccessDenied", "Message": "not this one"}}, "DeleteObject")
             return None
 
-        calls = self._spy_calls(store, monkeypatch, not_implemented)
+        return self._spy_calls(store, monkeypatch, answer)
+
+    def test_delete_many_falls_back_to_single_deletes_without_delete_objects(self, s3, monkeypatch):
+        store = s3.store()
+        calls = self._without_delete_objects(store, monkeypatch)
         store.delete_many([f"m/{i}" for i in range(5)] + ["never/existed"])
         assert sorted(kw["Key"] for op, kw in calls if op == "delete_object") == sorted(
             store._root + k for k in [f"m/{i}" for i in range(5)] + ["never/existed"])
         assert list(store.list()) == []
 
     def test_delete_many_single_deletes_name_the_key_that_failed(self, s3, monkeypatch):
-        from botocore.exceptions import ClientError
-
         store = s3.store()
-        for i in range(5):
-            store.put(f"m/{i}", b"x")
-
-        def refuse_m3(op, kwargs):
-            if op == "delete_objects":
-                raise ClientError({"Error": {"Code": "NotImplemented", "Message": "no DeleteObjects here"}},
-                                  "DeleteObjects")
-            if op == "delete_object" and kwargs["Key"].endswith("m/3"):
-                raise ClientError({"Error": {"Code": "AccessDenied", "Message": "not this one"}}, "DeleteObject")
-            return None
-
-        self._spy_calls(store, monkeypatch, refuse_m3)
+        self._without_delete_objects(store, monkeypatch, refused="m/3")
         with pytest.raises(StorageError, match="AccessDenied") as ei:
             store.delete_many([f"m/{i}" for i in range(5)])
         assert f"{store.url}/m/3" in str(ei.value)
