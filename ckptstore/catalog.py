@@ -20,19 +20,25 @@ from .layout import (
     CONFIG_KEY,
     LEASE_PREFIX,
     MANIFEST_PREFIX,
+    NAME_PREFIX,
     PACK_PREFIX,
     RELOCATION_PREFIX,
     SEGMENT_PREFIX,
     TAG_PREFIX,
     TOMBSTONE_PREFIX,
+    check_namespace,
     check_step,
     config_record,
     lease_key,
     lease_record,
     manifest_key,
+    name_key,
+    name_of_key,
+    name_record,
     pack_id_of_key,
     pack_id_of_relocation_key,
     parse_config,
+    parse_name,
     parse_tag,
     parse_tombstone,
     segment_id_of_key,
@@ -274,6 +280,67 @@ class Catalog:
             except (ObjectNotFoundError, ValueError, KeyError, TypeError):
                 continue
         return out
+
+    # ------------------------------------------------------------ checkpoint names
+    # A framework names its checkpoints (a DeepSpeed tag, a Lightning file
+    # name) and may save a name again. Steps are never rewritten, so a name
+    # is a mutable record pointing at a step, moved with one atomic write
+    # after the new step is committed ("docs/format.md#checkpoint-names").
+    # Names do not keep steps from retention or GC (tags do).
+    def set_name(self, ns: str, name: str, step: int) -> None:
+        """Point checkpoint name ``name`` of name space ``ns`` at a committed step, in one write."""
+        step = check_step(step)
+        key = name_key(ns, name)
+        if step not in self.steps():
+            raise StepNotFoundError(f"{self.url}: cannot name step {step} {name!r}: the step is not committed")
+        self.store.put(key, name_record(ns, name, step, self.clock.time()))
+
+    def name_step(self, ns: str, name: str) -> int | None:
+        """The step ``name`` points at (perhaps deleted since), or None if there is no such name."""
+        key = name_key(ns, name)
+        try:
+            raw = self.store.get(key)
+        except ObjectNotFoundError:
+            return None
+        try:
+            return parse_name(raw, ns, name)
+        except FormatError as e:
+            raise type(e)(f"{self.url}: {e}") from None
+
+    def names(self, ns: str) -> dict[str, int]:
+        """Name -> step of every checkpoint name in ``ns`` (records that do not parse are skipped)."""
+        out = {}
+        for info in self.store.list(f"{NAME_PREFIX}{check_namespace(ns)}/"):
+            parsed = name_of_key(info.key)
+            if parsed is None or parsed[0] != ns:
+                continue
+            try:
+                out[parsed[1]] = parse_name(self.store.get(info.key), ns, parsed[1])
+            except (ObjectNotFoundError, FormatError):
+                continue
+        return out
+
+    def drop_name(self, ns: str, name: str) -> bool:
+        """Remove a checkpoint name (its step stays); False if there was none."""
+        key = name_key(ns, name)
+        try:
+            self.store.head(key)
+        except ObjectNotFoundError:
+            return False
+        self.store.delete(key)
+        return True
+
+    def free_step(self, preferred: int) -> int:
+        """``preferred`` if no step of that number is committed, else one past the newest committed step.
+
+        For saving a checkpoint name again: the new state gets a step of its
+        own, and the name is moved to it.
+        """
+        preferred = check_step(preferred)
+        steps = self.steps()
+        if preferred not in steps:
+            return preferred
+        return check_step(steps[-1] + 1)
 
     # ------------------------------------------------------------ leases (docs/gc.md)
     def write_lease(self, step: int) -> str:

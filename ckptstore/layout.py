@@ -7,6 +7,7 @@ parsed here, by one set of rules (``docs/format.md``)::
     packs/<id[:2]>/<id>.pack                   immutable packs of compressed chunks
     manifests/<step:020d>.json                 one per committed step, written last
     refs/tags/<name>                           tag -> step (mutable)
+    refs/names/<namespace>/<quoted name>       a framework's checkpoint name -> step (mutable)
     leases/<uuid>.json                         savers in flight (read by GC)
     tombstones/<step:020d>-<id>.json           deleted steps, kept for the grace period
     relocations/<id[:2]>/<id>.json             where a repacked pack's chunks went
@@ -24,6 +25,7 @@ import json
 import os
 import re
 import socket
+import urllib.parse
 import uuid
 
 import numpy as np
@@ -37,6 +39,7 @@ CONFIG_KEY = "config.json"
 MANIFEST_PREFIX = "manifests/"
 PACK_PREFIX = "packs/"
 TAG_PREFIX = "refs/tags/"
+NAME_PREFIX = "refs/names/"
 LEASE_PREFIX = "leases/"
 TOMBSTONE_PREFIX = "tombstones/"
 RELOCATION_PREFIX = "relocations/"
@@ -45,6 +48,7 @@ SEGMENT_PREFIX = "segments/"
 CONFIG_FORMAT = "ckptstore.config"
 TOMBSTONE_FORMAT = "ckptstore.tombstone"
 RELOCATION_FORMAT = "ckptstore.relocation"
+NAME_FORMAT = "ckptstore.name"
 
 #: Version of the config a new repository records (2.0: it may hold 2.0
 #: manifests, so a 1.x reader refuses the whole repository).
@@ -62,6 +66,12 @@ MAX_RELOCATION_HOPS = 8
 MAX_RECORD_BYTES = _m.MAX_MANIFEST_BYTES
 
 TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+#: Namespace of checkpoint names (one per integration: ``deepspeed``, ``lightning``).
+NAMESPACE_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
+#: Longest checkpoint name, in characters.
+MAX_NAME_CHARS = 255
+#: Characters a checkpoint name keeps in its key; every other one is %XX of its UTF-8 bytes.
+_NAME_SAFE = "-._="
 _MANIFEST_NAME = re.compile(r"^([0-9]{20})\.json$")
 _PACK_NAME = re.compile(r"^([0-9a-f]{2})/([0-9a-f]{32})\.pack$")
 _RELOCATION_NAME = re.compile(r"^([0-9a-f]{2})/([0-9a-f]{32})\.json$")
@@ -79,6 +89,26 @@ def check_step(step) -> int:
 def check_tag_name(name) -> str:
     if not isinstance(name, str) or not TAG_RE.match(name):
         raise ValueError(f"invalid tag name {name!r}: use letters, digits, '.', '_', '-' (max 128)")
+    return name
+
+
+def check_namespace(ns) -> str:
+    if not isinstance(ns, str) or not NAMESPACE_RE.match(ns):
+        raise ValueError(f"invalid name space {ns!r}: lowercase letters, digits, '_', '-' (max 32)")
+    return ns
+
+
+def check_name(name) -> str:
+    """A checkpoint name: 1 to 255 characters, no '/', '\\' or control character, not '.' or '..'."""
+    if (
+        not isinstance(name, str)
+        or not 0 < len(name) <= MAX_NAME_CHARS
+        or name in (".", "..")
+        or any(c in "/\\" or ord(c) < 32 or ord(c) == 127 for c in name)
+    ):
+        raise ValueError(
+            f"invalid checkpoint name {name!r}: 1 to {MAX_NAME_CHARS} characters, no '/', '\\' or control characters"
+        )
     return name
 
 
@@ -105,6 +135,11 @@ def segment_key(segment_id: str) -> str:
 
 def tag_key(name: str) -> str:
     return TAG_PREFIX + check_tag_name(name)
+
+
+def name_key(ns: str, name: str) -> str:
+    """``refs/names/<ns>/<name>``, the name percent-encoded (only ``[A-Za-z0-9-._=]`` kept as is)."""
+    return f"{NAME_PREFIX}{check_namespace(ns)}/{urllib.parse.quote(check_name(name), safe=_NAME_SAFE)}"
 
 
 def lease_key() -> str:
@@ -153,6 +188,21 @@ def tag_of_key(key: str) -> str | None:
     return name if TAG_RE.match(name) else None
 
 
+def name_of_key(key: str) -> tuple[str, str] | None:
+    """(namespace, name) of a ``refs/names/`` key in its one canonical spelling, else None."""
+    if not key.startswith(NAME_PREFIX):
+        return None
+    ns, sep, quoted = key[len(NAME_PREFIX) :].partition("/")
+    if not sep or not NAMESPACE_RE.match(ns):
+        return None
+    try:
+        name = urllib.parse.unquote(quoted, errors="strict")
+        check_name(name)
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return (ns, name) if urllib.parse.quote(name, safe=_NAME_SAFE) == quoted else None
+
+
 # ---------------------------------------------------------------- config
 def config_record(options, now: float) -> bytes:
     """The ``config.json`` of a new repository, from its write options."""
@@ -198,6 +248,32 @@ def tag_record(step: int) -> bytes:
 def parse_tag(raw: bytes) -> int:
     """The step a tag names; ``ValueError`` (or ``KeyError``/``TypeError``) if malformed."""
     return check_step(json.loads(raw)["step"])
+
+
+def name_record(ns: str, name: str, step: int, now: float) -> bytes:
+    return json.dumps(
+        {"format": NAME_FORMAT, "version": list(RECORD_VERSION), "namespace": ns, "name": name, "step": step, "updated": now}
+    ).encode()
+
+
+def parse_name(raw: bytes, ns: str, name: str) -> int:
+    """The step a name record points at; ``FormatError`` if it is not the record of ``ns``/``name``."""
+    where = f"name {name!r} ({ns})"
+    if len(raw) > MAX_RECORD_BYTES:
+        raise FormatError(f"{where}: record is too large")
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise FormatError(f"{where}: record is not valid JSON") from None
+    if not isinstance(doc, dict) or doc.get("format") != NAME_FORMAT:
+        raise FormatError(f"{where}: not a ckptstore name record")
+    _m.check_version(doc.get("version"), where)
+    if doc.get("namespace") != ns or doc.get("name") != name:
+        raise FormatError(f"{where}: the record names {doc.get('name')!r} ({doc.get('namespace')})")
+    try:
+        return check_step(doc.get("step"))
+    except ValueError as e:
+        raise FormatError(f"{where}: {e}") from None
 
 
 # ---------------------------------------------------------------- tombstones

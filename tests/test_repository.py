@@ -584,3 +584,54 @@ def test_damaged_or_missing_chunk_table_segment_is_a_clear_error():
         Repository(store).load(1)
     rep = Repository(store).verify()
     assert [p.kind for p in rep.problems] == ["segment"] and rep.problems[0].step == 1
+
+
+# ------------------------------------------------------------------ checkpoint names
+def test_names_point_at_steps_and_move_with_one_write(repo_url):
+    repo = _open(repo_url)
+    repo.save({"w": torch.ones(4)}, step=2)
+    name = "epoch=0-step=2 (é).ckpt"
+    repo.set_name("lightning", name, 2)
+    assert repo.name_step("lightning", name) == 2
+    assert repo.name_step("deepspeed", name) is None  # name spaces are apart
+    # saving the name again: the committed step is kept, the new state gets a free step
+    new = repo.free_step(2)
+    assert new == 3
+    repo.save({"w": torch.zeros(4)}, step=new)
+    repo.set_name("lightning", name, new)
+    assert repo.names("lightning") == {name: 3}
+    assert repo.steps() == [2, 3]
+    assert torch.equal(repo.load(repo.name_step("lightning", name))["w"], torch.zeros(4))
+    # a name is never an unchecked path, and only committed steps are named
+    for bad in ("a/b", "..", "", "x\n", "a\\b", "x" * 256):
+        with pytest.raises(ValueError, match="invalid checkpoint name"):
+            repo.set_name("lightning", bad, 2)
+    with pytest.raises(ValueError, match="invalid name space"):
+        repo.set_name("Lightning/x", name, 2)
+    with pytest.raises(StepNotFoundError, match="not committed"):
+        repo.set_name("lightning", "other.ckpt", 9)
+    assert repo.names("lightning") == {name: 3}
+    assert repo.drop_name("lightning", name) and not repo.drop_name("lightning", name)
+    assert repo.names("lightning") == {} and repo.steps() == [2, 3]
+    assert repo.free_step(7) == 7
+
+
+def test_name_records_are_checked_and_not_kept_by_gc(tmp_path):
+    from ckptstore.layout import name_key, name_of_key
+
+    repo = ckptstore.open(str(tmp_path), **SMALL)
+    for s in (1, 2, 3):
+        repo.save({"w": torch.full((4,), float(s))}, step=s)
+    repo.set_name("deepspeed", "global_step1", 1)
+    key = name_key("deepspeed", "global_step1")
+    assert name_of_key(key) == ("deepspeed", "global_step1")
+    assert name_of_key("refs/names/deepspeed/a%2Fb") is None  # decodes to a path: not a name
+    assert name_of_key("refs/names/deepspeed/a%41") is None  # not the canonical spelling of "aA"
+    # a record that names another checkpoint is refused, not followed
+    repo.store.put(name_key("deepspeed", "global_step2"), repo.store.get(key))
+    with pytest.raises(FormatError, match="names 'global_step1'"):
+        repo.name_step("deepspeed", "global_step2")
+    assert repo.names("deepspeed") == {"global_step1": 1}
+    # names do not keep a step from retention (tags do)
+    plan = repo.plan_gc(keep_last=1)
+    assert 1 in plan.delete_steps and 3 not in plan.delete_steps
