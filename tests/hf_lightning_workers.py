@@ -220,8 +220,10 @@ def lightning_model_parallel(rank: int, world: int, port: int, url: str, tmp: st
         steps = repo.steps()
         meta = repo.checkpoint(steps[-1]).metadata["lightning"]
         keys = repo.checkpoint(steps[-1]).keys()
+        names = repo.names("lightning")
+    local = sorted(os.listdir(os.path.join(tmp, "ckpts")))
     _write(out, rank, {
-        "resumed": params(resumed), "straight": params(straight), "steps": steps,
+        "resumed": params(resumed), "straight": params(straight), "steps": steps, "names": names,
         "path": meta["path"], "extra_keys": [k for k in keys if k.startswith("lightning_extra.")],
-        "local": sorted(os.listdir(tmp)),
+        "local": local, "local_max_bytes": max(os.path.getsize(os.path.join(tmp, "ckpts", f)) for f in local),
     })

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import enum
 import json
+import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -18,7 +20,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 import ckptstore
-from ckptstore.errors import StepExistsError, StepNotFoundError
+from ckptstore.errors import StepNotFoundError
 from ckptstore.integrations import lightning as cl
 
 from . import hf_lightning_workers as W
@@ -78,26 +80,39 @@ def test_path_to_step_mapping():
         cl.checkpoint_name("/")
 
 
+def _listing(folder):
+    return sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+
+
 def test_top_k_rotation_deletes_steps_and_resume_equals_uninterrupted(tmp_path):
     url = str(tmp_path / "repo")
+    ckpts = tmp_path / "ckpts"
     first = Net()
     io = cl.CkptStoreCheckpointIO(url, chunk_size=4096)
     _trainer(tmp_path, 2, io, _top2(tmp_path)).fit(first, _loader())
     with ckptstore.open(url) as repo:
-        assert repo.steps() == [4, 8]  # last.ckpt at step 8 is the step 8 just saved: nothing more written
-        assert repo.checkpoint(8).metadata["lightning"]["path"] == "epoch=1-step=8.ckpt"
+        # every save is a step; last.ckpt saved again moved its name from step 5 to 9
+        assert repo.steps() == [4, 5, 8, 9]
+        assert repo.names(cl.NAMESPACE) == {"epoch=0-step=4.ckpt": 4, "epoch=1-step=8.ckpt": 8, "last.ckpt": 9}
+        assert repo.checkpoint(9).metadata["lightning"]["global_step"] == 8
         frozen = sum(t.numel() * t.element_size() for t in (first.body.weight, first.body.bias))
-    assert io.last_info is None  # the last.ckpt save wrote nothing
+    # the folder holds what Lightning's own IO writes there, loadable with torch.load
+    assert _listing(ckpts) == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "last.ckpt"]
+    local = torch.load(ckpts / "last.ckpt", weights_only=True)
+    assert_tree_equal(local["state_dict"], io.load_checkpoint(ckpts / "last.ckpt")["state_dict"])
 
-    # Resume from last.ckpt (the newest step; the folder does not matter) for two more epochs.
+    # Resume from last.ckpt on a machine without the folder: only the name counts.
+    shutil.rmtree(ckpts)
     resumed = Net()
     io2 = cl.CkptStoreCheckpointIO(url)
     trainer = _trainer(tmp_path, 4, io2, _top2(tmp_path))
     trainer.fit(resumed, _loader(), ckpt_path=str(tmp_path / "anywhere" / "last.ckpt"))
     with ckptstore.open(url) as repo:
-        assert repo.steps() == [12, 16]  # rotation called remove_checkpoint -> repo.delete for 4 and 8
+        # rotation removed epoch=0 and epoch=1 (their steps 4 and 8); the older last.ckpt steps stay for GC
+        assert repo.steps() == [5, 9, 12, 13, 16, 17]
+        assert repo.names(cl.NAMESPACE) == {"epoch=2-step=12.ckpt": 12, "epoch=3-step=16.ckpt": 16, "last.ckpt": 17}
         assert repo.checkpoint(12).manifest.stats["reused_bytes"] >= frozen
-    assert not (tmp_path / "ckpts").exists(), "nothing is written to the local checkpoint folder"
+    assert _listing(ckpts) == ["epoch=2-step=12.ckpt", "epoch=3-step=16.ckpt", "last.ckpt"]
 
     straight = Net()
     _trainer(tmp_path / "plain", 4).fit(straight, _loader())
@@ -108,28 +123,39 @@ def test_top_k_rotation_deletes_steps_and_resume_equals_uninterrupted(tmp_path):
     assert ckpt["global_step"] == 16 and ckpt["hyper_parameters"] == {"width": 16, "lr": 0.05}
     assert_tree_equal(ckpt["state_dict"], {k: v for k, v in resumed.state_dict().items()})
     assert isinstance(ckpt["optimizer_states"][0]["param_groups"][0]["betas"], tuple)
+    with pytest.raises(FileNotFoundError, match="epoch=0-step=4.ckpt"):  # as Lightning's own IO raises
+        io2.load_checkpoint(tmp_path / "nowhere" / "epoch=0-step=4.ckpt")
     with pytest.raises(StepNotFoundError, match="epoch=0-step=4.ckpt"):
-        io2.load_checkpoint("epoch=0-step=4.ckpt")
+        io2.resolve("epoch=0-step=4.ckpt")
     io2.teardown()
 
 
-def test_names_without_a_step_are_found_by_their_recorded_name(tmp_path):
+def _ckpt(gs, value, **extra):
+    return {"epoch": 0, "global_step": gs, "pytorch-lightning_version": L.__version__,
+            "state_dict": {"w": torch.full((3,), float(value))}, **extra}
+
+
+def test_saving_a_name_again_loads_the_new_state_and_keeps_the_older_step(tmp_path):
     io = cl.CkptStoreCheckpointIO(str(tmp_path / "repo"))
-    base = {"epoch": 0, "pytorch-lightning_version": L.__version__, "state_dict": {"w": torch.ones(3)}}
-    io.save_checkpoint({**base, "global_step": 5}, "/x/epoch=0-val_loss=0.50.ckpt")
-    io.save_checkpoint({**base, "global_step": 9, "state_dict": {"w": torch.zeros(3)}}, "/y/best.ckpt")
-    assert io.resolve("epoch=0-val_loss=0.50.ckpt") == 5 and io.resolve("best.ckpt") == 9
-    # Saving a name again replaces the step it named, as overwriting the file would.
-    io.save_checkpoint({**base, "global_step": 11, "state_dict": {"w": torch.full((3,), 2.0)}}, "/y/best.ckpt")
-    assert io.repository.steps() == [5, 11]
-    assert torch.equal(io.load_checkpoint("best.ckpt")["state_dict"]["w"], torch.full((3,), 2.0))
-    with pytest.raises(StepExistsError, match="already committed"):
-        io.save_checkpoint({**base, "global_step": 11}, "/y/other.ckpt")
-    io.remove_checkpoint("/x/epoch=0-val_loss=0.50.ckpt")
-    io.remove_checkpoint("/x/epoch=0-val_loss=0.50.ckpt")  # already gone: no error
-    io.remove_checkpoint("last.ckpt")  # never deletes
-    assert io.repository.steps() == [11]
-    io.teardown()
+    io.save_checkpoint(_ckpt(5, 1), tmp_path / "epoch=0-val_loss=0.50.ckpt")
+    io.save_checkpoint(_ckpt(9, 2), tmp_path / "best.ckpt")
+    assert io.resolve("epoch=0-val_loss=0.50.ckpt") == 5 and io.resolve("/elsewhere/best.ckpt") == 9
+    # the same name at a global step already committed (a rerun into the same folder): a new step
+    io.save_checkpoint(_ckpt(5, 3), tmp_path / "best.ckpt")
+    io.save_checkpoint(_ckpt(9, 4), tmp_path / "other.ckpt")  # two names at one global step
+    with ckptstore.open(str(tmp_path / "repo")) as repo:
+        assert repo.steps() == [5, 9, 10, 11]
+        assert repo.names(cl.NAMESPACE) == {"epoch=0-val_loss=0.50.ckpt": 5, "best.ckpt": 10, "other.ckpt": 11}
+        assert repo.checkpoint(10).metadata["lightning"]["global_step"] == 5
+    assert torch.equal(io.load_checkpoint(tmp_path / "best.ckpt")["state_dict"]["w"], torch.full((3,), 3.0))
+    assert torch.equal(torch.load(tmp_path / "best.ckpt", weights_only=True)["state_dict"]["w"], torch.full((3,), 3.0))
+    io.remove_checkpoint(tmp_path / "epoch=0-val_loss=0.50.ckpt")
+    io.remove_checkpoint(tmp_path / "epoch=0-val_loss=0.50.ckpt")  # already gone: no error
+    with ckptstore.open(str(tmp_path / "repo")) as repo:
+        assert repo.steps() == [9, 10, 11] and "epoch=0-val_loss=0.50.ckpt" not in repo.names(cl.NAMESPACE)
+    assert not (tmp_path / "epoch=0-val_loss=0.50.ckpt").exists()
+    with pytest.raises(FileNotFoundError, match="epoch=0-val_loss=0.50.ckpt"):
+        io.load_checkpoint(tmp_path / "epoch=0-val_loss=0.50.ckpt")
 
 
 class Color(enum.Enum):
@@ -142,7 +168,7 @@ def test_non_json_values_are_converted_explicitly_or_refused(tmp_path):
         "global_step": 3, "state_dict": {"w": torch.ones(2)},
         "hyper_parameters": {"data": pathlib.Path("/data/x"), "color": Color.RED, "scale": torch.tensor(2.0).numpy()[()]},
     }
-    io.save_checkpoint(ckpt, "epoch=0-step=3.ckpt")
+    io.save_checkpoint(ckpt, tmp_path / "epoch=0-step=3.ckpt")
     hp = io.load_checkpoint("epoch=0-step=3.ckpt")["hyper_parameters"]
     assert hp == {"data": "/data/x", "color": "red", "scale": 2.0} and type(hp["scale"]) is float
 
@@ -150,22 +176,168 @@ def test_non_json_values_are_converted_explicitly_or_refused(tmp_path):
         pass
 
     with pytest.raises(TypeError, match=r"hyper_parameters\.model.*Opaque.*never pickles"):
-        io.save_checkpoint({"global_step": 4, "hyper_parameters": {"model": Opaque()}}, "epoch=0-step=4.ckpt")
+        io.save_checkpoint({"global_step": 4, "hyper_parameters": {"model": Opaque()}}, tmp_path / "epoch=0-step=4.ckpt")
     assert io.repository.steps() == [3], "a refused save leaves the repository as it was"
-    custom = cl.CkptStoreCheckpointIO(str(tmp_path / "repo"), convert=lambda path, v: {"opaque": type(v).__name__})
-    custom.save_checkpoint({"global_step": 4, "hyper_parameters": {"model": Opaque()}}, "epoch=0-step=4.ckpt")
+    assert not (tmp_path / "epoch=0-step=4.ckpt").exists(), "and writes no file"
+    custom = cl.CkptStoreCheckpointIO(  # stand-ins: a local file would pickle Opaque, as Lightning's own IO does
+        str(tmp_path / "repo"), local_files="stub", convert=lambda path, v: {"opaque": type(v).__name__}
+    )
+    custom.save_checkpoint({"global_step": 4, "hyper_parameters": {"model": Opaque()}}, tmp_path / "epoch=0-step=4.ckpt")
     assert custom.load_checkpoint("epoch=0-step=4.ckpt")["hyper_parameters"] == {"model": {"opaque": "Opaque"}}
+    # storage_options: Lightning's own IO refuses them for the local file, before the repository changes
     with pytest.raises(TypeError, match="storage_options"):
-        io.save_checkpoint({"global_step": 5}, "epoch=0-step=5.ckpt", storage_options={"x": 1})
+        io.save_checkpoint({"global_step": 5}, tmp_path / "epoch=0-step=5.ckpt", storage_options={"x": 1})
+    stub = cl.CkptStoreCheckpointIO(str(tmp_path / "repo"), local_files="stub")
+    with pytest.raises(TypeError, match="storage_options"):
+        stub.save_checkpoint({"global_step": 5}, tmp_path / "epoch=0-step=5.ckpt", storage_options={"x": 1})
+    assert io.repository.steps() == [3, 4]
+    with pytest.raises(ValueError, match="local_files"):
+        cl.CkptStoreCheckpointIO(str(tmp_path / "repo"), local_files="none")
     io.teardown()
     custom.teardown()
+
+
+def test_hydra_omegaconf_hparams_round_trip_as_omegaconf(tmp_path):
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    class HNet(Net):
+        def __init__(self, cfg):
+            super().__init__()
+            self.save_hyperparameters(cfg)
+
+    cfg = OmegaConf.create({"lr": 0.05, "width": 16, "name": "run-${width}", "layers": [1, 2]})
+    io = cl.CkptStoreCheckpointIO(str(tmp_path / "repo"))
+    mc = ModelCheckpoint(dirpath=str(tmp_path / "ckpts"), filename="{epoch}")
+    _trainer(tmp_path, 1, io, mc).fit(HNet(cfg), _loader())
+    ckpt = io.load_checkpoint("epoch=0.ckpt")
+    hp = ckpt["hyper_parameters"]
+    assert isinstance(hp, DictConfig) and isinstance(hp.layers, ListConfig)
+    assert ckpt["hparams_type"] is DictConfig
+    assert hp.name == "run-16" and OmegaConf.to_container(hp)["name"] == "run-${width}", "interpolation kept"
+    # Lightning rebuilds the module from the stored hparams
+    again = HNet.load_from_checkpoint(str(tmp_path / "ckpts" / "epoch=0.ckpt"), weights_only=False)
+    assert isinstance(again.hparams, DictConfig) and again.hparams.width == 16
+
+
+def test_no_thread_is_left_running_outside_fit(tmp_path):
+    import threading
+
+    before = set(threading.enumerate())
+    io = cl.CkptStoreCheckpointIO(str(tmp_path / "repo"), workers=2, io_workers=2)
+    io.save_checkpoint(_ckpt(3, 1), tmp_path / "a.ckpt")
+    assert torch.equal(io.load_checkpoint(tmp_path / "a.ckpt")["state_dict"]["w"], torch.ones(3))
+    io.remove_checkpoint(tmp_path / "a.ckpt")
+    assert set(threading.enumerate()) - before == set()
+
+
+def test_ddp_spawn_hands_rank_zero_weights_back_through_the_io(tmp_path):
+    # Lightning's ddp_spawn launcher saves rank 0's module state dict as <tmp>/.temp.ckpt
+    # through the IO at the end of fit, loads it in the main process and removes it.
+    io = cl.CkptStoreCheckpointIO(str(tmp_path / "repo"))
+    weights = {"body.weight": torch.randn(4, 8)}
+    hand_off = tmp_path / "tmpdir" / ".temp.ckpt"
+    io.save_checkpoint(weights, hand_off)
+    assert_tree_equal(io.load_checkpoint(hand_off), weights)
+    io.remove_checkpoint(hand_off)
+    assert not hand_off.exists() and io.repository.steps() == [], "a hand-off is not a checkpoint of the run"
+    io.teardown()
+
+    model = Net()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=1, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=str(tmp_path), callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "c"))],
+        plugins=[cl.CkptStoreCheckpointIO(str(tmp_path / "repo"))],
+    )
+    trainer.fit(model, _loader())
+    changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
+    assert changed == ["head.weight", "head.bias"], "the trained weights came back to the main process"
+    with ckptstore.open(str(tmp_path / "repo")) as repo:
+        assert repo.names(cl.NAMESPACE) == {"epoch=0-step=2.ckpt": 2}
+        assert_tree_equal(repo.load(2)["state_dict"], model.state_dict())
+
+
+def test_stub_mode_keeps_stand_ins_that_modelcheckpoint_versions(tmp_path):
+    url = str(tmp_path / "repo")
+    folder = tmp_path / "ckpts"
+    for run in range(2):  # a fresh run into the same folder: ModelCheckpoint sees the first run's files
+        mc = ModelCheckpoint(dirpath=str(folder), filename="{epoch}", save_top_k=-1, monitor="epoch", mode="max")
+        _trainer(tmp_path, 2, cl.CkptStoreCheckpointIO(url, local_files="stub"), mc).fit(Net(), _loader())
+    assert _listing(folder) == ["epoch=0-v1.ckpt", "epoch=0.ckpt", "epoch=1-v1.ckpt", "epoch=1.ckpt"]
+    assert all(os.path.getsize(folder / f) < 1024 for f in _listing(folder)), "no checkpoint bytes locally"
+    with ckptstore.open(url) as repo:
+        names = repo.names(cl.NAMESPACE)
+        assert names == {"epoch=0.ckpt": 4, "epoch=1.ckpt": 8, "epoch=0-v1.ckpt": 9, "epoch=1-v1.ckpt": 10}
+        assert repo.checkpoint(10).metadata["lightning"]["global_step"] == 8
+    with pytest.raises(RuntimeError) as e:
+        torch.load(folder / "epoch=1-v1.ckpt", weights_only=True)
+    msg = str(e.value)
+    assert "\n" not in msg and f"step 10 of {ckptstore.open(url).url}" in msg and "ckptstore export" in msg
+    io = cl.CkptStoreCheckpointIO(url, local_files="stub")
+    assert io.load_checkpoint(folder / "epoch=1-v1.ckpt")["global_step"] == 8
+    io.remove_checkpoint(folder / "epoch=1-v1.ckpt")
+    assert not (folder / "epoch=1-v1.ckpt").exists() and 10 not in io.repository.steps()
+    io.teardown()
+
+
+def test_rerun_into_the_same_folder_overwrites_a_name_without_version_counter(tmp_path):
+    url = str(tmp_path / "repo")
+    folder = tmp_path / "ckpts"
+    models = []
+    for run in range(2):
+        mc = ModelCheckpoint(dirpath=str(folder), filename="{epoch}", save_top_k=-1, monitor="epoch", mode="max",
+                             enable_version_counter=False)
+        model = Net(lr=0.05 * (run + 1))
+        _trainer(tmp_path, 1, cl.CkptStoreCheckpointIO(url), mc).fit(model, _loader())
+        models.append(model)
+    assert _listing(folder) == ["epoch=0.ckpt"]
+    io = cl.CkptStoreCheckpointIO(url)
+    with ckptstore.open(url) as repo:
+        assert repo.steps() == [4, 5] and repo.names(cl.NAMESPACE) == {"epoch=0.ckpt": 5}
+        first = repo.load(4)["state_dict"]
+    assert_tree_equal(io.load_checkpoint(folder / "epoch=0.ckpt")["state_dict"], models[1].state_dict())
+    assert_tree_equal(first, models[0].state_dict())
+    io.teardown()
+
+
+def test_custom_last_names_and_extensions(tmp_path):
+    class LastNamed(ModelCheckpoint):
+        CHECKPOINT_NAME_LAST = "last-{epoch}"
+        FILE_EXTENSION = ".tpkc"
+
+    url = str(tmp_path / "repo")
+    mc = LastNamed(dirpath=str(tmp_path / "ckpts"), save_last=True, save_top_k=-1, monitor="step", mode="max")
+    model = Net()
+    _trainer(tmp_path, 2, cl.CkptStoreCheckpointIO(url), mc).fit(model, _loader())
+    assert _listing(tmp_path / "ckpts") == ["epoch=0-step=4.tpkc", "epoch=1-step=8.tpkc", "last-epoch=1.tpkc"]
+    io = cl.CkptStoreCheckpointIO(url)
+    assert_tree_equal(io.load_checkpoint("last-epoch=1.tpkc")["state_dict"], model.state_dict())
+    assert "last-epoch=0.tpkc" not in io.repository.names(cl.NAMESPACE), "the previous last name was removed"
+    io.teardown()
+
+
+def test_a_failed_commit_leaves_no_file_standing_for_it(tmp_path):
+    from ckptstore.storage import open_store
+    from ckptstore.storage.faults import FaultStore, permanent
+
+    store = FaultStore(open_store(str(tmp_path / "repo")))
+    repo = ckptstore.Repository(store)
+    io = cl.CkptStoreCheckpointIO(repo)
+    io.save_checkpoint(_ckpt(1, 1), tmp_path / "best.ckpt")
+    store.add_fault(op="put_if_absent", key="manifests/*", kind="error", error=permanent())
+    with pytest.raises(Exception, match="injected permanent failure"):
+        io.save_checkpoint(_ckpt(2, 2), tmp_path / "best.ckpt")
+    assert not (tmp_path / "best.ckpt").exists(), "the file would claim a state the repository did not take"
+    assert repo.names(cl.NAMESPACE) == {"best.ckpt": 1}
+    assert torch.equal(io.load_checkpoint(tmp_path / "best.ckpt")["state_dict"]["w"], torch.ones(3))
+    repo.close()
 
 
 def test_fit_and_resume_on_s3(tmp_path, s3):
     io = cl.CkptStoreCheckpointIO(s3.url, storage_options=s3.storage_options)
     first = Net()
     _trainer(tmp_path, 1, io, _top2(tmp_path)).fit(first, _loader())
-    assert io.repository.steps() == [4]
+    assert io.repository.steps() == [4, 5]
     ckpt = io.load_checkpoint("last.ckpt")
     assert ckpt["epoch"] == 0 and ckpt["global_step"] == 4
     for k, v in first.state_dict().items():
@@ -173,7 +345,7 @@ def test_fit_and_resume_on_s3(tmp_path, s3):
     again = Net()
     trainer = _trainer(tmp_path, 2, cl.CkptStoreCheckpointIO(s3.url, storage_options=s3.storage_options), _top2(tmp_path))
     trainer.fit(again, _loader(), ckpt_path="epoch=0-step=4.ckpt")
-    assert trainer.global_step == 8 and io.repository.steps() == [4, 8]
+    assert trainer.global_step == 8 and io.repository.steps() == [4, 5, 8, 9]
     io.teardown()
 
 
@@ -185,10 +357,11 @@ def test_model_parallel_strategy_two_ranks_saves_shards_and_resumes(tmp_path):
     results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     for r in results:
         assert r["steps"] == [2, 4] and r["path"] == "epoch=1-step=4.ckpt"
+        assert r["names"] == {"epoch=0-step=2.ckpt": 2, "epoch=1-step=4.ckpt": 4}
         assert r["resumed"] == r["straight"], "resumed run differs from the uninterrupted one"
         # ModelCheckpoint's score tensor travels as a DCP item, not as a pickle.
         assert any("kth_value" in k for k in r["extra_keys"])
-        assert "ckpts" not in r["local"]
+        assert r["local"] == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt"] and r["local_max_bytes"] < 1024
     with pytest.raises(ValueError, match="distributed checkpoints only"):
         cl.CkptStoreModelParallelStrategy(url, save_distributed_checkpoint=False)
 

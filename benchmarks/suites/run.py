@@ -47,7 +47,7 @@ SUITES = {
 }
 
 
-def run_side(framework: str, src: str, out: str, ckptstore: bool, extra: list[str]) -> str:
+def run_side(framework: str, src: str, out: str, ckptstore: bool, extra: list[str], local_files: str | None = None) -> str:
     folder, paths, skip, env_extra = SUITES[framework]
     cwd = os.path.join(os.path.abspath(src), folder)
     side = "ckptstore" if ckptstore else "stock"
@@ -55,6 +55,9 @@ def run_side(framework: str, src: str, out: str, ckptstore: bool, extra: list[st
     env = dict(os.environ, **env_extra)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (BOOT, REPO_ROOT, env.get("PYTHONPATH", "")) if p)
     env.pop("CKPTSTORE_SUITE_DIR", None)
+    env.pop("CKPTSTORE_SUITE_LOCAL_FILES", None)
+    if local_files:
+        env["CKPTSTORE_SUITE_LOCAL_FILES"] = local_files
     work = None
     if ckptstore:
         work = tempfile.mkdtemp(prefix=f"ckptstore-suite-{framework}-")
@@ -123,6 +126,7 @@ def main(argv=None) -> int:
     ap.add_argument("--side", choices=["both", "stock", "ckptstore"], default="both")
     ap.add_argument("--out")
     ap.add_argument("-k", dest="keyword")
+    ap.add_argument("--local-files", choices=["full", "stub"], help="lightning: CkptStoreCheckpointIO(local_files=...)")
     ap.add_argument("pytest_args", nargs="*")
     a = ap.parse_args(argv)
     if a.framework == "compare":
@@ -137,7 +141,7 @@ def main(argv=None) -> int:
     if a.side in ("both", "stock"):
         run_side(a.framework, src, out, False, extra)
     if a.side in ("both", "ckptstore"):
-        run_side(a.framework, src, out, True, extra)
+        run_side(a.framework, src, out, True, extra, a.local_files)
     if a.side == "both":
         print(compare(out))
     return 0

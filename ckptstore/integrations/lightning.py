@@ -1,34 +1,34 @@
 """Lightning adapters: a ``CheckpointIO`` and a ``ModelParallelStrategy`` over ckptstore.
 
-- :class:`CkptStoreCheckpointIO` stores every checkpoint Lightning saves
-  (``ModelCheckpoint``, ``trainer.save_checkpoint``) as one step of a
-  repository, loads them back for ``Trainer.fit(ckpt_path=...)`` and turns
-  ``ModelCheckpoint(save_top_k=...)`` rotation into ``repo.delete``.
-- :class:`CkptStoreModelParallelStrategy` is Lightning's ``ModelParallelStrategy``
-  (FSDP2 / tensor parallel) with its distributed checkpoints written by
+- :class:`CkptStoreCheckpointIO` commits every checkpoint Lightning saves
+  (``ModelCheckpoint``, ``trainer.save_checkpoint``) as a step of a
+  repository under the checkpoint's file name, keeps the file Lightning
+  expects at the path (the checkpoint itself, or a small stand-in), loads
+  a name back for ``Trainer.fit(ckpt_path=...)`` from any machine, and
+  turns ``ModelCheckpoint(save_top_k=...)`` rotation into deleting steps.
+- :class:`CkptStoreModelParallelStrategy` (in :mod:`.lightning_strategy`,
+  re-exported here) is Lightning's ``ModelParallelStrategy`` (FSDP2 /
+  tensor parallel) with its distributed checkpoints written by
   :class:`~ckptstore.dcp.CkptStoreWriter` and read by ``CkptStoreReader``.
 
-How a checkpoint path maps to a step (only the file name counts; the folder
-is ignored):
+Names. A checkpoint is known by its file name (the folder does not count):
+the name is a record in the repository (name space ``lightning``) pointing
+at the step that holds it. A save commits a new step (Lightning's
+``global_step`` when that step is free, else one past the newest step), then
+moves the name to it in one write, so saving a name again (``last.ckpt``
+every epoch, a fresh run into the same folder) makes the name load the new
+state while the older step stays for retention and GC. Repositories written
+before names existed are read by the earlier rules (:meth:`CkptStoreCheckpointIO.resolve`).
 
-1. a name containing ``step=N`` (Lightning's default ``epoch=E-step=N.ckpt``
-   and any ``ModelCheckpoint(filename=...)`` with ``{step}``) is step ``N``;
-2. ``last.ckpt`` (``last-vK.ckpt``) is the newest committed step. Saving it
-   writes step ``global_step`` unless that step is committed already (the
-   same training state was just saved under its step name); then nothing
-   is written;
-3. any other name is saved as step ``global_step`` and found again by the
-   name recorded in the step's metadata.
-
-Saving a name again (``last.ckpt`` at a later step) replaces the earlier
-step saved under that name, as Lightning's own IO overwrites the file.
 Values that are neither tensors nor JSON values are refused with an error
-naming them (no pickle), apart from the explicit conversions listed in
-:func:`default_convert`. See ``docs/integrations.md``.
+naming them (no pickle), apart from the explicit conversions of
+:func:`default_convert` and OmegaConf containers, which come back as
+OmegaConf containers. See ``docs/integrations.md``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
 import pathlib
@@ -39,7 +39,8 @@ from typing import Any, Callable
 try:
     import lightning.pytorch as pl  # noqa: F401
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
-    from lightning.pytorch.strategies import ModelParallelStrategy
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+    from lightning.fabric.utilities.cloud_io import get_filesystem
 except ImportError as e:  # tested in a subprocess where lightning cannot be imported
     raise ImportError(
         "ckptstore.integrations.lightning needs lightning (2.x): pip install 'ckptstore[integrations]'"
@@ -49,16 +50,19 @@ import numpy as np
 import torch
 
 import ckptstore
-from ckptstore.errors import StepExistsError, StepNotFoundError
 from ckptstore import Repository
-from ckptstore.tree import flatten, unflatten
+from ckptstore.errors import StepNotFoundError
 
-#: Metadata key of every step written here; ``path`` is the file name.
+from ._common import STANDIN_MAX, parse_standin, standin_bytes
+
+#: Metadata key of every step written here.
 METADATA_KEY = "lightning"
 METADATA_FORMAT = 1
-#: DCP key under which the strategy stores the small tensors of the rest of
-#: the checkpoint (callback scores and the like).
-EXTRA_KEY = "lightning_extra"
+#: Name space of Lightning's checkpoint names in a repository.
+NAMESPACE = "lightning"
+#: ``local_files`` choices: the checkpoint file itself, or a stand-in.
+LOCAL_FILES = ("full", "stub")
+STANDIN_FORMAT = "ckptstore.lightning.standin"
 
 _STEP_RE = re.compile(r"(?:^|[-_])step=(\d+)(?=$|[-_.=])")
 _LAST_RE = re.compile(r"^last(-v\d+)?\.ckpt$")
@@ -73,13 +77,13 @@ def checkpoint_name(path) -> str:
 
 
 def name_step(name: str) -> int | None:
-    """``N`` for a name containing ``step=N`` (rule 1), else None."""
+    """``N`` for a name containing ``step=N``, else None."""
     m = _STEP_RE.search(name)
     return int(m.group(1)) if m else None
 
 
 def is_last_name(name: str) -> bool:
-    """Whether ``name`` is ModelCheckpoint's ``last.ckpt`` (or ``last-vK.ckpt``), rule 2."""
+    """Whether ``name`` is ModelCheckpoint's ``last.ckpt`` (or ``last-vK.ckpt``)."""
     return bool(_LAST_RE.match(name))
 
 
@@ -93,6 +97,8 @@ def default_convert(path: str, value: Any) -> Any:
     - NumPy scalars -> the Python scalar (``.item()``).
 
     Anything else raises ``TypeError`` naming ``path`` and the type.
+    (OmegaConf containers and classes are handled before ``convert`` is
+    asked, and are restored on load.)
     """
     if isinstance(value, pathlib.PurePath):
         return str(value)
@@ -108,35 +114,97 @@ def default_convert(path: str, value: Any) -> Any:
     )
 
 
-def to_storable(obj: Any, convert: Callable[[str, Any], Any] = default_convert) -> Any:
+def _omegaconf():
+    """The omegaconf module if it is already imported (a value of its types exists only then)."""
+    import sys
+
+    return sys.modules.get("omegaconf")
+
+
+#: Restorable kinds: what a converted value was.
+_OMEGA_KINDS = ("omegaconf.DictConfig", "omegaconf.ListConfig")
+
+
+def _omega_kind(value) -> tuple[str, Any] | None:
+    """(kind, plain value) for an OmegaConf container or class, else None."""
+    oc = _omegaconf()
+    if oc is None:
+        return None
+    if isinstance(value, (oc.DictConfig, oc.ListConfig)):
+        kind = "omegaconf.DictConfig" if isinstance(value, oc.DictConfig) else "omegaconf.ListConfig"
+        return kind, oc.OmegaConf.to_container(value, resolve=False)
+    if value is oc.DictConfig or value is oc.ListConfig:
+        return "type", f"omegaconf.{value.__name__}"
+    return None
+
+
+def to_storable(obj: Any, convert: Callable[[str, Any], Any] = default_convert, restore: list | None = None) -> Any:
     """A copy of a Lightning checkpoint dict holding only tensors and JSON values.
 
     Mappings become dicts (``AttributeDict``, ``OrderedDict``), lists and
-    tuples stay lists and tuples; any other non-JSON value goes through
-    ``convert(path, value)``, whose result must be storable.
+    tuples stay lists and tuples. OmegaConf containers (``DictConfig``,
+    ``ListConfig``, as Hydra users' ``hparams`` are) become plain
+    containers, interpolations kept unresolved, and the classes themselves
+    (Lightning's ``hparams_type``) their names; each such place is appended
+    to ``restore`` as ``[keys, kind]`` so :func:`restore_values` rebuilds
+    them. Any other non-JSON value goes through ``convert(path, value)``,
+    whose result must be storable.
     """
 
-    def walk(v, path, depth):
+    def walk(v, path, keys, depth):
         if depth > 100:
             raise TypeError(f"{path or '<root>'}: nested more than 100 levels")
         if isinstance(v, torch.Tensor) or v is None or type(v) in (bool, int, float, str):
             return v
+        omega = _omega_kind(v)
+        if omega is not None:
+            kind, plain = omega
+            if restore is not None:
+                restore.append([list(keys), kind])
+            return plain if kind == "type" else walk(plain, path, keys, depth + 1)
         if isinstance(v, Mapping):
             out = {}
             for k, x in v.items():
                 if type(k) not in (str, int):
                     raise TypeError(f"{path}.{k!r}: dict keys must be str or int, got {type(k).__name__}")
-                out[k] = walk(x, f"{path}.{k}" if path else str(k), depth + 1)
+                out[k] = walk(x, f"{path}.{k}" if path else str(k), (*keys, k), depth + 1)
             return out
         if isinstance(v, (list, tuple)):
-            items = [walk(x, f"{path}[{i}]", depth + 1) for i, x in enumerate(v)]
+            items = [walk(x, f"{path}[{i}]", (*keys, i), depth + 1) for i, x in enumerate(v)]
             return tuple(items) if isinstance(v, tuple) else items
         converted = convert(path, v)
         if converted is v:
             raise TypeError(f"convert returned the {type(v).__name__} at {path!r} unchanged")
-        return walk(converted, path, depth + 1)
+        return walk(converted, path, keys, depth + 1)
 
-    return walk(obj, "", 0)
+    return walk(obj, "", (), 0)
+
+
+def restore_values(ckpt: dict, restore) -> dict:
+    """Rebuild the OmegaConf containers and classes :func:`to_storable` recorded (in place)."""
+    if not restore:
+        return ckpt
+    try:
+        import omegaconf as oc
+    except ImportError:
+        raise ImportError(
+            "this checkpoint holds OmegaConf values (Hydra hparams); install omegaconf to load it"
+        ) from None
+    for keys, kind in restore:
+        parent, last = None, None
+        node = ckpt
+        for k in keys:
+            parent, last, node = node, k, node[k]
+        if kind == "type":
+            value = {"omegaconf.DictConfig": oc.DictConfig, "omegaconf.ListConfig": oc.ListConfig}[node]
+        elif kind in _OMEGA_KINDS:
+            value = oc.OmegaConf.create(node)
+        else:
+            raise ValueError(f"unknown stored conversion {kind!r}")
+        if parent is None:
+            return value
+        parent[last] = value
+    return ckpt
 
 
 def _move(obj, device):
@@ -151,21 +219,40 @@ def _move(obj, device):
     return obj
 
 
+def _is_training_checkpoint(checkpoint: Mapping, name: str) -> bool:
+    """A Lightning training checkpoint (a global step), not another dict saved through the IO.
+
+    Lightning's ``ddp_spawn`` launcher hands rank 0's weights to the main
+    process as ``<tmp>/.temp.ckpt`` (a module state dict, saved and removed
+    through the IO); that is not a checkpoint of the run.
+    """
+    return type(checkpoint.get("global_step")) is int or name_step(name) is not None
+
+
 # ---------------------------------------------------------------- CheckpointIO
 class CkptStoreCheckpointIO(CheckpointIO):
-    """Lightning ``CheckpointIO`` storing each checkpoint as a step of one repository.
+    """Lightning ``CheckpointIO`` committing each checkpoint as a step of one repository.
 
-    ``Trainer(plugins=[CkptStoreCheckpointIO("s3://bucket/run")])``. Paths
-    map to steps as the module docstring says; resume with
-    ``trainer.fit(model, ckpt_path="epoch=0-step=100.ckpt")`` (any folder)
-    or ``ckpt_path="last.ckpt"`` (the newest step). Lightning's
-    ``ckpt_path="last"`` looks for local files and finds none here.
+    ``Trainer(plugins=[CkptStoreCheckpointIO("s3://bucket/run")])``. Resume
+    with ``trainer.fit(model, ckpt_path="epoch=0-step=100.ckpt")`` (any
+    folder: the name is looked up in the repository) or ``"last.ckpt"``.
 
     Parameters
     ----------
     url:
         Repository URL, or an open :class:`~ckptstore.Repository` (not
         closed by ``teardown``).
+    local_files:
+        What is left at the path Lightning saves to. ``"full"`` (default):
+        the checkpoint file exactly as Lightning's own ``TorchCheckpointIO``
+        writes it, so ``ModelCheckpoint``'s bookkeeping, ``torch.load``,
+        ``LightningModule.load_from_checkpoint`` and symlinks work on the
+        folder as without ckptstore, while the repository keeps every
+        checkpoint deduplicated, versioned and readable from any machine.
+        ``"stub"``: a small stand-in file (``ModelCheckpoint``'s listing,
+        versioning and rotation still work; ``torch.load`` of it fails with
+        one line naming the repository and the step); no checkpoint byte is
+        written locally.
     convert:
         ``convert(path, value)`` for values that are neither tensors nor
         JSON values; default :func:`default_convert`.
@@ -174,135 +261,201 @@ class CkptStoreCheckpointIO(CheckpointIO):
 
     Attributes
     ----------
-    last_info: :class:`~ckptstore.StepInfo` of the newest save (None if it wrote nothing).
+    last_info: :class:`~ckptstore.StepInfo` of the newest save (None if it committed nothing).
     """
 
     def __init__(
         self,
         url,
         *,
+        local_files: str = "full",
         convert: Callable[[str, Any], Any] = default_convert,
         storage_options: dict | None = None,
         **open_options,
     ):
         if isinstance(url, Repository) and (storage_options or open_options):
             raise TypeError("storage_options and repository options apply only when a URL is given")
+        if local_files not in LOCAL_FILES:
+            raise ValueError(f"local_files must be one of {LOCAL_FILES}, got {local_files!r}")
         self.url = url
+        self.local_files = local_files
         self.convert = convert
         self.storage_options = storage_options
         self.open_options = open_options
         self._repo = url if isinstance(url, Repository) else None
+        self._torch_io = TorchCheckpointIO()
         self.last_info = None
 
+    def __getstate__(self):
+        # Lightning pickles its strategy (and this plugin) into ddp_spawn
+        # children; a repository handle (threads, sockets) does not travel.
+        if isinstance(self.url, Repository):
+            raise TypeError("a CkptStoreCheckpointIO built on an open Repository cannot be sent to another process")
+        state = dict(self.__dict__)
+        state["_repo"] = None
+        return state
+
+    # -- the repository
     @property
     def repository(self) -> Repository:
+        """A repository handle kept open until :meth:`teardown`."""
         if self._repo is None:
-            self._repo = ckptstore.open(os.fspath(self.url), storage_options=self.storage_options, **self.open_options)
+            self._repo = self._open()
         return self._repo
 
-    # -- mapping
-    def _recorded_name(self, step: int) -> str | None:
-        meta = self.repository.checkpoint(step).metadata.get(METADATA_KEY)
-        return meta.get("path") if isinstance(meta, dict) else None
+    def _open(self) -> Repository:
+        return ckptstore.open(os.fspath(self.url), storage_options=self.storage_options, **self.open_options)
 
-    def _steps_named(self, name: str) -> list[int]:
-        return [s for s in self.repository.steps() if self._recorded_name(s) == name]
+    @contextlib.contextmanager
+    def session(self):
+        """The open handle if there is one, else a handle for one operation, closed after it.
 
-    def resolve(self, path) -> int:
+        Lightning calls ``teardown`` at the end of ``fit``/``validate``/...
+        only; a save or load outside them (``trainer.save_checkpoint`` after
+        ``fit``, a bare ``ModelCheckpoint`` call) leaves no thread running.
+        """
+        if self._repo is not None:
+            yield self._repo
+            return
+        repo = self._open()
+        try:
+            yield repo
+        finally:
+            repo.close()
+
+    @property
+    def repo_url(self) -> str:
+        return self.url.url if isinstance(self.url, Repository) else os.fspath(self.url)
+
+    # -- names
+    def resolve(self, path, repo: Repository | None = None) -> int:
         """The committed step a checkpoint path names (``StepNotFoundError`` if none)."""
+        if repo is None:
+            with self.session() as repo:
+                return self.resolve(path, repo)
+        step = self._lookup(path, repo)
+        if step is None:
+            raise StepNotFoundError(f"{repo.url}: no checkpoint named {checkpoint_name(path)!r} was saved")
+        return step
+
+    def _lookup(self, path, repo: Repository) -> int | None:
+        """The step for ``path``: its name record, a symlink's target, a stand-in, then the pre-name rules."""
         name = checkpoint_name(path)
-        repo = self.repository
-        step = name_step(name)
+        local = os.fspath(path)
+        step = repo.name_step(NAMESPACE, name)
         if step is not None:
             if step not in repo.steps():
-                raise StepNotFoundError(f"{repo.url}: checkpoint {name!r} is step {step}, which is not committed")
+                if _is_file(local) and _read_standin(local) is None:
+                    return None  # the file Lightning wrote is still there: it is read instead
+                raise StepNotFoundError(
+                    f"{repo.url}: checkpoint {name!r} was saved as step {step}, which has been deleted since"
+                )
             return step
-        if is_last_name(name):
-            step = repo.latest()
-            if step is None:
-                raise StepNotFoundError(f"{repo.url}: checkpoint {name!r} is the newest step; the repository has none")
-            return step
-        named = self._steps_named(name)
-        if not named:
-            raise StepNotFoundError(
-                f"{repo.url}: no step was saved as {name!r} (names without 'step=N' are found by the "
-                "name recorded when they were saved)"
-            )
-        return named[-1]
+        if os.path.islink(local):  # ModelCheckpoint(save_last="link") links last.ckpt to a saved file
+            target = os.path.join(os.path.dirname(local), os.readlink(local))
+            if checkpoint_name(target) != name:
+                return self._lookup(target, repo)
+        standin = _read_standin(local)
+        if standin is not None and standin.get("url") == repo.url and standin.get("step") in repo.steps():
+            return standin["step"]
+        if repo.names(NAMESPACE):
+            return None  # written with names: a name without a record was never saved
+        return _legacy_step(name, repo)
 
-    def save_step(self, checkpoint: Mapping, path) -> int | None:
-        """The step a save of ``checkpoint`` to ``path`` writes (None: nothing to write)."""
-        name = checkpoint_name(path)
-        step = name_step(name)
-        if step is not None:
-            return step
+    # -- saving
+    def save_step(self, checkpoint: Mapping, path, repo: Repository) -> int:
+        """The step a save of ``checkpoint`` to ``path`` commits: the global step if free, else the next free one."""
         gs = checkpoint.get("global_step")
-        if type(gs) is not int:
-            raise ValueError(f"checkpoint {name!r} has no integer 'global_step' and its name no 'step=N'")
-        if is_last_name(name) and gs in self.repository.steps():
-            return None
-        return gs
+        step = gs if type(gs) is int else name_step(checkpoint_name(path))
+        return repo.free_step(step)
 
-    def metadata(self, checkpoint: Mapping, path) -> dict:
-        return {
-            METADATA_KEY: {
-                "format": METADATA_FORMAT,
-                "path": checkpoint_name(path),
-                "global_step": checkpoint.get("global_step"),
-                "epoch": checkpoint.get("epoch"),
-                "lightning": checkpoint.get("pytorch-lightning_version"),
-            }
+    def metadata(self, checkpoint: Mapping, path, restore: list | None = None) -> dict:
+        meta = {
+            "format": METADATA_FORMAT,
+            "path": checkpoint_name(path),
+            "global_step": checkpoint.get("global_step"),
+            "epoch": checkpoint.get("epoch"),
+            "lightning": checkpoint.get("pytorch-lightning_version"),
         }
+        if restore:
+            meta["restore"] = restore
+        return {METADATA_KEY: meta}
 
-    def replace_older(self, path, step: int | None) -> None:
-        """Delete earlier steps saved under ``path``'s name (a save overwrites the file)."""
-        name = checkpoint_name(path)
-        if name_step(name) is not None:
-            return
-        for s in self._steps_named(name):
-            if step is None or s < step:
-                self.repository.delete(s)
-
-    # -- CheckpointIO
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
-        if storage_options is not None:
+        name = checkpoint_name(path)
+        if not _is_training_checkpoint(checkpoint, name):
+            self.last_info = None
+            self._torch_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+            return
+        if storage_options is not None and self.local_files == "stub":
             raise TypeError(
                 "CkptStoreCheckpointIO.save_checkpoint does not take storage_options; "
                 "pass them to CkptStoreCheckpointIO(url, storage_options=...)"
             )
-        state = to_storable(checkpoint, self.convert)
-        step = self.save_step(checkpoint, path)
-        if step is None:
-            self.last_info = None
-            self.replace_older(path, self.repository.latest())
-            return
+        restore: list = []
+        state = to_storable(checkpoint, self.convert, restore)  # refuses before anything is written
+        if self.local_files == "full":
+            # Lightning's own file first: its own checks (storage_options)
+            # refuse before the repository changes.
+            self._torch_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
         try:
-            self.last_info = self.repository.save(state, step=step, metadata=self.metadata(checkpoint, path))
-        except StepExistsError:
-            raise StepExistsError(
-                f"{self.repository.url}: cannot save {checkpoint_name(path)!r} as step {step}: the step is "
-                f"already committed (saved as {self._recorded_name(step)!r}); give each checkpoint of one "
-                "step a single name, e.g. ModelCheckpoint(filename='{epoch}-{step}')"
-            ) from None
-        self.replace_older(path, step)
+            with self.session() as repo:
+                step = self.save_step(checkpoint, path, repo)
+                self.last_info = repo.save(state, step=step, metadata=self.metadata(checkpoint, path, restore))
+                repo.set_name(NAMESPACE, name, step)
+                if self.local_files == "stub":
+                    _write_standin(path, repo.url, step, name)
+        except BaseException:
+            if self.local_files == "full":
+                # The file must not stand for a state the repository did not take.
+                self._torch_io.remove_checkpoint(path)
+            raise
 
+    # -- loading
     def load_checkpoint(self, path, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load the step ``path`` names. ``weights_only`` is moot: nothing is unpickled."""
-        if map_location is not None and not isinstance(map_location, (str, torch.device)):
-            raise TypeError("CkptStoreCheckpointIO.load_checkpoint takes map_location as a device or None")
-        ckpt = self.repository.load(self.resolve(path))
-        return ckpt if map_location is None else _move(ckpt, map_location)
+        """Load the step ``path`` names; a local checkpoint file not in the repository is read with ``weights_only=True``."""
+        if map_location is not None and not isinstance(map_location, (str, torch.device)) and not callable(map_location):
+            raise TypeError("CkptStoreCheckpointIO.load_checkpoint takes map_location as a device, a function or None")
+        with self.session() as repo:
+            step = self._lookup(path, repo)
+            if step is not None:
+                ckpt = repo.load(step)
+                meta = repo.checkpoint(step).metadata.get(METADATA_KEY)
+                restore_values(ckpt, meta.get("restore") if isinstance(meta, dict) else None)
+                if map_location is None or callable(map_location):
+                    return ckpt
+                return _move(ckpt, map_location)
+        local = os.fspath(path)
+        doc = _read_standin(local)
+        if doc is not None:
+            raise StepNotFoundError(
+                f"{local} stands for step {doc.get('step')} of {doc.get('url')!r}, which this CkptStoreCheckpointIO "
+                f"({self.repo_url!r}) does not hold; use a CkptStoreCheckpointIO on that repository"
+            )
+        if _is_file(local):
+            # A checkpoint file Lightning or torch wrote (not through ckptstore): read
+            # it as Lightning would, but never with the unrestricted unpickler.
+            return self._torch_io.load_checkpoint(path, map_location=map_location, weights_only=True)
+        raise FileNotFoundError(
+            f"Checkpoint file not found: {path} (no file there, and no checkpoint of that name in {self.repo_url})"
+        )
 
     def remove_checkpoint(self, path) -> None:
-        """``repo.delete`` of the step ``path`` names; ``last.ckpt`` and missing steps are left alone."""
+        """Remove the file at ``path`` and the checkpoint it names; its step is deleted unless another name uses it."""
         name = checkpoint_name(path)
-        if is_last_name(name):
-            return
-        try:
-            step = self.resolve(path)
-        except StepNotFoundError:
-            return
-        self.repository.delete(step)
+        local = os.fspath(path)
+        with self.session() as repo:
+            step = repo.name_step(NAMESPACE, name)
+            if step is None and not is_last_name(name) and not os.path.islink(local):
+                step = _legacy_step(name, repo, newest_for_last=False)
+            elif step is not None:
+                repo.drop_name(NAMESPACE, name)
+            if step is not None and step in repo.steps() and step not in repo.names(NAMESPACE).values():
+                repo.delete(step)
+        if self.local_files == "stub" and _read_standin(local) is not None:
+            os.unlink(local)
+        else:
+            self._torch_io.remove_checkpoint(path)
 
     def teardown(self) -> None:
         if self._repo is not None and not isinstance(self.url, Repository):
@@ -310,137 +463,63 @@ class CkptStoreCheckpointIO(CheckpointIO):
             self._repo = None
 
 
-# ---------------------------------------------------------------- ModelParallelStrategy
-class CkptStoreModelParallelStrategy(ModelParallelStrategy):
-    """``ModelParallelStrategy`` whose distributed checkpoints go to a ckptstore repository.
+# ---------------------------------------------------------------- helpers
+def _legacy_step(name: str, repo: Repository, newest_for_last: bool = True) -> int | None:
+    """The rules of repositories written before names: ``step=N`` is N, ``last`` the newest, else the recorded name."""
+    steps = repo.steps()
+    if not steps:
+        return None
+    n = name_step(name)
+    if n is not None:
+        return n if n in steps else None
+    if is_last_name(name):
+        return steps[-1] if newest_for_last else None
+    for s in reversed(steps):
+        meta = repo.checkpoint(s).metadata.get(METADATA_KEY)
+        if isinstance(meta, dict) and meta.get("path") == name:
+            return s
+    return None
 
-    Lightning's strategy calls ``torch.distributed.checkpoint.save(state,
-    checkpoint_id=path)`` into a local folder and ``torch.save``\\ s the rest
-    of the checkpoint (loops, callbacks, hyper-parameters) as ``meta.pt``.
-    This subclass saves the sharded model and optimizer states with
-    :class:`~ckptstore.dcp.CkptStoreWriter` (every rank writes its shards),
-    and the rest in the same step: its small tensors as replicated DCP
-    items under ``lightning_extra``, its JSON structure in the step's
-    metadata. Loading reads the model and optimizer shards with
-    ``CkptStoreReader`` (any data-parallel size) and rebuilds the rest
-    without unpickling. Paths map to steps as for
-    :class:`CkptStoreCheckpointIO`, which also becomes the strategy's
-    ``checkpoint_io`` (``ModelCheckpoint`` rotation deletes steps).
 
-    Parameters
-    ----------
-    url:
-        Repository URL.
-    storage_options:
-        As for :func:`ckptstore.open`.
-    repo_options:
-        Repository tunables for the repository, writer and reader.
-    convert:
-        As for :class:`CkptStoreCheckpointIO`.
-    **kwargs:
-        ``ModelParallelStrategy`` arguments. ``save_distributed_checkpoint``
-        must stay True.
-    """
+def _write_standin(path, url: str, step: int, name: str) -> None:
+    message = (
+        f"{name} is a ckptstore stand-in for step {step} of {url}; load it with "
+        f"Trainer(plugins=[CkptStoreCheckpointIO({url!r})]) or CkptStoreCheckpointIO(...).load_checkpoint, "
+        f"or write a file with `ckptstore export {url} {step} OUT.safetensors` (weights only)"
+    )
+    record = {"format": STANDIN_FORMAT, "version": 1, "url": url, "step": step, "name": name}
+    fs = get_filesystem(path)
+    fs.makedirs(os.path.dirname(os.fspath(path)), exist_ok=True)
+    with fs.open(os.fspath(path), "wb") as f:
+        f.write(standin_bytes(message, record))
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        storage_options: dict | None = None,
-        repo_options: dict | None = None,
-        convert: Callable[[str, Any], Any] = default_convert,
-        **kwargs,
-    ):
-        if not kwargs.get("save_distributed_checkpoint", True):
-            raise ValueError(
-                "CkptStoreModelParallelStrategy stores distributed checkpoints only; for a full state dict "
-                "use ModelParallelStrategy(save_distributed_checkpoint=False) on one process's files"
-            )
-        super().__init__(**kwargs)
-        self.url = os.fspath(url)
-        self.storage_options = storage_options
-        self.repo_options = dict(repo_options or {})
-        self.checkpoint_io = CkptStoreCheckpointIO(
-            self.url, convert=convert, storage_options=storage_options, **self.repo_options
-        )
 
-    @property
-    def _io(self) -> CkptStoreCheckpointIO:
-        return self.checkpoint_io
+def _is_file(path: str) -> bool:
+    try:
+        return bool(get_filesystem(path).isfile(path))
+    except OSError:
+        return False
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
-        import torch.distributed.checkpoint as dcp
 
-        from ckptstore.dcp import CkptStoreWriter
+def _read_standin(path: str) -> dict | None:
+    """A stand-in's record (ours), or None for anything else (missing, a checkpoint file, a directory)."""
+    try:
+        with get_filesystem(path).open(path, "rb") as f:
+            raw = f.read(STANDIN_MAX + 1)
+    except (OSError, ValueError):
+        return None
+    doc = parse_standin(raw)
+    if doc is None or doc.get("format") != STANDIN_FORMAT or type(doc.get("step")) is not int:
+        return None
+    return doc
 
-        if storage_options is not None:
-            raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
-        path = self.broadcast(os.fspath(filepath))
-        io = self._io
-        rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        rest = to_storable(rest, io.convert)  # every rank: a refusal is raised everywhere
-        step = self.broadcast(io.save_step(checkpoint, path) if self.global_rank == 0 else None)
-        if step is None:
-            if self.global_rank == 0:
-                io.replace_older(path, io.repository.latest())
-            self.barrier("ckptstore_save_last")
-            return
-        tree, extra = flatten(rest)
-        state = {"state_dict": checkpoint.pop("state_dict")}
-        for idx, osd in enumerate(checkpoint.pop("optimizer_states", [])):
-            state[f"optimizer_{idx}"] = osd
-        state[EXTRA_KEY] = extra
-        meta = io.metadata(checkpoint, path)
-        meta[METADATA_KEY]["tree"] = tree
-        meta[METADATA_KEY]["optimizers"] = sum(1 for k in state if k.startswith("optimizer_"))
-        writer = CkptStoreWriter(
-            self.url, step=step, storage_options=self.storage_options, metadata=meta, **self.repo_options
-        )
-        dcp.save(state, storage_writer=writer)
-        if self.global_rank == 0:
-            io.replace_older(path, step)
-        self.barrier("ckptstore_save")
 
-    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-            set_optimizer_state_dict,
-        )
+def __getattr__(name):
+    if name == "CkptStoreModelParallelStrategy":
+        from .lightning_strategy import CkptStoreModelParallelStrategy
 
-        from ckptstore.dcp import CkptStoreReader
-
-        io = self._io
-        path = self.broadcast(os.fspath(checkpoint_path))
-        step = self.broadcast(io.resolve(path) if self.global_rank == 0 else None)
-        ckpt = io.repository.checkpoint(step)
-        meta = ckpt.metadata.get(METADATA_KEY)
-        if not isinstance(meta, dict) or "tree" not in meta:
-            raise ValueError(
-                f"{io.repository.url}: step {step} was not saved by {type(self).__name__} "
-                "(no distributed-checkpoint metadata)"
-            )
-
-        def reader():
-            return CkptStoreReader(self.url, step=step, storage_options=self.storage_options, **self.repo_options)
-
-        assert self.model is not None and self.lightning_module is not None
-        module_state = {"state_dict": get_model_state_dict(self.model)}
-        dcp.load(module_state, storage_reader=reader())
-        self.model.load_state_dict(module_state["state_dict"], strict=self.lightning_module.strict_loading)
-        if len(self.optimizers) != meta.get("optimizers", len(self.optimizers)) and self.optimizers:
-            raise RuntimeError(
-                f"step {step} holds {meta.get('optimizers')} optimizer state(s); {len(self.optimizers)} are configured"
-            )
-        options = StateDictOptions(cpu_offload=True)
-        for idx, optim in enumerate(self.optimizers):
-            key = f"optimizer_{idx}"
-            osd = {key: get_optimizer_state_dict(self.model, optim)}
-            dcp.load(osd, storage_reader=reader())
-            set_optimizer_state_dict(self.model, optim, optim_state_dict=osd[key], options=options)
-        return unflatten(meta["tree"], lambda k: ckpt.read(f"{EXTRA_KEY}.{k}"))
+        return CkptStoreModelParallelStrategy
+    raise AttributeError(name)
 
 
 __all__ = [
@@ -451,5 +530,7 @@ __all__ = [
     "is_last_name",
     "default_convert",
     "to_storable",
+    "restore_values",
     "METADATA_KEY",
+    "NAMESPACE",
 ]

@@ -11,7 +11,8 @@ Lightning's ``ddp_spawn`` children) import it at start-up. It
   every engine ``deepspeed.initialize`` returns gets
   ``ckptstore.integrations.deepspeed.attach(engine, url)``, and every
   Lightning ``Trainer`` without a ``CheckpointIO`` plugin gets
-  ``plugins=[CkptStoreCheckpointIO(url)]``.
+  ``plugins=[CkptStoreCheckpointIO(url)]`` (``local_files=`` from
+  ``CKPTSTORE_SUITE_LOCAL_FILES`` when set).
 
 ``url`` is one repository per test: ``file://$CKPTSTORE_SUITE_DIR/repos/<test>``,
 the test's id read from ``$CKPTSTORE_SUITE_DIR/current``, which the pytest
@@ -78,7 +79,10 @@ def _patch_trainer(mod):
             getattr(strategy, "_checkpoint_io", None) is not None
         )
         if not has_io:
-            kwargs["plugins"] = [*plugins, CkptStoreCheckpointIO(suite_url())]
+            options = {}
+            if os.environ.get("CKPTSTORE_SUITE_LOCAL_FILES"):
+                options["local_files"] = os.environ["CKPTSTORE_SUITE_LOCAL_FILES"]
+            kwargs["plugins"] = [*plugins, CkptStoreCheckpointIO(suite_url(), **options)]
         original(self, *args, **kwargs)
 
     __init__._ckptstore_suite = True
