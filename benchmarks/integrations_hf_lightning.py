@@ -203,9 +203,15 @@ def bench_lightning(args, tmp: str) -> dict:
         Timed.saves, Timed.loads = [], []
         return Timed
 
-    out = {"save_seconds": {}, "restore_seconds": {}, "stored_bytes": {}}
-    url = os.path.join(tmp, "lt-repo")
-    for name, io in (("torch-files", timing(TorchCheckpointIO)()), ("ckptstore", timing(CkptStoreCheckpointIO)(url))):
+    out = {"save_seconds": {}, "restore_seconds": {}, "stored_bytes": {}, "local_bytes": {}}
+    systems = [
+        ("torch-files", lambda: timing(TorchCheckpointIO)(), None),
+        ("ckptstore", lambda: timing(CkptStoreCheckpointIO)(os.path.join(tmp, "lt-repo")), "lt-repo"),
+        ("ckptstore-stub", lambda: timing(CkptStoreCheckpointIO)(os.path.join(tmp, "lt-repo-stub"), local_files="stub"),
+         "lt-repo-stub"),
+    ]
+    for name, make, repo in systems:
+        io = make()
         ckdir = os.path.join(tmp, f"lt-{name}")
         module = Wrapped()
         trainer = L.Trainer(
@@ -220,34 +226,40 @@ def bench_lightning(args, tmp: str) -> dict:
         check(final, ckpt["state_dict"], f"lightning {name}")
         out["save_seconds"][name] = list(io.saves)
         out["restore_seconds"][name] = io.loads[-1]
-        out["stored_bytes"][name] = dir_bytes(ckdir) if name == "torch-files" else dir_bytes(url)
-        if name == "ckptstore":
-            io.teardown()
+        out["local_bytes"][name] = dir_bytes(ckdir)
+        out["stored_bytes"][name] = dir_bytes(ckdir) if repo is None else dir_bytes(os.path.join(tmp, repo))
+        io.teardown()
     return out
 
 
 # ---------------------------------------------------------------- report
 def report(res: dict, command: str) -> None:
-    hf_res, lt = res["hf"], res["lightning"]
-    print(f"model: {human(hf_res['logical_bytes'])} of fp32 weights, {human(hf_res['frozen_bytes'])} frozen; "
-          f"{res['steps']} fine-tuning steps, one checkpoint per step")
-    rows = [("stack", "system", "save s (first, median of rest)", "restore s", f"bytes stored ({res['steps']} ckpts)")]
+    hf_res, lt = res.get("hf"), res.get("lightning")
+    if hf_res is not None:
+        print(f"model: {human(hf_res['logical_bytes'])} of fp32 weights, {human(hf_res['frozen_bytes'])} frozen; "
+              f"{res['steps']} fine-tuning steps, one checkpoint per step")
+    rows = [("stack", "system", "save s (first, median of rest)", "restore s", f"bytes stored ({res['steps']} ckpts)",
+             "local folder")]
 
     def save_cell(xs):
         return f"{xs[0]:.2f}, {median(xs[1:]):.2f}" if len(xs) > 1 else f"{xs[0]:.2f}"
 
-    hs, hr, hb = hf_res["save_seconds"], hf_res["restore_seconds"], hf_res["stored_bytes"]
-    rows.append(("hf", "Trainer files", save_cell(hs["trainer-files"]),
-                 f"{hr['trainer-files (model.safetensors + optimizer.pt)']:.2f}", human(hb["trainer-files"])))
-    rows.append(("hf", "CkptStoreCallback", save_cell(hs["ckptstore"]),
-                 f"{hr['ckptstore repo.load']:.2f} (load) / {hr['ckptstore restore_checkpoint_dir']:.2f} (to folder)",
-                 human(hb["ckptstore"])))
-    ls, lr, lb = lt["save_seconds"], lt["restore_seconds"], lt["stored_bytes"]
-    rows.append(("lightning", "TorchCheckpointIO", save_cell(ls["torch-files"]), f"{lr['torch-files']:.2f}",
-                 human(lb["torch-files"])))
-    rows.append(("lightning", "CkptStoreCheckpointIO", save_cell(ls["ckptstore"]), f"{lr['ckptstore']:.2f}",
-                 human(lb["ckptstore"])))
+    if hf_res is not None:
+        hs, hr, hb = hf_res["save_seconds"], hf_res["restore_seconds"], hf_res["stored_bytes"]
+        rows.append(("hf", "Trainer files", save_cell(hs["trainer-files"]),
+                     f"{hr['trainer-files (model.safetensors + optimizer.pt)']:.2f}", human(hb["trainer-files"]), ""))
+        rows.append(("hf", "CkptStoreCallback", save_cell(hs["ckptstore"]),
+                     f"{hr['ckptstore repo.load']:.2f} (load) / {hr['ckptstore restore_checkpoint_dir']:.2f} (to folder)",
+                     human(hb["ckptstore"]), ""))
+    ls, lr, lb, ll = (lt or {}).get("save_seconds"), (lt or {}).get("restore_seconds"), (lt or {}).get("stored_bytes"), \
+        (lt or {}).get("local_bytes")
+    for key, label in () if lt is None else (("torch-files", "TorchCheckpointIO"), ("ckptstore", "CkptStoreCheckpointIO (local_files='full')"),
+                       ("ckptstore-stub", "CkptStoreCheckpointIO (local_files='stub')")):
+        rows.append(("lightning", label, save_cell(ls[key]), f"{lr[key]:.2f}", human(lb[key]), human(ll[key])))
     print(format_table(list(rows[0]), [list(r) for r in rows[1:]], left=len(rows[0]), rule=False))
+    if hf_res is None:
+        print(f"command: {command}")
+        return
     fp = hf_res["from_pretrained_seconds"]
     print(f"from_pretrained of the last step: folder {fp['folder']:.2f} s, lazy_state_dict {fp['lazy_state_dict']:.2f} s")
     print("ckptstore StepInfo per save (hf):")
@@ -264,14 +276,17 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--json", default=None)
     p.add_argument("--keep", action="store_true", help="keep the temp folder (printed)")
+    p.add_argument("--only", choices=["hf", "lightning"], help="run one stack")
     args = p.parse_args(argv)
     command = "python -m benchmarks.integrations_hf_lightning " + shlex.join(argv if argv is not None else sys.argv[1:])
     print(f"load average at start: {loadavg()}")
     tmp = tempfile.mkdtemp(prefix="ckpt-integ-bench-")
     try:
         res = {"steps": args.steps, "hidden": args.hidden, "layers": args.layers}
-        res["hf"] = bench_hf(args, tmp)
-        res["lightning"] = bench_lightning(args, tmp)
+        if args.only != "lightning":
+            res["hf"] = bench_hf(args, tmp)
+        if args.only != "hf":
+            res["lightning"] = bench_lightning(args, tmp)
     except VerificationError as e:
         print(f"VERIFICATION FAILED: {e}")
         return 1
