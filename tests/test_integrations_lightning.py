@@ -330,6 +330,16 @@ def test_a_failed_commit_leaves_no_file_standing_for_it(tmp_path):
     assert not (tmp_path / "best.ckpt").exists(), "the file would claim a state the repository did not take"
     assert repo.names(cl.NAMESPACE) == {"best.ckpt": 1}
     assert torch.equal(io.load_checkpoint(tmp_path / "best.ckpt")["state_dict"]["w"], torch.ones(3))
+    store.clear()
+
+    def disk_full(checkpoint, path, storage_options=None):
+        raise OSError(28, "No space left on device")
+
+    io._torch_io.save_checkpoint = disk_full  # Lightning's file fails while the step commits
+    with pytest.raises(OSError, match="No space left"):
+        io.save_checkpoint(_ckpt(3, 3), tmp_path / "best.ckpt")
+    assert repo.names(cl.NAMESPACE) == {"best.ckpt": 1}, "the name stays on the state it named"
+    assert 3 in repo.steps(), "the committed step is left to GC, unnamed"
     repo.close()
 
 

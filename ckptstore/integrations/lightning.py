@@ -32,6 +32,7 @@ import enum
 import os
 import pathlib
 import re
+import threading
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -395,19 +396,29 @@ class CkptStoreCheckpointIO(CheckpointIO):
             )
         restore: list = []
         state = to_storable(checkpoint, self.convert, restore)  # refuses before anything is written
+        local = None
         if self.local_files == "full":
-            # Lightning's own file first: its own checks (storage_options)
-            # refuse before the repository changes.
-            self._torch_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+            if storage_options is not None:
+                # Lightning's own IO judges them (TorchCheckpointIO refuses any)
+                # before the repository changes.
+                self._torch_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+            else:
+                # Lightning's file is written while the step is committed (both
+                # only read the tensors): the save costs the slower of the two.
+                local = _Background(self._torch_io.save_checkpoint, checkpoint, path)
         try:
             with self.session() as repo:
                 step = self.save_step(checkpoint, path, repo)
                 self.last_info = repo.save(state, step=step, metadata=self.metadata(checkpoint, path, restore))
+                if local is not None:
+                    local.result()
                 repo.set_name(NAMESPACE, name, step)
                 if self.local_files == "stub":
                     _write_standin(path, repo.url, step, name)
         except BaseException:
             if self.local_files == "full":
+                if local is not None:
+                    local.wait()
                 # The file must not stand for a state the repository did not take.
                 self._torch_io.remove_checkpoint(path)
             raise
@@ -465,6 +476,30 @@ class CkptStoreCheckpointIO(CheckpointIO):
 
 
 # ---------------------------------------------------------------- helpers
+class _Background:
+    """``fn(*args)`` on a thread of its own; :meth:`result` waits and raises what it raised."""
+
+    def __init__(self, fn, *args):
+        self._error: BaseException | None = None
+
+        def run():
+            try:
+                fn(*args)
+            except BaseException as e:  # handed to the caller by result()
+                self._error = e
+
+        self._thread = threading.Thread(target=run, name="ckptstore-lightning-file", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        self._thread.join()
+
+    def result(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
 def _legacy_step(name: str, repo: Repository, newest_for_last: bool = True) -> int | None:
     """The rules of repositories written before names: ``step=N`` is N, ``last`` the newest, else the recorded name."""
     steps = repo.steps()
