@@ -320,6 +320,11 @@ class Catalog:
                 continue
         return out
 
+    def all_names(self) -> dict[str, dict[str, int]]:
+        """Name space -> name -> step, every checkpoint name in the repository."""
+        spaces = sorted({parsed[0] for parsed in map(name_of_key, (o.key for o in self.store.list(NAME_PREFIX))) if parsed})
+        return {ns: names for ns in spaces if (names := self.names(ns))}
+
     def drop_name(self, ns: str, name: str) -> bool:
         """Remove a checkpoint name (its step stays); False if there was none."""
         key = name_key(ns, name)

@@ -20,6 +20,8 @@ def _repo(tmp_path):
         repo.save({"w": torch.randn(100, 100), "b": torch.zeros(100), "epoch": 1}, step=1, metadata={"loss": 2.5})
         repo.save({"w": torch.randn(100, 100), "b": torch.zeros(100), "epoch": 2}, step=2)
         repo.tag(1, "best")
+        repo.set_name("lightning", "last.ckpt", 2)
+        repo.set_name("deepspeed", "global_step2", 2)
     return url
 
 
@@ -29,6 +31,7 @@ def test_ls_show_stats_json(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert [s["step"] for s in out["steps"]] == [1, 2]
     assert out["steps"][0]["tags"] == ["best"]
+    assert out["steps"][0]["names"] == [] and out["steps"][1]["names"] == ["deepspeed:global_step2", "lightning:last.ckpt"]
     assert out["steps"][0]["logical_bytes"] == 40_400
     assert main(["show", url, "1", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -43,7 +46,7 @@ def test_human_output_and_errors(tmp_path, capsys):
     url = _repo(tmp_path)
     assert main(["ls", url]) == 0
     out = capsys.readouterr().out
-    assert "best" in out and "step" in out
+    assert "best" in out and "step" in out and "lightning:last.ckpt" in out
     assert main(["show", url, "2"]) == 0
     assert "w" in capsys.readouterr().out
     assert main(["show", url, "9"]) == 1

@@ -34,6 +34,10 @@ def cmd_ls(args) -> int:
         tags_by_step: dict[int, list[str]] = {}
         for name, step in repo.tags().items():
             tags_by_step.setdefault(step, []).append(name)
+        names_by_step: dict[int, list[str]] = {}
+        for ns, names in repo.all_names().items():
+            for name, step in names.items():
+                names_by_step.setdefault(step, []).append(f"{ns}:{name}")
         rows = []
         for step in repo.steps():
             m = repo.manifest(step)
@@ -46,6 +50,7 @@ def cmd_ls(args) -> int:
                     "new_bytes": m.stats.get("stored_bytes", 0),
                     "reused_bytes": m.stats.get("reused_bytes", 0),
                     "tags": sorted(tags_by_step.get(step, [])),
+                    "names": sorted(names_by_step.get(step, [])),
                 }
             )
     if args.json:
@@ -56,10 +61,11 @@ def cmd_ls(args) -> int:
         return 0
     table(
         [
-            [r["step"], r["time"], r["tensors"], human_bytes(r["logical_bytes"]), human_bytes(r["new_bytes"]), ",".join(r["tags"])]
+            [r["step"], r["time"], r["tensors"], human_bytes(r["logical_bytes"]), human_bytes(r["new_bytes"]),
+             ",".join(r["tags"]), ",".join(r["names"])]
             for r in rows
         ],
-        ["step", "time (UTC)", "tensors", "logical", "new (stored)", "tags"],
+        ["step", "time (UTC)", "tensors", "logical", "new (stored)", "tags", "names"],
     )
     return 0
 
