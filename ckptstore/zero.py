@@ -349,9 +349,10 @@ class StoredStep:
 class VirtualFlat:
     """Several stored 1-d tensors read as their concatenation, by element range."""
 
-    def __init__(self, ckpt, keys: list[str]):
+    def __init__(self, ckpt, keys: list[str], cache: dict[str, torch.Tensor] | None = None):
         self.ckpt = ckpt
         self.keys = keys
+        self.cache = {} if cache is None else cache  # key -> the whole tensor, read before (ZeroLayout.preload_fp32)
         self.starts = []
         n = 0
         for k in keys:
@@ -371,7 +372,8 @@ class VirtualFlat:
             n = self.ckpt.tensor_meta(k).shape[0]
             lo, hi = max(a, s), min(b, s + n)
             if lo < hi:
-                parts.append(self.ckpt.read(k, (slice(lo - s, hi - s),)))
+                whole = self.cache.get(k)
+                parts.append(whole[lo - s : hi - s] if whole is not None else self.ckpt.read(k, (slice(lo - s, hi - s),)))
         if not parts:
             return torch.empty(0, dtype=self.dtype)
         return parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -423,6 +425,8 @@ class ZeroLayout:
             raise FormatError(f"step {self.step}: expected model-states files of dp ranks {want_models}, found {sorted(models)}")
         self.model_files = models
         self.optim_files = optims
+        self._flats: dict[tuple[int, str], VirtualFlat] = {}
+        self._cache: dict[str, torch.Tensor] = {}
         self.model0 = stored.structure(models[0])
         self.optim = {r: stored.structure(f)["optimizer_state_dict"] for r, f in optims.items()}
         self.slots: dict[str, ParamSlot] = {}
@@ -453,27 +457,65 @@ class ZeroLayout:
     def _pn(self, numel: int, world: int | None = None) -> int:
         return math.ceil(numel / (world or self.world))
 
-    def _flat(self, rank: int, kind: str) -> VirtualFlat:
-        """Rank ``rank``'s flat fp32 partitions (``kind="fp32"``) or one optimizer state, all groups."""
-        o = self.optim[rank]
-        if kind == "fp32":
-            refs = o["fp32_flat_groups"] if self.stage == 3 else o["single_partition_of_fp32_groups"]
-        else:
-            base = o["optimizer_state_dict"] if self.stage == 3 else o["base_optimizer_state"]
-            state = base["state"]
-            refs = [state[g][kind] for g in sorted(state)]
-        return VirtualFlat(self.s.ckpt, [r.key for r in refs])
+    def preload_fp32(self) -> None:
+        """Read every rank's fp32 partitions (and ZeRO-3 frozen fragments) whole, in one batch.
 
-    def _group_flat(self, group: int, kind: str) -> VirtualFlat:
-        """ZeRO-1/2: one parameter group's flat buffer across every rank."""
+        For a reader of every parameter: each stored byte is fetched once,
+        instead of once per parameter whose range shares its chunk. Holds
+        the fp32 model in memory until this layout goes.
+        """
         keys = []
         for r in range(self.world):
-            o = self.optim[r]
-            if kind == "fp32":
-                keys.append(o["single_partition_of_fp32_groups"][group].key)
-            else:
-                keys.append(o["base_optimizer_state"]["state"][group][kind].key)
-        return VirtualFlat(self.s.ckpt, keys)
+            groups = self.optim[r]["fp32_flat_groups" if self.stage == 3 else "single_partition_of_fp32_groups"]
+            keys += [ref.key for ref in groups]
+            if self.stage == 3 and self.frozen:
+                frags = self.s.structure(self.model_files[r]).get("frozen_param_fragments") or {}
+                keys += [ref.key for ref in frags.values() if isinstance(ref, TensorRef)]
+        dests = {}
+        for k in keys:
+            if k not in self._cache:
+                tm = self.s.ckpt.tensor_meta(k)
+                dests[k] = torch.empty(tm.shape, dtype=tm.dtype)
+        self.s.ckpt.read_many_into(dests)
+        self._cache.update(dests)
+
+    @property
+    def elastic(self) -> bool:
+        """ZeRO-1/2 saved with ``elastic_checkpoint``: per-group optimizer states without padding."""
+        return self.stage != 3 and isinstance(self.optim[0].get("base_optimizer_state"), list)
+
+    def state_of(self, rank: int, group: int) -> dict:
+        """The base optimizer's state of one flat group of one rank (structure, tensors as refs)."""
+        o = self.optim[rank]
+        if self.stage == 3:
+            return o["optimizer_state_dict"]["state"][group]
+        base = o["base_optimizer_state"]
+        return base[group] if isinstance(base, list) else base["state"][group]
+
+    def fp32_ref(self, rank: int, group: int) -> TensorRef:
+        o = self.optim[rank]
+        return (o["fp32_flat_groups"] if self.stage == 3 else o["single_partition_of_fp32_groups"])[group]
+
+    def _flat(self, rank: int, kind: str) -> VirtualFlat:
+        """ZeRO-3: rank ``rank``'s flat fp32 partitions (``kind="fp32"``) or one optimizer state, all sub-groups."""
+        groups = range(len(self.optim[rank]["fp32_flat_groups"]))
+        refs = [self.fp32_ref(rank, g) if kind == "fp32" else self.state_of(rank, g)[kind] for g in groups]
+        return VirtualFlat(self.s.ckpt, [r.key for r in refs], self._cache)
+
+    def _group_flat(self, group: int, kind: str) -> VirtualFlat:
+        """ZeRO-1/2: one parameter group's flat buffer across every rank.
+
+        Ranks' partitions are saved without their alignment padding (fp32)
+        or with it (rigid optimizer states); padding only ever ends a
+        group's flat buffer, so either way the ranks' tensors put back to
+        back hold every parameter at its offset.
+        """
+        key = (group, kind)
+        flat = self._flats.get(key)
+        if flat is None:
+            refs = [self.fp32_ref(r, group) if kind == "fp32" else self.state_of(r, group)[kind] for r in range(self.world)]
+            flat = self._flats[key] = VirtualFlat(self.s.ckpt, [ref.key for ref in refs], self._cache)
+        return flat
 
     def read_param(self, name: str, kind: str = "fp32", a: int = 0, b: int | None = None) -> torch.Tensor:
         """Elements ``[a, b)`` of a trainable parameter (flattened), or of one of its optimizer states."""
@@ -505,7 +547,7 @@ class ZeroLayout:
             k = e // pn
             hi = min(b, (k + 1) * pn)
             ref = self.s.structure(self.model_files[k])["frozen_param_fragments"][name]
-            parts.append(VirtualFlat(self.s.ckpt, [ref.key]).read(e - k * pn, hi - k * pn))
+            parts.append(VirtualFlat(self.s.ckpt, [ref.key], self._cache).read(e - k * pn, hi - k * pn))
             e = hi
         if not parts:
             return torch.empty(0, dtype=torch.float32)
@@ -538,35 +580,164 @@ class ZeroLayout:
                 other[k] = v
         return per_elem, other
 
+    def group_state_keys(self, group: int) -> tuple[list[str], dict[str, Any]]:
+        """ZeRO-1/2: (per-element optimizer states, other values) of one parameter group.
+
+        Per-element, as DeepSpeed's own elastic restore decides it: on every
+        rank a tensor as long as that rank's partition of the group (with
+        its padding in a rigid checkpoint, without in an elastic one).
+        Anything else (``step``) is rank 0's value.
+        """
+        first = self.state_of(0, group)
+        shape = lambda ref: tuple(self.s.ckpt.tensor_meta(ref.key).shape)  # noqa: E731
+
+        def partition_shape(r: int) -> tuple[int]:
+            n = shape(self.fp32_ref(r, group))[0]
+            if not self.elastic:
+                n += int(self.optim[r]["group_paddings"][group])
+            return (n,)
+
+        per_elem, other = [], {}
+        for k, v in first.items():
+            if all(
+                isinstance(self.state_of(r, group).get(k), TensorRef) and shape(self.state_of(r, group)[k]) == partition_shape(r)
+                for r in range(self.world)
+            ):
+                per_elem.append(k)
+            else:
+                other[k] = v
+        return per_elem, other
+
+    def state_dtype(self, group: int, kind: str) -> torch.dtype:
+        """The dtype of a ZeRO-1/2 group's fp32 partitions or per-element state."""
+        ref = self.fp32_ref(0, group) if kind == "fp32" else self.state_of(0, group)[kind]
+        return self.s.ckpt.tensor_meta(ref.key).dtype
+
+    def partition_of(self, group: "FlatGroup", rank: int, kind: str = "fp32") -> torch.Tensor:
+        """ZeRO-1/2: partition ``rank`` of a live layout's flat group, read from this step.
+
+        ``partition_size`` elements, zero where the live layout pads (between
+        parameters, and past the group's data). When the live group places
+        the saved group's parameters at the saved offsets (the usual case:
+        the layout within a group does not depend on the DP size), the
+        partition is one range of the saved flat buffer; otherwise each
+        parameter's piece is read on its own.
+        """
+        lo = rank * group.partition_size
+        g = self._same_offsets(group)
+        dtype = self.state_dtype(g if g is not None else self.slots[group.names[0]].group, kind) if group.names else torch.float32
+        out = torch.zeros(group.partition_size, dtype=dtype)
+        if g is not None:
+            end = min(lo + group.partition_size, group.data_end)
+            if end > lo:
+                out[: end - lo] = self._group_flat(g, kind).read(lo, end)
+            return out
+        for name, at, n, a in group.fragments(rank):
+            if name not in self.slots:
+                raise KeyError(f"step {self.step} holds no trainable parameter {name!r}")
+            out[at : at + n] = self.read_param(name, kind, a, a + n)
+        return out
+
+    def _same_offsets(self, group: "FlatGroup") -> int | None:
+        """The saved group holding exactly ``group``'s parameters at its offsets, or None."""
+        slots = [self.slots.get(n) for n in group.names]
+        if not slots or any(s is None for s in slots) or len({s.group for s in slots}) != 1:
+            return None
+        g = slots[0].group
+        saved = [s for s in self.slots.values() if s.group == g]
+        if [s.name for s in saved] != list(group.names) or [s.offset for s in saved] != list(group.offsets):
+            return None
+        if [s.numel for s in saved] != list(group.numels):
+            return None
+        return g
+
     # -- consolidated weights (what zero_to_fp32.py writes)
-    def consolidated(self) -> list[tuple[str, torch.dtype, tuple[int, ...], Callable[[], torch.Tensor]]]:
-        """(name, dtype, shape, read) for every buffer and parameter, full fp32 precision for parameters."""
+    def consolidated(
+        self, exclude_frozen: bool = False, float_buffers: bool = False
+    ) -> list[tuple[str, torch.dtype, tuple[int, ...], Callable[[], torch.Tensor]]]:
+        """(name, dtype, shape, read) for every buffer and parameter, full fp32 precision for parameters.
+
+        In DeepSpeed's ``zero_to_fp32`` order: buffers (in the module's
+        order), frozen parameters (unless ``exclude_frozen``), trainable
+        parameters, then tied names, each sharing its target's ``read``.
+        ``float_buffers``: floating-point buffers as fp32, as ``zero_to_fp32``
+        gives them (otherwise as saved).
+        """
         out = []
-        seen = set()
         module = self.model0.get("module") or {}
-        for name in self.model0.get("buffer_names") or []:
-            ref = module.get(name)
-            if isinstance(ref, TensorRef):
+        buffer_names = set(self.model0.get("buffer_names") or [])
+        for name, ref in module.items():
+            if name in buffer_names and isinstance(ref, TensorRef):
                 tm = self.s.ckpt.tensor_meta(ref.key)
-                out.append((name, tm.dtype, tuple(tm.shape), lambda k=ref.key: self.s.ckpt.read(k)))
-                seen.add(name)
-        for name, shape in self.frozen.items():
-            dtype = self._frozen_dtype(name)
-            out.append((name, dtype, shape, lambda n=name, s=shape: self.read_frozen(n).reshape(s)))
-            seen.add(name)
+                dtype = tm.dtype
+                if float_buffers and dtype.is_floating_point:
+                    dtype = torch.float32
+                out.append((name, dtype, tuple(tm.shape), lambda k=ref.key, d=dtype: self.s.ckpt.read(k).to(d)))
+        if not exclude_frozen:
+            for name, shape in self.frozen.items():
+                dtype = self._frozen_dtype(name)
+                out.append((name, dtype, shape, lambda n=name, s=shape: self.read_frozen(n).reshape(s)))
         for name, slot in self.slots.items():
             out.append((name, torch.float32, slot.shape, lambda n=name, s=slot.shape: self.read_param(n).reshape(s)))
-            seen.add(name)
-        shared = self.model0.get("shared_params") or {}
-        by_name = {e[0]: e for e in out}
-        for alias, target in shared.items():
-            if alias not in seen and target in by_name:
-                _, dt, sh, fn = by_name[target]
-                out.append((alias, dt, sh, fn))
-        return out
+        return _with_tied(out, self.model0.get("shared_params") or {})
 
     def _frozen_dtype(self, name: str) -> torch.dtype:
         return self.s.ckpt.tensor_meta(self.model0["frozen_param_fragments"][name].key).dtype
+
+
+def _with_tied(out: list, shared: dict) -> list:
+    """``out`` plus an entry per tied name whose target is in it (same ``read``: one tensor for both)."""
+    by_name = {e[0]: e for e in out}
+    for alias, target in shared.items():
+        if alias not in by_name and target in by_name:
+            _, dt, sh, fn = by_name[target]
+            out.append((alias, dt, sh, fn))
+            by_name[alias] = out[-1]
+    return out
+
+
+@dataclass(frozen=True)
+class FlatGroup:
+    """One ZeRO-1/2 parameter group as a live optimizer lays it out on ``world`` ranks.
+
+    Parameters sit back to back in a flat buffer (``names`` in buffer
+    order, each at ``offsets[i]`` with ``numels[i]`` elements; any gap is
+    alignment padding), which is padded at its end to ``world *
+    partition_size`` elements and cut into ``world`` equal partitions.
+    """
+
+    names: tuple[str, ...]
+    offsets: tuple[int, ...]
+    numels: tuple[int, ...]
+    partition_size: int
+    world: int
+
+    def __post_init__(self):
+        if not (len(self.names) == len(self.offsets) == len(self.numels)):
+            raise ValueError("FlatGroup: names, offsets and numels differ in length")
+        if self.data_end > self.partition_size * self.world:
+            raise ValueError(
+                f"FlatGroup: parameters end at element {self.data_end}, past {self.world} partitions of {self.partition_size}"
+            )
+
+    @property
+    def data_end(self) -> int:
+        return self.offsets[-1] + self.numels[-1] if self.names else 0
+
+    def padding(self, rank: int) -> int:
+        """Elements at the end of partition ``rank`` past the group's data (DeepSpeed's ``groups_padding``)."""
+        lo = rank * self.partition_size
+        return min(self.partition_size, max(0, lo + self.partition_size - max(lo, self.data_end)))
+
+    def fragments(self, rank: int) -> list[tuple[str, int, int, int]]:
+        """(name, start in the partition, elements, start in the parameter) of each parameter piece in ``rank``'s partition."""
+        lo, hi = rank * self.partition_size, (rank + 1) * self.partition_size
+        out = []
+        for name, off, n in zip(self.names, self.offsets, self.numels):
+            a, b = max(lo, off), min(hi, off + n)
+            if a < b:
+                out.append((name, a - lo, b - a, a - off))
+        return out
 
 
 def partition(full_reader: Callable[[int, int], torch.Tensor], numel: int, rank: int, world: int, dtype) -> torch.Tensor:
@@ -579,17 +750,20 @@ def partition(full_reader: Callable[[int, int], torch.Tensor], numel: int, rank:
     return out
 
 
-def consolidated(ckpt) -> list[tuple[str, torch.dtype, tuple[int, ...], Callable[[], torch.Tensor]]]:
+def consolidated(
+    ckpt, exclude_frozen: bool = False, float_buffers: bool = False
+) -> list[tuple[str, torch.dtype, tuple[int, ...], Callable[[], torch.Tensor]]]:
     """(name, dtype, shape, read) of the model weights a DeepSpeed step makes up.
 
     ZeRO-1/2/3: buffers, frozen parameters and every trainable parameter
     assembled from the fp32 master partitions (full precision, as
-    ``zero_to_fp32.py`` gives them), tied names included. Without ZeRO:
-    the module state dict of the model-states file as saved.
+    ``zero_to_fp32.py`` gives them), tied names included (see
+    :meth:`ZeroLayout.consolidated` for the options). Without ZeRO: the
+    module state dict of the model-states file as saved.
     """
     stored = StoredStep(ckpt)
     if int(stored.meta.get("zero_stage", 0)) in (1, 2, 3):
-        return ZeroLayout(stored).consolidated()
+        return ZeroLayout(stored).consolidated(exclude_frozen=exclude_frozen, float_buffers=float_buffers)
     models = stored.model_files()
     if 0 not in models:
         raise FormatError(f"step {stored.step}: no model-states file of rank 0")

@@ -70,13 +70,29 @@ def model(seed: int = 0) -> torch.nn.Module:
     return m
 
 
-def engine(deepspeed, stage: int, seed: int = 0, bf16: bool = False):
-    m = model(seed)
-    opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=0.01)
+class GroupStepAdamW(torch.optim.AdamW):
+    """AdamW that also counts steps in its parameter groups, as DeepSpeed's own Adam implementations do.
+
+    DeepSpeed's elastic ZeRO-1/2 checkpoints need it: they save and restore
+    ``param_groups[0]["step"]`` (``base_optimizer_state_step``), which
+    torch's optimizers keep per parameter only.
+    """
+
+    def step(self, closure=None):
+        loss = super().step(closure)
+        for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1
+        return loss
+
+
+def engine(deepspeed, stage: int, seed: int = 0, bf16: bool = False, zero: dict | None = None, m=None):
+    m = model(seed) if m is None else m
+    opt_cls = GroupStepAdamW if (zero or {}).get("elastic_checkpoint") else torch.optim.AdamW
+    opt = opt_cls([p for p in m.parameters() if p.requires_grad], lr=0.01)
     cfg = {
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": {"stage": stage, **(zero or {})},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
     }
@@ -135,7 +151,8 @@ def adam_step(eng) -> torch.Tensor:
 def compare(got: dict, want: dict, what: str) -> None:
     assert set(got) == set(want), (what, sorted(set(got) ^ set(want)))
     for k in want:
-        assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), f"{what}: {k} differs"
+        small = f": {got[k]!r} != {want[k]!r}" if got[k].numel() <= 4 or want[k].numel() <= 4 else ""
+        assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), f"{what}: {k} differs{small}"
 
 
 # ------------------------------------------------------------------ workers
@@ -182,6 +199,15 @@ def reshard_worker(rank, world, port, url, so, tmp, bf16=False):
 
     deepspeed = init(rank, world, port)
     exp = torch.load(os.path.join(tmp, "expect_3.pt"), weights_only=True)
+    as_deepspeed = engine(deepspeed, 3, seed=9, bf16=bf16)
+    cds.attach(as_deepspeed, url, storage_options=so, reshard=False)  # ZeRO-3 as DeepSpeed: refused
+    try:
+        as_deepspeed.load_checkpoint(os.path.join(tmp, f"as_deepspeed{world}"), tag="global_step2")
+    except RuntimeError as e:
+        # DeepSpeed's own failure: its module load copies the saved frozen partitions (2 ranks' size) first
+        assert "must match the size" in str(e), e
+    else:
+        raise AssertionError("reshard=False re-partitioned a ZeRO-3 step")
     fresh = engine(deepspeed, 3, seed=9, bf16=bf16)
     cds.attach(fresh, url, storage_options=so)
     # A load directory that never saw the checkpoint: the stubs are written from the repository.
@@ -199,9 +225,8 @@ def reshard_worker(rank, world, port, url, so, tmp, bf16=False):
 
 def failure_worker(rank, world, port, url, so, tmp):
     """A plain DeepSpeed directory loads through an attached engine (restricted unpickler);
-    a step that exists, and an object ckptstore does not store, fail on every rank and change nothing."""
+    an object ckptstore does not store fails on every rank and changes nothing."""
     import ckptstore
-    from ckptstore.errors import StepExistsError
     from ckptstore.integrations import deepspeed as cds
 
     deepspeed = init(rank, world, port)
@@ -221,12 +246,6 @@ def failure_worker(rank, world, port, url, so, tmp):
     eng.save_checkpoint(save_dir, tag="global_step1")
     repo = ckptstore.open(url, storage_options=so)
     before = repo.steps()
-    try:
-        eng.save_checkpoint(save_dir, tag="global_step1")
-    except StepExistsError as e:
-        assert "step 1" in str(e), e
-    else:
-        raise AssertionError("saving an existing step did not fail")
     try:
         eng.save_checkpoint(save_dir, tag="global_step9", client_state={"bad": object()})
     except Exception as e:  # rank 0 names the value; the other rank says another rank failed
@@ -274,4 +293,203 @@ def hf_worker(rank, world, port, url, tmp):
             for n, p in eng.module.named_parameters()}
     if rank == 0:
         torch.save(full, os.path.join(tmp, "hf_full.pt"))
+    shutdown()
+
+
+# ------------------------------------------------------------------ every load path, DeepSpeed's tools
+def params(eng) -> dict:
+    """Every parameter's full value (collective under ZeRO-3)."""
+    return {name: gathered(p) for name, p in eng.module.named_parameters()}
+
+
+def module_only_worker(rank, world, port, url, tmp):
+    """ZeRO-3 loads without optimizer states take the weights of the tag being loaded from the repository."""
+    from ckptstore.integrations import deepspeed as cds
+
+    deepspeed = init(rank, world, port)
+    plain_dir, save_dir = os.path.join(tmp, "plain"), os.path.join(tmp, "ds")
+    plain = engine(deepspeed, 3, seed=4)  # saved by DeepSpeed itself, before any attach
+    train(plain, 1, seed=4)
+    plain.save_checkpoint(plain_dir, tag="p")
+    plain_params = params(plain)
+
+    eng = engine(deepspeed, 3)
+    cds.attach(eng, url)
+    train(eng, 2, seed=1)
+    at_a = params(eng)
+    eng.save_checkpoint(save_dir, tag="a")
+    train(eng, 1, seed=2)
+    eng.save_checkpoint(save_dir, tag="b")  # `latest` says b; DeepSpeed's own consolidation would read b
+    # DeepSpeed consolidates under ZeRO-3 when optimizer states are not loaded (its own tests pass both flags)
+    for kwargs in ({"load_module_only": True, "load_optimizer_states": False}, {"load_optimizer_states": False}):
+        for where in (save_dir, os.path.join(tmp, "fresh")):  # fresh: no `latest`, no stubs before the load
+            fresh = engine(deepspeed, 3, seed=7)
+            cds.attach(fresh, url)
+            path, _ = fresh.load_checkpoint(where, tag="a", **kwargs)
+            assert path is not None, (where, kwargs)
+            compare(params(fresh), at_a, f"rank {rank}: tag a loaded with {kwargs} from {where}")
+            if not kwargs.get("load_module_only"):
+                assert fresh.global_steps == 2, fresh.global_steps
+    # A load that is not ckptstore's goes to DeepSpeed's own consolidation (real files).
+    other = engine(deepspeed, 3, seed=8)
+    cds.attach(other, url)
+    path, _ = other.load_checkpoint(plain_dir, tag="p", load_optimizer_states=False)
+    assert path is not None
+    compare(params(other), plain_params, f"rank {rank}: plain ZeRO-3 folder through an attached engine")
+    shutdown()
+
+
+class TiedModel(torch.nn.Module):
+    """A frozen first layer, two layers sharing one weight, fp64 and int buffers."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.a = torch.nn.Linear(IN, HID)
+        self.b = torch.nn.Linear(HID, HID)
+        self.c = torch.nn.Linear(HID, HID)
+        self.c.weight = self.b.weight
+        self.out = torch.nn.Linear(HID, OUT)
+        self.a.requires_grad_(False)
+        self.register_buffer("scale", torch.tensor([1.5, 0.5], dtype=torch.float64))
+        self.register_buffer("seen", torch.tensor([3], dtype=torch.int64))
+
+    def forward(self, x):
+        h = torch.relu(self.c(torch.relu(self.b(torch.relu(self.a(x))))))
+        return self.out(h) * self.scale.float().sum()
+
+
+def tools_worker(rank, world, port, stage, url, tmp):
+    """The same state saved by DeepSpeed itself (tmp/plain) and through ckptstore (tmp/ds), tag "t"."""
+    from ckptstore.integrations import deepspeed as cds
+
+    deepspeed = init(rank, world, port)
+    eng = engine(deepspeed, stage, m=TiedModel())
+    train(eng, 2, seed=1)
+    eng.save_checkpoint(os.path.join(tmp, "plain"), tag="t")
+    cds.attach(eng, url)
+    eng.save_checkpoint(os.path.join(tmp, "ds"), tag="t")
+    shutdown()
+
+
+# ------------------------------------------------------------------ ZeRO-1/2 on another DP size
+def partitions(eng) -> dict:
+    """This rank's flat fp32 partitions and base optimizer state, as the optimizer holds them."""
+    opt = eng.optimizer
+    out = {}
+    for i, t in enumerate(opt.single_partition_of_fp32_groups):
+        out[f"fp32.{i}"] = t.detach().clone()
+        for k, v in opt.optimizer.state[t].items():
+            v = v.detach().clone() if isinstance(v, torch.Tensor) else torch.tensor(v)
+            # DeepSpeed's elastic restore (_restore_base_optimizer_state) gives a fresh optimizer its
+            # 0-d "step" as a 1-element tensor, on any DP size: compare the count, not the shape.
+            out[f"state.{i}.{k}"] = v.reshape(()) if k == "step" else v
+    return out
+
+
+def zero12_worker(rank, world, port, stage, url, tmp, phase, zero):
+    """ZeRO-1/2 saved on 2 ranks ("save"), loaded on ``world`` ranks and saved there ("other"),
+    loaded back on 2 ranks ("back"): bit-exact with the run that never changed size."""
+    import torch.distributed as dist
+    from deepspeed.runtime.zero.utils import ZeRORuntimeException
+
+    from ckptstore.integrations import deepspeed as cds
+
+    deepspeed = init(rank, world, port)
+    save_dir = os.path.join(tmp, "ds")
+    expect = os.path.join(tmp, "expect.pt")
+    if phase == "save":
+        eng = engine(deepspeed, stage, zero=zero)
+        cds.attach(eng, url)
+        train(eng, 2, seed=1)
+        want = full_state(eng)
+        torch.save(partitions(eng), os.path.join(tmp, f"partitions_{rank}.pt"))
+        eng.save_checkpoint(save_dir, tag="s")
+        train(eng, 1, seed=2)
+        if rank == 0:
+            torch.save({"want": want, "after": full_state(eng)}, expect)
+        else:
+            full_state(eng)
+        dist.barrier()
+        shutdown()
+    exp = torch.load(expect, weights_only=True)
+    if phase == "other":
+        # default (reshard=None): ZeRO-1/2 behave as DeepSpeed, which refuses optimizer states on another DP size
+        refused = engine(deepspeed, stage, seed=9, zero=zero)
+        cds.attach(refused, url)
+        try:
+            refused.load_checkpoint(save_dir, tag="s")
+        except ZeRORuntimeException as e:
+            assert "DP world size of 2" in str(e) and cds.RESHARD_HINT in str(e), e
+        else:
+            raise AssertionError("optimizer states on another DP size loaded without reshard=True")
+        weights_only = engine(deepspeed, stage, seed=9, zero=zero)
+        cds.attach(weights_only, url)
+        path, _ = weights_only.load_checkpoint(save_dir, tag="s", load_optimizer_states=False)
+        assert path is not None and weights_only.global_steps == 2
+        compare(params(weights_only), {k[: -len(".param")]: v for k, v in exp["want"].items() if k.endswith(".param")},
+                f"rank {rank} of {world}: weights without optimizer states")
+        eng = engine(deepspeed, stage, seed=9, zero=zero)
+        cds.attach(eng, url, reshard=True)
+        path, client = eng.load_checkpoint(save_dir, tag="s")
+        assert path is not None
+        compare(full_state(eng), exp["want"], f"rank {rank} of {world}: re-partitioned load")
+        eng.save_checkpoint(save_dir, tag="r")  # saved on `world` ranks, nothing trained since the load
+        shutdown()
+    # "back": on 2 ranks again, from the step saved on `world`
+    eng = engine(deepspeed, stage, seed=11, zero=zero)
+    cds.attach(eng, url, reshard=True)
+    path, _ = eng.load_checkpoint(save_dir, tag="r")
+    assert path is not None
+    compare(partitions(eng), torch.load(os.path.join(tmp, f"partitions_{rank}.pt"), weights_only=True),
+            f"rank {rank}: partitions after 2 -> other -> 2")
+    compare(full_state(eng), exp["want"], f"rank {rank}: back on 2 ranks")
+    train(eng, 1, seed=2)
+    compare(full_state(eng), exp["after"], f"rank {rank}: trained on after the round trip")
+    shutdown()
+
+
+# ------------------------------------------------------------------ a tag saved again
+def resave_worker(rank, world, port, url, tmp):
+    """A tag saved again loads the new state; the old step stays; steps without names load by the old rules."""
+    import torch.distributed as dist
+
+    import ckptstore
+    from ckptstore.integrations import deepspeed as cds
+    from ckptstore.integrations import deepspeed_tools as T
+
+    deepspeed = init(rank, world, port)
+    save_dir = os.path.join(tmp, "ds")
+    eng = engine(deepspeed, 2)
+    ce = cds.attach(eng, url)
+    train(eng, 1, seed=1)
+    first = full_state(eng)
+    eng.save_checkpoint(save_dir)  # tag global_step1 -> step 1
+    assert ce.last_step == 1, ce.last_step
+    train(eng, 1, seed=2)
+    second = full_state(eng)
+    eng.save_checkpoint(save_dir, tag="global_step1")  # the same tag again: step 1 is taken
+    assert ce.last_step == 2, ce.last_step  # every rank saved to the step rank 0 picked
+    repo = ckptstore.open(url)
+    assert repo.steps() == [1, 2], repo.steps()
+    assert repo.name_step("deepspeed", "global_step1") == 2
+    for f in os.listdir(os.path.join(save_dir, "global_step1")):
+        assert T.read_stub(os.path.join(save_dir, "global_step1", f))["step"] == 2, f
+    for where in (save_dir, os.path.join(tmp, "elsewhere")):
+        fresh = engine(deepspeed, 2, seed=5)
+        cds.attach(fresh, url)
+        path, _ = fresh.load_checkpoint(where, tag="global_step1")
+        assert path is not None
+        compare(full_state(fresh), second, f"rank {rank}: tag saved again, loaded from {where}")
+    # A step saved before names existed: no name, no stubs -> the tag's integer and the step's metadata.
+    dist.barrier()
+    if rank == 0:
+        assert repo.drop_name("deepspeed", "global_step1")
+    dist.barrier()
+    old = engine(deepspeed, 2, seed=6)
+    cds.attach(old, url)
+    path, _ = old.load_checkpoint(os.path.join(tmp, "before_names"), tag="global_step1")
+    assert path is not None
+    compare(full_state(old), first, f"rank {rank}: unnamed step by the old rules")
+    repo.close()
     shutdown()

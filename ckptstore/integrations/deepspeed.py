@@ -20,43 +20,45 @@ DeepSpeed calls on every rank once all of its files are handed over, saves
 every rank's files as ONE step with ``torch.distributed.checkpoint`` and
 :class:`ckptstore.dcp.CkptStoreWriter`: each rank uploads its own tensors
 (deduplicated against the previous step), and rank 0 commits the step's
-manifest with an exclusive create after every rank has written. A failure on
-any rank leaves no step; saving a step that exists fails on every rank with
-:class:`ckptstore.StepExistsError`. Non-tensor values (``LossScaler``,
-``ZeroStageEnum``, fragment addresses, configs) are converted to JSON with
-an explicit allow-list (:data:`CODECS`); nothing is pickled. Then each rank
-writes a small JSON stub in place of each of its files, so ``save_dir``
-holds only bookkeeping: DeepSpeed's ``latest`` and ``zero_to_fp32.py``, the
+manifest with an exclusive create after every rank has written. The step
+is the tag's trailing integer (``global_step1000`` -> 1000), else
+``engine.global_steps``, when that step is free, else one past the newest
+(rank 0 picks it, every rank agrees before the collective save); once it
+is committed, rank 0 points the checkpoint name ``("deepspeed", tag)`` at
+it. So a tag saved again loads the new state, as in DeepSpeed, and no
+committed step is rewritten. A failure on any rank leaves no step.
+Non-tensor values (``LossScaler``, ``ZeroStageEnum``, fragment addresses,
+configs) are converted to JSON with an explicit allow-list
+(:data:`CODECS`); nothing is pickled. Each rank then writes a stub in place
+of each of its files (:mod:`.deepspeed_tools`), so ``save_dir`` holds only
+bookkeeping: DeepSpeed's ``latest``, ckptstore's ``zero_to_fp32.py``, the
 tag directory and the stubs.
 
-Load: the wrapped ``load_checkpoint`` finds the step of the tag (the stubs,
-else the tag's trailing integer, else the step whose metadata names the
-tag), writes missing stubs (so a fresh machine needs only the URL and the
-tag), and runs DeepSpeed's own ``load_checkpoint``, whose ``load`` calls
-read each file back from the step. A ZeRO-3 step loads on a different
-number of data-parallel ranks: the files each new rank asks for are
-rebuilt from the stored partitions (full parameters read by range, then
-re-partitioned), and DeepSpeed's stock loader consumes them.
-
-The step number is the trailing integer of the tag (``global_step1000`` ->
-1000), else ``engine.global_steps``.
+Load: the wrapped ``load_checkpoint`` finds the step of the tag (its
+name, else the stubs, else the tag's trailing integer or metadata), writes
+missing stubs (so a fresh machine needs only the URL and the tag), and runs
+DeepSpeed's own ``load_checkpoint`` with that step set as the one being
+loaded: the engine's ``load`` reads each file back from it, and DeepSpeed's
+ZeRO-3 consolidation (``load_module_only``, ``load_optimizer_states=False``)
+is served from it. On another data-parallel size, ZeRO-3 steps (and
+ZeRO-1/2 steps with ``reshard=True``) are re-partitioned
+(:mod:`.deepspeed_reshard`): the files each new rank asks for are rebuilt
+from range reads of the stored partitions, and DeepSpeed's stock loader
+consumes them.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import re
-import uuid
 from collections import OrderedDict
-from contextlib import contextmanager
 
 try:
     import deepspeed as _deepspeed
     from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.runtime.zero.utils import ZeRORuntimeException
     from deepspeed.utils.tensor_fragment import fragment_address
 except ImportError as _e:  # pragma: no cover - exercised with deepspeed hidden
     raise ImportError(
@@ -69,14 +71,17 @@ import torch.distributed as dist
 
 import ckptstore
 
-from ..errors import CkptStoreError, FormatError, StepNotFoundError
 from .. import zero as F
+from ..errors import CkptStoreError, StepNotFoundError
+from . import deepspeed_reshard as R
+from . import deepspeed_tools as T
 from ._common import unwrap_checkpoint_exception
 
 __all__ = ["attach", "CkptStoreCheckpointEngine", "CODECS", "step_for_tag", "consolidated_state_dict"]
 
-STUB_FORMAT = "ckptstore.deepspeed.stub"
-_STUB_MAX = 4096
+STUB_FORMAT = T.STUB_FORMAT
+NAMESPACE = T.NAMESPACE
+RESHARD_HINT = "pass reshard=True to ckptstore.integrations.deepspeed.attach to re-partition"
 
 
 # ============================================================== allow-list
@@ -118,7 +123,12 @@ _BY_NAME = {c.name: c for c in CODECS.values()}
 
 
 def step_for_tag(tag: str, global_steps: int) -> int:
-    """The step a DeepSpeed tag saves to: its trailing integer, else ``global_steps``."""
+    """The step a DeepSpeed tag prefers: its trailing integer, else ``global_steps``.
+
+    The save takes this step if it is free, else one past the newest
+    committed step (a tag saved again, or another tag ending in the same
+    number); the tag's checkpoint name then points at it.
+    """
     m = re.search(r"(\d+)$", str(tag))
     return int(m.group(1)) if m else int(global_steps)
 
@@ -138,27 +148,41 @@ class CkptStoreCheckpointEngine(CheckpointEngine):
         stage and, on a resharded load, the new partition layout).
     storage_options, **options:
         As for :func:`ckptstore.open` (``chunk_size``, ``workers``, ...).
+    reshard:
+        Loading a ZeRO step on another data-parallel size (see :func:`attach`).
     """
 
-    def __init__(self, url: str | os.PathLike, engine=None, storage_options: dict | None = None, **options):
+    def __init__(
+        self,
+        url: str | os.PathLike,
+        engine=None,
+        storage_options: dict | None = None,
+        reshard: bool | None = None,
+        **options,
+    ):
         super().__init__(None)
+        if reshard not in (None, True, False):
+            raise ValueError(f"reshard must be None, True or False, not {reshard!r}")
         self.name = "CkptStoreCheckpointEngine"
         self.url = os.fspath(url)
         self.engine = engine
         self.storage_options = storage_options
         self.options = options
+        self.reshard = reshard
         self._repo = None
         self._pending: dict | None = None
-        self._loading_step: int | None = None
         self._stored: dict[int, F.StoredStep] = {}
-        #: the StepInfo-like stats of this rank's part of the last save
+        self._layouts: dict[int, F.ZeroLayout] = {}
+        #: the StepInfo-like stats of this rank's part of the last save, and the step it went to
         self.last_save: dict | None = None
+        self.last_step: int | None = None
 
     # -- plumbing
     @property
     def repo(self):
         if self._repo is None:
             self._repo = ckptstore.open(self.url, storage_options=self.storage_options, **self.options)
+            T.remember_options(self._repo.url, self.storage_options, self.options)
         return self._repo
 
     def close(self) -> None:
@@ -174,8 +198,8 @@ class CkptStoreCheckpointEngine(CheckpointEngine):
 
     # -- save
     def create(self, info) -> None:
-        step = step_for_tag(info.tag, getattr(self.engine, "global_steps", 0))
-        self._pending = {"tag": str(info.tag), "save_dir": os.fspath(info.save_dir), "step": step, "files": {}}
+        preferred = step_for_tag(info.tag, getattr(self.engine, "global_steps", 0))
+        self._pending = {"tag": str(info.tag), "save_dir": os.fspath(info.save_dir), "preferred": preferred, "files": {}}
 
     def save(self, state_dict, path: str) -> None:
         path = os.fspath(path)
@@ -194,34 +218,56 @@ class CkptStoreCheckpointEngine(CheckpointEngine):
         p, self._pending = self._pending, None
         if p is None:
             raise RuntimeError("CkptStoreCheckpointEngine.commit without create")
-        # Every rank calls commit; whether this is a checkpoint (any rank
-        # has a file of the tag) must be decided together, since the DCP
-        # save below is collective.
-        flat: dict[str, torch.Tensor] = {}
+        tag = p["tag"]
+        # Every rank calls commit, and the DCP save below is collective: whether
+        # there is anything to save, whether every rank can, and the step all
+        # ranks save to are agreed first (one all-reduce), so that one rank's
+        # failure stops every rank instead of leaving the others waiting.
+        flat, error = self._encode(p["files"])
+        chosen = 0
+        if error is None and _global_rank() == 0:
+            try:
+                chosen = self.repo.free_step(p["preferred"])
+            except Exception as e:  # the store: every rank must hear of it
+                error = e
+        n, failed, step = _all_reduce_ints(len(p["files"]), int(error is not None), chosen)
+        if failed:
+            if error is not None:
+                raise type(error)(f"DeepSpeed checkpoint tag {tag!r}: nothing was saved: {error}") from None
+            raise CkptStoreError(f"DeepSpeed checkpoint tag {tag!r}: another rank failed before saving; nothing was saved")
+        if n == 0:
+            return True
+        meta = {"deepspeed": self._step_meta(tag)}
+        self.last_save = _dcp_save(self.url, step, flat, meta, self.storage_options, self.options)
+        self.last_step = step
+        # The step is committed; rank 0 moves the tag's name to it (one PUT), and
+        # every rank learns the outcome before save_checkpoint returns.
         error = None
+        if _global_rank() == 0:
+            try:
+                self.repo.set_name(NAMESPACE, tag, step)
+            except ValueError:
+                pass  # a tag that cannot be a checkpoint name (a '/' in it) is found by its stubs and metadata
+            except Exception as e:
+                error = e
+        for name in p["files"]:
+            T.write_stub(os.path.join(p["save_dir"], tag, name), T.stub_record(self.repo.url, step, tag, name))
+        (failed,) = _all_reduce_ints(int(error is not None))
+        if failed:
+            what = f"DeepSpeed checkpoint tag {tag!r}: step {step} was committed, but naming it failed"
+            raise type(error)(f"{what}: {error}") if error is not None else CkptStoreError(f"{what} on rank 0")
+        return True
+
+    def _encode(self, files: dict) -> tuple[dict[str, torch.Tensor], Exception | None]:
+        flat: dict[str, torch.Tensor] = {}
         try:
-            for name, sd in p["files"].items():
+            for name, sd in files.items():
                 tensors, structure = F.encode_file(name, sd, CODECS)
                 flat.update(tensors)
                 flat[F.structure_key(name)] = structure
         except (TypeError, ValueError) as e:
-            error = e
-        # An error on one rank must stop every rank before the collective
-        # save, or the others would wait for it there.
-        n, failed = _all_reduce_ints(len(p["files"]), int(error is not None))
-        if failed:
-            if error is not None:
-                raise type(error)(f"DeepSpeed checkpoint step {p['step']}: nothing was saved: {error}") from None
-            raise CkptStoreError(
-                f"DeepSpeed checkpoint step {p['step']}: another rank could not encode its files; nothing was saved"
-            )
-        if n == 0:
-            return True
-        meta = {"deepspeed": self._step_meta(p["tag"])}
-        self.last_save = _dcp_save(self.url, p["step"], flat, meta, self.storage_options, self.options)
-        for name in p["files"]:
-            _write_stub(os.path.join(p["save_dir"], p["tag"], name), self._stub(p["step"], p["tag"], name))
-        return True
+            return flat, e
+        return flat, None
 
     def _step_meta(self, tag: str) -> dict:
         e = self.engine
@@ -235,33 +281,30 @@ class CkptStoreCheckpointEngine(CheckpointEngine):
             "ds_version": getattr(_deepspeed, "__version__", "?"),
         }
 
-    def _stub(self, step: int, tag: str, name: str) -> dict:
-        return {"format": STUB_FORMAT, "version": 1, "url": self.repo.url, "step": step, "tag": tag, "file": name}
-
     # -- load
     def load(self, path: str, map_location=None):
         path = os.fspath(path)
         name = os.path.basename(path)
-        stub = _read_stub(path)
-        if stub is None and os.path.isfile(path):
-            return _legacy_load(path, map_location)
-        if stub is not None:
+        loading = T.LOADING.get()
+        if loading is not None and loading.owner is self:
+            stored = loading.stored  # the step the wrapped load_checkpoint resolved, whatever stubs say
+        else:
+            stub = T.read_stub(path)
+            if stub is None:
+                if os.path.isfile(path):
+                    return _legacy_load(path, map_location)
+                raise FileNotFoundError(f"{path}: no such DeepSpeed file, and no ckptstore step is being loaded")
             if stub["url"] != self.repo.url:
                 raise ValueError(
                     f"{path} points to step {stub['step']} of {stub['url']!r}, but this engine is attached to "
                     f"{self.repo.url!r}; attach the engine to that repository, or load another tag"
                 )
-            step = stub["step"]
-        elif self._loading_step is not None:
-            step = self._loading_step
-        else:
-            raise FileNotFoundError(f"{path}: no such DeepSpeed file, and no ckptstore step is being loaded")
-        stored = self._stored_step(step)
+            stored = self._stored_step(stub["step"])
         out = self._reshard(stored, name)
         if out is None:
             if name not in stored.files:
                 raise FileNotFoundError(
-                    f"{self.url}: step {step} (tag {stored.meta.get('tag')!r}) holds no DeepSpeed file {name!r}"
+                    f"{self.url}: step {stored.step} (tag {stored.meta.get('tag')!r}) holds no DeepSpeed file {name!r}"
                 )
             out = stored.read_file(name, _BY_NAME)
         return _map(out, map_location)
@@ -273,22 +316,40 @@ class CkptStoreCheckpointEngine(CheckpointEngine):
         return s
 
     def resolve_tag(self, load_dir: str, tag: str) -> int | None:
-        """The committed step holding ``tag``, or None."""
-        tag_dir = os.path.join(load_dir, str(tag))
+        """The committed step holding ``tag``; None for a plain DeepSpeed folder or an unknown tag.
+
+        In order: a tag folder of DeepSpeed's own files (saved without
+        ckptstore) is not a step; the tag's checkpoint name; the stubs in
+        the tag folder; the step numbered as the tag's trailing integer
+        whose metadata names the tag; the newest step whose metadata names
+        it (steps saved before names existed load by these last three).
+        """
+        tag = str(tag)
+        tag_dir = os.path.join(load_dir, tag)
+        if _has_plain_files(tag_dir):
+            return None
+        try:
+            named = self.repo.name_step(NAMESPACE, tag)
+        except ValueError:
+            named = None  # not a valid checkpoint name: never named
+        steps = self.repo.steps()
+        if named is not None:
+            if named not in steps:
+                raise StepNotFoundError(
+                    f"{self.repo.url}: DeepSpeed tag {tag!r} names step {named}, which is no longer in the "
+                    "repository (deleted by `ckptstore rm` or gc); load another tag"
+                )
+            return named
         if os.path.isdir(tag_dir):
             for f in sorted(os.listdir(tag_dir)):
-                stub = _read_stub(os.path.join(tag_dir, f))
-                if stub is not None and stub["url"] == self.repo.url:
+                stub = T.read_stub(os.path.join(tag_dir, f))
+                if stub is not None and stub["url"] == self.repo.url and stub["step"] in steps:
                     return stub["step"]
-        steps = self.repo.steps()
-        m = re.search(r"(\d+)$", str(tag))
-        if m and int(m.group(1)) in steps:
-            md = self.repo.manifest(int(m.group(1))).metadata
-            if F.is_deepspeed_step(md) and md["deepspeed"].get("tag") == str(tag):
-                return int(m.group(1))
-        for s in reversed(steps):
+        m = re.search(r"(\d+)$", tag)
+        candidates = ([int(m.group(1))] if m and int(m.group(1)) in steps else []) + list(reversed(steps))
+        for s in candidates:
             md = self.repo.manifest(s).metadata
-            if F.is_deepspeed_step(md) and md["deepspeed"].get("tag") == str(tag):
+            if F.is_deepspeed_step(md) and md["deepspeed"].get("tag") == tag:
                 return s
         return None
 
@@ -300,70 +361,96 @@ class CkptStoreCheckpointEngine(CheckpointEngine):
         return None
 
     def write_stubs(self, load_dir: str, tag: str, step: int) -> None:
-        """Stubs for every file of the step, and for the files a resharded load asks for."""
+        """Stubs for every file of the step, and for this rank's model file of a resharded ZeRO-3 load.
+
+        A file that is not a stub is never overwritten.
+        """
         stored = self._stored_step(step)
         names = set(stored.files)
-        if self._needs_reshard(stored):
-            r = _dp_rank(self.engine)
-            names.add(f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")
+        if self.rebuilds(stored) and int(stored.meta.get("zero_stage", 0)) == 3:
+            names.add(f"zero_pp_rank_{_dp_rank(self.engine)}_mp_rank_00_model_states.pt")
         for name in sorted(names):
             path = os.path.join(load_dir, str(tag), name)
-            if _read_stub(path) != self._stub(step, str(tag), name):
-                _write_stub(path, self._stub(step, str(tag), name))
+            doc = T.stub_record(self.repo.url, step, str(tag), name)
+            existing = T.read_stub(path)
+            if existing is None and os.path.exists(path):
+                continue
+            if existing != doc:
+                T.write_stub(path, doc)
 
-    @contextmanager
-    def loading(self, step: int | None):
-        prev, self._loading_step = self._loading_step, step
-        try:
-            yield
-        finally:
-            self._loading_step = prev
-
-    # -- resharding (ZeRO-3)
-    def _needs_reshard(self, stored: F.StoredStep) -> bool:
-        if self.engine is None:
+    # -- another data-parallel size
+    def dp_mismatch(self, stored: F.StoredStep) -> bool:
+        """The step was saved by ZeRO on another data-parallel size than this engine's."""
+        if self.engine is None or int(stored.meta.get("zero_stage", 0)) not in (1, 2, 3):
             return False
-        saved = int(stored.meta.get("dp_world_size", 1))
-        return saved != _dp_world(self.engine)
+        return int(stored.meta.get("dp_world_size", 1)) != _dp_world(self.engine)
+
+    def rebuilds(self, stored: F.StoredStep) -> bool:
+        """Whether this engine re-partitions the step (``reshard``: None -> ZeRO-3 only)."""
+        if not self.dp_mismatch(stored):
+            return False
+        if self.reshard is None:
+            return int(stored.meta.get("zero_stage", 0)) == 3
+        return self.reshard
+
+    def _layout(self, stored: F.StoredStep) -> F.ZeroLayout:
+        layout = self._layouts.get(stored.step)
+        if layout is None:
+            layout = self._layouts[stored.step] = F.ZeroLayout(stored)
+        return layout
 
     def _reshard(self, stored: F.StoredStep, name: str):
-        """The file ``name`` rebuilt for this engine's data-parallel size, or None if sizes match."""
-        if not self._needs_reshard(stored):
+        """The file ``name`` rebuilt for this engine's data-parallel size; None to serve it as saved."""
+        if not self.rebuilds(stored):
             return None
         stage = int(stored.meta.get("zero_stage", 0))
-        if stage != 3:
-            raise NotImplementedError(
-                f"{self.url}: step {stored.step} was saved by ZeRO stage {stage} on "
-                f"{stored.meta.get('dp_world_size')} data-parallel ranks and this engine has {_dp_world(self.engine)}; "
-                "ckptstore re-partitions ZeRO-3 steps only (DeepSpeed refuses a ZeRO-1/2 data-parallel change "
-                "in runtime/engine.py:_load_zero_checkpoint). Export the consolidated weights with "
-                "`ckptstore export` to start from them instead."
-            )
-        layout = F.ZeroLayout(stored)
         rank, world = _dp_rank(self.engine), _dp_world(self.engine)
-        m = F.MODEL_RE.match(name)
-        if m and m.group(1) is not None:
-            return _reshard_model_file(stored, layout, rank, world)
-        m = F.OPTIM_RE.match(name)
-        if m:
-            if int(m.group(2)) != rank:
-                raise ValueError(f"rank {rank} asked for {name}; a resharded load serves each rank its own file")
-            return _reshard_optim_file(stored, layout, self.engine, rank, world)
-        raise FileNotFoundError(f"{self.url}: step {stored.step}: no resharded DeepSpeed file {name!r}")
+        model, optim = F.MODEL_RE.match(name), F.OPTIM_RE.match(name)
+        try:
+            layout = self._layout(stored)
+            if stage == 3 and model and model.group(1) is not None:
+                return R.zero3_model_file(stored, layout, rank, world, _BY_NAME)
+            if stage == 3 and optim:
+                if int(optim.group(2)) != rank:
+                    raise ValueError(f"rank {rank} asked for {name}; a resharded ZeRO-3 load serves each rank its own file")
+                return R.zero3_optim_file(stored, layout, self.engine, rank, world, _BY_NAME)
+            if stage != 3 and model and model.group(1) is None:
+                return R.zero12_model_file(stored, layout, world, _BY_NAME)
+            if stage != 3 and optim:
+                return R.zero12_optim_file(stored, layout, self.engine, int(optim.group(2)), _BY_NAME)
+        except NotImplementedError as e:
+            raise ZeRORuntimeException(
+                f"The checkpoint being loaded used a DP world size of {stored.meta.get('dp_world_size')} but the "
+                f"current world size is {world}; ckptstore cannot re-partition step {stored.step} of {self.repo.url}: {e}"
+            ) from None
+        return None
 
 
 # ============================================================== attach
-def attach(engine, url: str | os.PathLike, storage_options: dict | None = None, **options) -> CkptStoreCheckpointEngine:
+def attach(
+    engine, url: str | os.PathLike, storage_options: dict | None = None, reshard: bool | None = None, **options
+) -> CkptStoreCheckpointEngine:
     """Route ``engine.save_checkpoint``/``load_checkpoint`` through the repository at ``url``.
 
     Call after ``deepspeed.initialize``, on every rank. Returns the
     :class:`CkptStoreCheckpointEngine` now set as ``engine.checkpoint_engine``.
     ``engine.load_checkpoint`` is wrapped (on this instance) to find the step
     of a tag, write its stubs and set up resharded loads; it takes the same
-    arguments and returns what DeepSpeed returns.
+    arguments and returns what DeepSpeed returns. The ``zero_to_fp32.py``
+    DeepSpeed copies into the save folder is ckptstore's (same arguments,
+    same output, read from the repository).
+
+    ``reshard`` decides what a ZeRO step saved on another data-parallel
+    size does when optimizer states are loaded: ``None`` (default) ZeRO-3
+    steps are re-partitioned, ZeRO-1/2 steps behave as DeepSpeed (which
+    raises ``ZeRORuntimeException``); ``True`` both are re-partitioned;
+    ``False`` both behave as DeepSpeed. Without optimizer states
+    (``load_optimizer_states=False``, ``load_module_only=True``) any ZeRO
+    step loads on any DP size.
     """
-    ce = CkptStoreCheckpointEngine(url, engine=engine, storage_options=storage_options, **options)
+    ce = CkptStoreCheckpointEngine(url, engine=engine, storage_options=storage_options, reshard=reshard, **options)
     engine.checkpoint_engine = ce
+    T.install()
     original = getattr(engine.load_checkpoint, "_ckptstore_original", engine.load_checkpoint)
 
     def load_checkpoint(load_dir, tag=None, *args, **kwargs):
@@ -385,11 +472,29 @@ def attach(engine, url: str | os.PathLike, storage_options: dict | None = None, 
         current.write_stubs(load_dir, tag, step)
         if dist.is_initialized():
             dist.barrier()
-        with current.loading(step):
+        stored = current._stored_step(step)
+        token = T.LOADING.set(T.Loading(current, step, stored))
+        try:
             return original(load_dir, tag, *args, **kwargs)
+        except ZeRORuntimeException as e:
+            if current.dp_mismatch(stored) and not current.rebuilds(stored):
+                raise ZeRORuntimeException(f"{e} (ckptstore: {RESHARD_HINT})") from None
+            raise
+        finally:
+            T.LOADING.reset(token)
 
     load_checkpoint._ckptstore_original = original
     engine.load_checkpoint = load_checkpoint
+
+    copy_original = getattr(engine._copy_recovery_script, "_ckptstore_original", engine._copy_recovery_script)
+
+    def copy_recovery_script(save_path):
+        copy_original(save_path)
+        if isinstance(engine.checkpoint_engine, CkptStoreCheckpointEngine):
+            T.write_script(save_path)
+
+    copy_recovery_script._ckptstore_original = copy_original
+    engine._copy_recovery_script = copy_recovery_script
     return ce
 
 
@@ -404,6 +509,10 @@ def consolidated_state_dict(url: str, step: int | None = None, storage_options: 
 
 
 # ============================================================== helpers
+def _global_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def _dp_world(engine) -> int:
     opt = getattr(engine, "optimizer", None)
     group = getattr(opt, "dp_process_group", None)
@@ -418,6 +527,17 @@ def _dp_rank(engine) -> int:
     if group is not None and dist.is_initialized():
         return dist.get_rank(group=group)
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _has_plain_files(tag_dir: str) -> bool:
+    """The tag folder holds DeepSpeed model-states files that are not ckptstore stubs."""
+    if not os.path.isdir(tag_dir):
+        return False
+    for f in os.listdir(tag_dir):
+        path = os.path.join(tag_dir, f)
+        if f.endswith("_model_states.pt") and os.path.isfile(path) and T.read_stub(path) is None:
+            return True
+    return False
 
 
 def _all_reduce_ints(*values: int) -> list[int]:
@@ -446,33 +566,6 @@ def _dcp_save(url, step, flat, meta, storage_options, options) -> dict | None:
     finally:
         writer.close()
     return writer.last_rank_stats
-
-
-def _write_stub(path: str, doc: dict) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(doc, f)
-    os.replace(tmp, path)
-
-
-def _read_stub(path: str) -> dict | None:
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(_STUB_MAX + 1)
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-        return None
-    if len(raw) > _STUB_MAX or not raw.startswith(b"{"):
-        return None
-    try:
-        doc = json.loads(raw)
-    except ValueError:
-        return None
-    if not isinstance(doc, dict) or doc.get("format") != STUB_FORMAT:
-        return None
-    if type(doc.get("step")) is not int or not isinstance(doc.get("url"), str):
-        raise FormatError(f"{path}: malformed ckptstore stub")
-    return doc
 
 
 def _legacy_load(path: str, map_location):
@@ -510,84 +603,4 @@ def _map(obj, map_location):
     return walk(obj)
 
 
-# -------------------------------------------------------------- ZeRO-3 re-partitioning
-def _reshard_model_file(stored: F.StoredStep, layout: F.ZeroLayout, rank: int, world: int) -> dict:
-    """Rank 0's model-states file with frozen partitions and the DP size of the new layout."""
-    frozen_keys = {
-        ref.key for ref in (layout.model0.get("frozen_param_fragments") or {}).values() if isinstance(ref, F.TensorRef)
-    }
-    sd = stored.read_file(layout.model_files[0], _BY_NAME, skip=frozen_keys)
-    if layout.frozen:
-        frags = OrderedDict()
-        for name, shape in layout.frozen.items():
-            numel = math.prod(shape)
-            frags[name] = F.partition(
-                lambda a, b, n=name: layout.read_frozen(n, a, b), numel, rank, world, layout._frozen_dtype(name)
-            )
-        sd["frozen_param_fragments"] = frags
-    sd["dp_world_size"] = world
-    return sd
-
-
-def _reshard_optim_file(stored: F.StoredStep, layout: F.ZeroLayout, engine, rank: int, world: int) -> dict:
-    """This rank's ZeRO-3 optimizer file for ``world`` ranks, built from the full stored state."""
-    opt = engine.optimizer
-    per_elem, other = layout.optimizer_state_keys()
-    skip = set()
-    for r in layout.optim:
-        o = layout.optim[r]
-        skip.update(ref.key for ref in o["fp32_flat_groups"])
-        for st in o["optimizer_state_dict"]["state"].values():
-            skip.update(st[k].key for k in per_elem)
-    sd = stored.read_file(layout.optim_files[0], _BY_NAME, skip=skip)
-    osd = sd["optimizer_state_dict"]
-    saved_pgs = osd["optimizer_state_dict"]["param_groups"]
-    live_pgs = opt.optimizer.param_groups
-    if len(saved_pgs) != len(live_pgs):
-        raise ValueError(
-            f"step {stored.step} has {len(saved_pgs)} optimizer parameter groups, this engine {len(live_pgs)}"
-        )
-    names = engine.param_names
-    groups = opt.fp16_groups
-    sub_to_group = {g: int(opt.sub_group_to_group_id.get(g, 0)) for g in range(len(groups))}
-    # torch's optimizer numbers the flat fp32 partitions group by group, in
-    # sub-group order (stage3._set_fp32_optimizer_param_groups appends them so)
-    order = [g for j in range(len(live_pgs)) for g in range(len(groups)) if sub_to_group[g] == j]
-    index = {g: i for i, g in enumerate(order)}
-    state0 = osd["optimizer_state_dict"]["state"][0] if osd["optimizer_state_dict"]["state"] else {}
-    fp32_groups, state = [], {}
-    for g, params in enumerate(groups):
-        want = int(opt.fp32_partitioned_groups_flat[g].numel())
-        parts = {k: [] for k in ["fp32", *per_elem]}
-        for p in params:
-            name = names.get(p)
-            if name not in layout.slots:
-                raise KeyError(f"step {stored.step} holds no trainable parameter {name!r} of this model")
-            slot = layout.slots[name]
-            if tuple(p.ds_shape) != slot.shape:
-                raise ValueError(f"step {stored.step}: parameter {name!r} is {list(slot.shape)}, the model's {list(p.ds_shape)}")
-            if p.partition_numel() != math.ceil(slot.numel / world):
-                raise ValueError(f"parameter {name!r}: unexpected ZeRO-3 partition size {p.partition_numel()}")
-            for k in parts:
-                parts[k].append(
-                    F.partition(lambda a, b, n=name, kk=k: layout.read_param(n, kk, a, b), slot.numel, rank, world, torch.float32)
-                )
-        flat = {k: (torch.cat(v) if v else torch.empty(0)) for k, v in parts.items()}
-        if flat["fp32"].numel() != want:
-            raise ValueError(f"sub-group {g}: rebuilt {flat['fp32'].numel()} elements, the engine holds {want}")
-        fp32_groups.append(flat["fp32"])
-        st = {k: flat[k] for k in per_elem}
-        for k, v in other.items():
-            val = state0.get(k, v)
-            st[k] = val.clone() if isinstance(val, torch.Tensor) else val
-        state[index[g]] = st
-    new_pgs = []
-    for j, pg in enumerate(saved_pgs):
-        pg = dict(pg)
-        pg["params"] = [index[g] for g in order if sub_to_group[g] == j]
-        new_pgs.append(pg)
-    osd["optimizer_state_dict"] = {"state": state, "param_groups": new_pgs}
-    osd["fp32_flat_groups"] = fp32_groups
-    osd["partition_count"] = world
-    return sd
-
+T.install()
