@@ -35,7 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
         )
         sp.add_argument("--json", action="store_true", help="machine-readable output")
 
-    sp = sub.add_parser("ls", help="list committed steps")
+    sp = sub.add_parser(
+        "ls",
+        help="list committed steps",
+        description="Committed steps: time, tensors, logical and newly stored bytes, tags, and the checkpoint "
+        "names the integrations gave them (lightning:last.ckpt, deepspeed:global_step1000).",
+    )
     common(sp)
     sp.set_defaults(func=commands.cmd_ls)
 
