@@ -481,6 +481,16 @@ def resave_worker(rank, world, port, url, tmp):
         path, _ = fresh.load_checkpoint(where, tag="global_step1")
         assert path is not None
         compare(full_state(fresh), second, f"rank {rank}: tag saved again, loaded from {where}")
+    # A tag that cannot be a checkpoint name (a '/') is saved without one and found by its stubs.
+    train(eng, 1, seed=3)
+    third = full_state(eng)
+    eng.save_checkpoint(save_dir, tag="run/a")
+    assert ce.last_step == 3 and "run/a" not in repo.names("deepspeed")
+    slashed = engine(deepspeed, 2, seed=7)
+    cds.attach(slashed, url)
+    path, _ = slashed.load_checkpoint(save_dir, tag="run/a")
+    assert path is not None
+    compare(full_state(slashed), third, f"rank {rank}: tag with a slash")
     # A step saved before names existed: no name, no stubs -> the tag's integer and the step's metadata.
     dist.barrier()
     if rank == 0:

@@ -415,5 +415,22 @@ def test_tag_saved_again_loads_the_new_state(tmp_path):
     url = f"file://{tmp_path}/repo"
     _spawn(W.resave_worker, 2, url, str(tmp_path))
     with ckptstore.open(url) as repo:
-        assert repo.steps() == [1, 2]  # the older step stays, for retention and GC
+        assert repo.steps() == [1, 2, 3]  # the older step stays, for retention and GC
         assert repo.names("deepspeed") == {}  # dropped by the worker
+
+
+def test_tag_naming_a_deleted_step_fails_naming_both(tmp_path):
+    from ckptstore.errors import StepNotFoundError
+    from ckptstore.integrations.deepspeed import CkptStoreCheckpointEngine
+
+    url = f"file://{tmp_path}/repo"
+    with ckptstore.open(url) as repo:
+        repo.save({"x": torch.ones(2)}, step=4, metadata={"deepspeed": {"tag": "best"}})
+        repo.save({"x": torch.ones(2)}, step=5, metadata={"deepspeed": {"tag": "best"}})
+        repo.set_name("deepspeed", "best", 4)
+        ce = CkptStoreCheckpointEngine(url)
+        assert ce.resolve_tag(str(tmp_path / "ckpt"), "best") == 4  # the name, not the newest step with the tag
+        repo.delete(4)
+        with pytest.raises(StepNotFoundError, match=r"tag 'best' names step 4, which is no longer in the repository"):
+            ce.resolve_tag(str(tmp_path / "ckpt"), "best")
+        ce.close()
