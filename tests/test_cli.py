@@ -101,3 +101,17 @@ def test_storage_options_reach_s3_and_gcs_as_each_backend_takes_them(gcs_env, s3
         capsys.readouterr()
         assert main(["ls", url, "--json", *_o(flat)]) == 0, url
         assert [s["step"] for s in json.loads(capsys.readouterr().out)["steps"]] == [3], url
+
+
+def test_version_is_the_installed_one(capsys):
+    import importlib.metadata
+
+    try:
+        main(["--version"])
+    except SystemExit as e:
+        assert e.code == 0
+    else:
+        raise AssertionError("--version did not exit")
+    out = capsys.readouterr().out.strip()
+    assert out == f"ckptstore {ckptstore.__version__}"
+    assert ckptstore.__version__ == importlib.metadata.version("ckptstore")

@@ -11,6 +11,7 @@ import os
 import sys
 import traceback
 
+from .. import __version__
 from ..errors import CkptStoreError
 from . import commands
 
@@ -24,6 +25,7 @@ def _storage_option(s: str):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ckptstore", description="Deduplicated PyTorch checkpoints in object stores.")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     def common(sp, url=True):
