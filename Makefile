@@ -10,7 +10,7 @@ NODE_DIR ?= .node
 AZURITE_VERSION ?= 3.35.0
 AZURITE := $(NODE_DIR)/node_modules/.bin/azurite-blob
 
-.PHONY: setup setup-bench test demo bench clean
+.PHONY: setup setup-bench test test-fast demo bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,11 @@ setup-bench: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# The tests that start no process or server of their own (tests/conftest.py
+# marks the others slow): for iterating; CI runs everything.
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
 
 demo: setup
 	$(VENV)/bin/ckptstore demo

@@ -115,3 +115,18 @@ def repo_url(request, tmp_path):
     else:
         env = request.getfixturevalue("s3")
         yield env.url, env.storage_options
+
+
+#: Modules whose tests start processes or servers of their own (multi-rank
+#: spawns, emulators, SeaweedFS, framework fits): `make test-fast` leaves them out.
+SLOW_MODULES = {
+    "test_azure", "test_crash", "test_dcp", "test_dcp_compat", "test_dcp_replicated", "test_gcs",
+    "test_integrations_deepspeed", "test_integrations_hf", "test_integrations_lightning",
+    "test_integrations_megatron", "test_netfaults", "test_scale_dcp", "test_soak",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.module is not None and item.module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
