@@ -7,9 +7,11 @@ from .errors import (
     FormatError,
     IntegrityError,
     MissingDataError,
+    RepositoryNotFoundError,
     StepExistsError,
     StepNotFoundError,
     StorageError,
+    StoreURLError,
     UnsupportedVersionError,
 )
 from .loading import load_module
@@ -28,8 +30,10 @@ __all__ = [
     "FormatError",
     "IntegrityError",
     "MissingDataError",
+    "RepositoryNotFoundError",
     "StepExistsError",
     "StepNotFoundError",
     "StorageError",
+    "StoreURLError",
     "UnsupportedVersionError",
 ]

@@ -14,7 +14,7 @@ from typing import Iterator
 
 from . import manifest as _m
 from .clock import SYSTEM_CLOCK, Clock
-from .errors import FormatError, ObjectExistsError, ObjectNotFoundError, StepNotFoundError
+from .errors import FormatError, ObjectExistsError, ObjectNotFoundError, RepositoryNotFoundError, StepNotFoundError
 from .fetch import ChunkFetcher
 from .layout import (
     CONFIG_KEY,
@@ -149,6 +149,37 @@ class Catalog:
         """
         self.options.adopt(cfg, ("chunk_size", "pack_size", "codec", "level", "grace"))
 
+    def exists(self) -> bool:
+        """Whether the location holds a repository: its ``config.json`` (or, lacking it, a committed step).
+
+        Reads only; opening a location and asking never creates anything.
+        """
+        if self._config or self.store.exists(CONFIG_KEY):
+            return True
+        # Every writer creates the config before its first manifest; a step
+        # without one is a damaged repository, still one to read and verify.
+        return next(iter(self.store.list(MANIFEST_PREFIX)), None) is not None
+
+    def require_repository(self) -> None:
+        """Raise :class:`RepositoryNotFoundError` unless :meth:`exists`.
+
+        For reads that need a repository (a mistyped URL must not look like
+        an empty repository); ``steps()`` and ``latest()`` never call it.
+        """
+        if not self.exists():
+            raise self._no_repository()
+
+    def _no_repository(self) -> RepositoryNotFoundError:
+        return RepositoryNotFoundError(
+            f"no ckptstore repository at {self.url} (no {CONFIG_KEY}); save a step to create one"
+        )
+
+    def _not_committed(self, step: int) -> StepNotFoundError:
+        """The error for a step that is not committed: :class:`RepositoryNotFoundError` if there is no repository."""
+        if not self.exists():
+            return self._no_repository()
+        return StepNotFoundError(f"{self.url}: step {step} is not committed")
+
     def grace(self) -> float:
         """Seconds an unreferenced object must age before GC may delete it."""
         cfg = self.config()
@@ -162,9 +193,17 @@ class Catalog:
         return sorted(s for s in (step_of_manifest_key(o.key) for o in self.store.list(MANIFEST_PREFIX)) if s is not None)
 
     def latest(self) -> int | None:
-        """The newest committed step, or None in an empty repository."""
+        """The newest committed step, or None in an empty repository (or where there is none)."""
         s = self.steps()
         return s[-1] if s else None
+
+    def newest_step(self) -> int:
+        """The newest committed step; :class:`StepNotFoundError` if none (:class:`RepositoryNotFoundError` if no repository)."""
+        s = self.latest()
+        if s is None:
+            self.require_repository()
+            raise StepNotFoundError(f"{self.url}: the repository has no committed step")
+        return s
 
     def manifest(self, step: int) -> Manifest:
         """Parse and return one step's manifest (cached by size; manifests are immutable)."""
@@ -203,7 +242,7 @@ class Catalog:
             info = self.store.head(key)
             (head,) = self.store.get_ranges(key, [(0, min(info.size, 512))])
         except ObjectNotFoundError:
-            raise StepNotFoundError(f"{self.url}: step {step} is not committed") from None
+            raise self._not_committed(step) from None
         found = _CREATED.search(bytes(head))
         if found is not None and int(found.group(1)) == step:
             return float(found.group(2))
@@ -233,7 +272,7 @@ class Catalog:
                 raise FormatError(f"{self.url}: step {step}: manifest is {info.size} bytes, over the limit")
             return self.store.get(key)
         except ObjectNotFoundError:
-            raise StepNotFoundError(f"{self.url}: step {step} is not committed") from None
+            raise self._not_committed(step) from None
 
     def remember(self, m: Manifest) -> None:
         """Cache a manifest this handle just committed."""
@@ -254,7 +293,7 @@ class Catalog:
         try:
             raw = self.store.get(key)
         except ObjectNotFoundError:
-            raise StepNotFoundError(f"{self.url}: step {step} is not committed") from None
+            raise self._not_committed(step) from None
         self.store.put(tombstone_key(step), tombstone_record(step, raw, self.clock.time()))
         self.store.delete(key)
         self._manifests.pop(step)
@@ -265,7 +304,7 @@ class Catalog:
         step = check_step(step)
         key = tag_key(name)
         if step not in self.steps():
-            raise StepNotFoundError(f"{self.url}: step {step} is not committed")
+            raise self._not_committed(step)
         self.store.put(key, tag_record(step))
 
     def tags(self) -> dict[str, int]:
@@ -292,6 +331,8 @@ class Catalog:
         step = check_step(step)
         key = name_key(ns, name)
         if step not in self.steps():
+            if not self.exists():
+                raise self._no_repository()
             raise StepNotFoundError(f"{self.url}: cannot name step {step} {name!r}: the step is not committed")
         self.store.put(key, name_record(ns, name, step, self.clock.time()))
 

@@ -31,6 +31,24 @@ class ObjectExistsError(StorageError, FileExistsError):
     """A create-if-absent write found the object already present."""
 
 
+class HostNotResolvedError(StorageError):
+    """The store's host name did not resolve (DNS): a mistyped endpoint, or no network.
+
+    Not a :class:`TransientStorageError`: :class:`~ckptstore.storage.retry.RetryStore`
+    retries it only briefly (``RetryPolicy.max_unresolved``), so a typo or a
+    machine without network fails within seconds instead of after minutes of
+    backoff. ``temporary`` is True when the resolver said the failure was
+    temporary (``EAI_AGAIN``: no answer from the name server), False when the
+    name does not exist.
+    """
+
+    temporary: bool = True
+
+
+class StoreURLError(CkptStoreError, ValueError):
+    """A repository URL is malformed, names an unknown scheme, or looks like a mistyped one."""
+
+
 # ---------------------------------------------------------------- repository
 class StepExistsError(CkptStoreError, FileExistsError):
     """A step with this number is already committed; nothing was changed."""
@@ -38,6 +56,18 @@ class StepExistsError(CkptStoreError, FileExistsError):
 
 class StepNotFoundError(CkptStoreError, LookupError):
     """No committed step has this number."""
+
+
+class RepositoryNotFoundError(StepNotFoundError, FileNotFoundError):
+    """The location holds no repository (no ``config.json``): a mistyped URL, or nothing saved yet.
+
+    Raised by reads that need a repository (``checkpoint``, ``load``,
+    ``verify``, ``plan_gc``, ``stats``, copying from it), never by
+    ``steps()`` or ``latest()``, which answer ``[]`` and ``None``. It is a
+    ``FileNotFoundError`` (the location has nothing) and, since no step of
+    that number is committed there either, a :class:`StepNotFoundError`, which
+    code written before this class existed catches.
+    """
 
 
 class FormatError(CkptStoreError, ValueError):

@@ -499,6 +499,7 @@ def plan_gc(
         what GC does once the grace period has passed.
     """
     repo = cat
+    repo.require_repository()  # a mistyped URL is not an empty repository
     gclock = _gc_clock(cat, clock)
     now = gclock.time() if now is None else now
     repo_grace = repo.grace()
@@ -841,6 +842,7 @@ def space_accounting(repo: Catalog) -> dict:
     included), so time and memory grow with the chunks of the repository;
     GC's plan uses the bounded per-pack figures instead.
     """
+    repo.require_repository()
     state = _read_state(repo, repo.clock.time())
     view = repo.relocations.view()
     chunks: dict[str, set[tuple[int, int, str]]] = {}

@@ -25,7 +25,6 @@ from typing import NamedTuple
 import torch
 
 from . import manifest as _m
-from .errors import StepNotFoundError
 from .reader import Checkpoint
 from .repository import Repository
 from .repository import open as _open_repo
@@ -58,9 +57,7 @@ def resolve_checkpoint(url, step: int | None, storage_options: dict | None, open
         repo, owned = _open_repo(os.fspath(url), storage_options=storage_options, **open_options), True
     try:
         if step is None:
-            step = repo.latest()
-            if step is None:
-                raise StepNotFoundError(f"{repo.url}: the repository has no committed step")
+            step = repo.newest_step()
         return repo, repo.checkpoint(step), owned
     except BaseException:
         if owned:

@@ -21,7 +21,7 @@ import torch
 from . import manifest as _m
 from . import planner as _plan
 from .catalog import Catalog
-from .errors import FormatError, StepNotFoundError
+from .errors import FormatError
 from .manifest import Manifest, Shard, TensorEntry
 from .staging import TensorReader, make_staging
 from .tensors import byte_view, castable, writable_in_place
@@ -349,9 +349,7 @@ def open_checkpoint(cat: Catalog, step: int) -> Checkpoint:
 def load_step(cat: Catalog, step: int | None = None, into: Mapping | None = None) -> dict:
     """The body of ``Repository.load``; see there."""
     if step is None:
-        step = cat.latest()
-        if step is None:
-            raise StepNotFoundError(f"{cat.url}: the repository has no committed step")
+        step = cat.newest_step()
     ckpt = open_checkpoint(cat, step)
     if into is None:
         tensors = {}

@@ -492,6 +492,7 @@ def copy(
     progress = progress or _noop
     t0 = time.perf_counter()
     res = CopyResult()
+    src.require_repository()  # before the destination is touched
     src_steps = src.steps()
     if steps is None:
         todo = src_steps

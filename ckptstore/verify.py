@@ -81,6 +81,7 @@ def verify(cat: Catalog, step: int | None = None, read_data: bool = False, progr
     """Check one step (or every step); see the module docstring."""
     problems: list[Problem] = []
     progress = progress or (lambda what, done, total: None)
+    cat.require_repository()  # "no problems found" would hide a mistyped URL
     try:
         cat.config()
     except CkptStoreError as e:

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import ckptstore
@@ -115,3 +116,55 @@ def test_version_is_the_installed_one(capsys):
     out = capsys.readouterr().out.strip()
     assert out == f"ckptstore {ckptstore.__version__}"
     assert ckptstore.__version__ == importlib.metadata.version("ckptstore")
+
+
+def _one_line_error(capsys) -> str:
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ckptstore: error: "), captured.err
+    return lines[0].removeprefix("ckptstore: error: ")
+
+
+READ_COMMANDS = [
+    ["ls", "{url}"], ["ls", "{url}", "--json"], ["show", "{url}", "1"], ["stats", "{url}"],
+    ["verify", "{url}"], ["verify", "{url}", "1", "--read-data"], ["diff", "{url}", "1", "2"],
+    ["export", "{url}", "1", "{out}"], ["cp", "{url}", "{dst}"], ["gc", "{url}", "--dry-run"],
+    ["gc", "{url}", "--yes"], ["rm", "{url}", "1"], ["tag", "{url}", "1", "best"],
+]
+
+
+@pytest.mark.parametrize("cmd", READ_COMMANDS, ids=lambda c: "-".join(a for a in c if "{" not in a))
+@pytest.mark.parametrize("where", ["missing", "empty dir"])
+def test_read_commands_fail_on_a_location_without_a_repository(cmd, where, tmp_path, capsys):
+    url = tmp_path / "runs" / "exp1"
+    if where == "empty dir":
+        url.mkdir(parents=True)
+    out, dst = tmp_path / "out.safetensors", tmp_path / "copy"
+    argv = [a.format(url=url, out=out, dst=dst) for a in cmd]
+    assert main(argv) == 1
+    assert _one_line_error(capsys) == f"no ckptstore repository at file://{url} (no config.json); save a step to create one"
+    # nothing was created: not the location, not its .tmp/, not the output or the copy's destination
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == (
+        ["runs", "runs/exp1"] if where == "empty dir" else []
+    )
+
+
+@pytest.mark.parametrize("url", ["s3:/my-bucket/runs/exp1", "gs:/bucket/x", "s3:bucket", "az:/"])
+def test_a_mistyped_url_fails_saying_what_was_meant_and_creates_nothing(url, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    for argv in (["ls", url], ["verify", url], ["import", str(tmp_path / "none.safetensors"), url, "--step", "1"]):
+        assert main(argv) == 1
+        assert "did you mean '" in _one_line_error(capsys)
+    assert list(tmp_path.iterdir()) == []
+    # the Python API refuses it too, so a save never lands in ./s3:/...
+    with pytest.raises(ckptstore.errors.StoreURLError, match="did you mean"):
+        ckptstore.open(url)
+
+
+def test_a_plain_relative_path_still_saves(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with ckptstore.open("runs/exp1") as repo:
+        repo.save({"w": torch.ones(2)}, step=1)
+    assert (tmp_path / "runs" / "exp1" / "config.json").exists()
+    assert main(["ls", "runs/exp1", "--json"]) == 0
+    assert [s["step"] for s in json.loads(capsys.readouterr().out)["steps"]] == [1]

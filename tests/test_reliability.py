@@ -22,6 +22,7 @@ from ckptstore import manifest as M, pack as P
 from ckptstore.errors import (
     FormatError,
     IntegrityError,
+    RepositoryNotFoundError,
     StepExistsError,
     StorageError,
     TransientStorageError,
@@ -351,6 +352,7 @@ class RepoMachine(RuleBasedStateMachine):
         self.repo = Repository(self.store, chunk_size=4096, pack_size=64 << 10, part_size=5 << 20)
         self.model: dict[int, dict] = {}
         self.tags: dict[str, int] = {}
+        self.created = False  # the first save creates the repository; reads refuse it before
         self.next_step = 1
         g = torch.Generator().manual_seed(0)
         self.pool = [torch.randn(3000, generator=g) for _ in range(4)]  # shared tensors: dedup
@@ -370,6 +372,7 @@ class RepoMachine(RuleBasedStateMachine):
             sd["fresh"] = torch.randn(2000)
         sd["meta"] = {"step": step}
         self.repo.save(sd, step=step)
+        self.created = True
         self.model[step] = sd
         return step
 
@@ -393,6 +396,10 @@ class RepoMachine(RuleBasedStateMachine):
 
     @rule(keep_last=st.integers(0, 3))
     def gc(self, keep_last):
+        if not self.created:
+            with pytest.raises(RepositoryNotFoundError):
+                self.repo.plan_gc(keep_last=keep_last, now=None)
+            return
         plan = self.repo.plan_gc(keep_last=keep_last, now=None)
         plan.execute()
         ordered = sorted(self.model)
@@ -409,6 +416,10 @@ class RepoMachine(RuleBasedStateMachine):
 
     @rule()
     def verify(self):
+        if not self.created:
+            with pytest.raises(RepositoryNotFoundError):
+                self.repo.verify(read_data=True)
+            return
         rep = self.repo.verify(read_data=True)
         assert rep.ok, str(rep)
 

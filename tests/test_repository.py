@@ -118,6 +118,69 @@ def test_steps_latest_checkpoint_views():
         repo.delete(5)
 
 
+def _listed(url, so) -> list[str]:
+    from ckptstore.storage import open_store
+
+    store = open_store(url, so)
+    try:
+        return [o.key for o in store.list()]
+    finally:
+        store.close()
+
+
+def test_reads_refuse_a_location_without_a_repository_and_write_nothing(repo_url, tmp_path):
+    from ckptstore.errors import RepositoryNotFoundError
+
+    url, so = repo_url
+    repo = _open(repo_url)
+    # The resume idiom on a job's first run keeps working.
+    assert repo.steps() == [] and repo.latest() is None and repo.tags() == {} and repo.all_names() == {}
+    no_repo = f"no ckptstore repository at {repo.url} (no config.json); save a step to create one"
+    for name, call in [
+        ("verify", lambda: repo.verify()),
+        ("verify step", lambda: repo.verify(step=1)),
+        ("checkpoint", lambda: repo.checkpoint(1)),
+        ("load latest", lambda: repo.load()),
+        ("load step", lambda: repo.load(1)),
+        ("plan_gc", lambda: repo.plan_gc(keep_last=1)),
+        ("stats", lambda: repo.stats()),
+        ("diff", lambda: repo.diff(1, 2)),
+        ("export", lambda: repo.export(1, str(tmp_path / "out.safetensors"))),
+        ("copy from", lambda: repo.copy_to(_mem_repo())),
+        ("delete", lambda: repo.delete(1)),
+        ("tag", lambda: repo.tag(1, "best")),
+        ("load_module", lambda: ckptstore.load_module(torch.nn.Linear(2, 2), repo)),
+    ]:
+        with pytest.raises(RepositoryNotFoundError) as ei:
+            call()
+        assert str(ei.value) == no_repo, name
+        # what code written before the class existed catches, and the built-in
+        assert isinstance(ei.value, StepNotFoundError) and isinstance(ei.value, FileNotFoundError), name
+    assert not (tmp_path / "out.safetensors").exists()
+    if url.startswith(("memory://", "s3://", "gs://")):
+        assert _listed(url, so) == []
+    else:
+        assert not (tmp_path / "repo").exists()
+    # A save creates the repository; the reads then answer as for any repository.
+    repo.save({"w": torch.ones(3)}, step=1)
+    assert repo.verify().ok and torch.equal(repo.load()["w"], torch.ones(3))
+    with pytest.raises(StepNotFoundError) as ei:
+        repo.checkpoint(2)
+    assert not isinstance(ei.value, RepositoryNotFoundError)
+    repo.close()
+
+
+def test_an_empty_repository_is_not_a_missing_one():
+    from ckptstore.errors import RepositoryNotFoundError
+
+    repo = _mem_repo()
+    repo.ensure_config()  # as left by a save that failed after creating it
+    assert repo.verify().ok and repo.plan_gc(keep_last=1).delete_steps == ()
+    with pytest.raises(StepNotFoundError, match="no committed step") as ei:
+        repo.load()
+    assert not isinstance(ei.value, RepositoryNotFoundError)
+
+
 def test_load_into_is_in_place():
     repo = _mem_repo()
     model = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.Linear(300, 7))

@@ -533,6 +533,64 @@ def test_open_malformed(url):
         open_store(url)
 
 
+@pytest.mark.parametrize(
+    "url, meant",
+    [
+        ("s3:/my-bucket/runs/exp1", "s3://my-bucket/runs/exp1"),
+        ("s3:my-bucket/runs", "s3://my-bucket/runs"),
+        ("gs:/b/x", "gs://b/x"),
+        ("GS:/b", "gs://b"),
+        ("az:/", "az://container/prefix"),
+        ("file:/tmp/x", "file:///tmp/x"),
+        ("memory:scratch", "memory://scratch"),
+        ("s4://b/p", "s3://"),
+        ("azure://c/p", "az://"),
+    ],
+)
+def test_open_refuses_a_mistyped_url_naming_what_was_meant(url, meant, tmp_path, monkeypatch):
+    from ckptstore.errors import StoreURLError
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(StoreURLError) as ei:
+        open_store(url)
+    assert isinstance(ei.value, ValueError)
+    assert f"did you mean {meant!r}" in str(ei.value) or f"did you mean {meant}?" in str(ei.value)
+    assert list(tmp_path.iterdir()) == []  # no ./s3:/... directory
+
+
+def test_open_mistyped_url_does_not_echo_credentials():
+    from ckptstore.errors import StoreURLError
+
+    with pytest.raises(StoreURLError) as ei:
+        open_store("s3:AKIAEXAMPLE:hunter2SECRET@bucket/x")
+    assert "hunter2SECRET" not in str(ei.value) and "mistyped s3://" in str(ei.value)
+
+
+def test_open_keeps_plain_paths_with_a_colon_further_on(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    # Not a known scheme before the colon, or written as ./: a local directory.
+    for path, rel in (("runs:v1/x", "runs:v1/x"), ("./s3:/b", "s3:/b"), ("s3x:y", "s3x:y")):
+        s = open_store(path)
+        assert isinstance(s, LocalStore) and s.root == str(tmp_path / rel)
+
+
+def test_local_store_creates_nothing_until_the_first_write(tmp_path):
+    root = tmp_path / "a" / "repo"
+    s = LocalStore(str(root))
+    assert list(s.list()) == [] and s.list_multipart() == [] and not s.exists("config.json")
+    with pytest.raises(ObjectNotFoundError):
+        s.get("config.json")
+    s.abort_multipart("k", "ab" * 16)
+    s.delete("k")
+    assert not (tmp_path / "a").exists()
+    s.put("k", b"v")
+    assert (root / "k").read_bytes() == b"v" and [o.key for o in s.list()] == ["k"]
+    up = LocalStore(str(tmp_path / "b")).create_multipart("p", 5 << 20)
+    up.upload_part(1, b"x")
+    up.complete(1)
+    assert (tmp_path / "b" / "p").read_bytes() == b"x"
+
+
 def test_importing_storage_does_not_import_s3fs():
     import subprocess
 

@@ -31,6 +31,7 @@ def _open(args):
 
 def cmd_ls(args) -> int:
     with _open(args) as repo:
+        repo.require_repository()  # a mistyped URL is not an empty repository
         tags_by_step: dict[int, list[str]] = {}
         for name, step in repo.tags().items():
             tags_by_step.setdefault(step, []).append(name)
@@ -290,8 +291,8 @@ def cmd_export(args) -> int:
 def cmd_import(args) -> int:
     from ..transfer import detect_format
 
-    fmt = args.format or detect_format(args.path)
-    with _open(args) as repo:
+    with _open(args) as repo:  # the URL is checked before the file is read
+        fmt = args.format or detect_format(args.path)
         info = repo.import_(args.path, args.step, format=fmt)
     if args.json:
         emit_json({"format": fmt, **info.as_dict()})

@@ -1,7 +1,9 @@
 """``ckptstore`` command line: parses flags, calls the library, prints.
 
 Known errors print one line (``ckptstore: error: ...``) and exit 1; set
-``CKPTSTORE_DEBUG=1`` for the full traceback.
+``CKPTSTORE_DEBUG=1`` for the full traceback. Errors that are the user's
+input (no repository at the URL, a mistyped URL, a host that does not
+resolve) print that line alone: a traceback would not help.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import sys
 import traceback
 
 from .. import __version__
-from ..errors import CkptStoreError
+from ..errors import CkptStoreError, HostNotResolvedError, RepositoryNotFoundError, StoreURLError
 from . import commands
 
 
@@ -134,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+#: Errors whose message says all there is (the URL or host given): no traceback hint.
+_INPUT_ERRORS = (RepositoryNotFoundError, StoreURLError, HostNotResolvedError)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -146,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         msg = str(e) if not isinstance(e, KeyError) else str(e.args[0] if e.args else e)
         print(f"ckptstore: error: {msg}", file=sys.stderr)
-        if not os.environ.get("CKPTSTORE_DEBUG"):
+        if not os.environ.get("CKPTSTORE_DEBUG") and not isinstance(e, _INPUT_ERRORS):
             print("  (set CKPTSTORE_DEBUG=1 for the full traceback)", file=sys.stderr)
         return 1
 

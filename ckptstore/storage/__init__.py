@@ -6,6 +6,10 @@ imported on first use so that importing this package does not import s3fs, gcsfs
 
 from __future__ import annotations
 
+import difflib
+import re
+
+from ..errors import StoreURLError
 from .base import MultipartInfo, MultipartUpload, ObjectInfo, ObjectStore
 from .upload import BufferPool, ParallelUploader
 from .local import LocalStore
@@ -28,6 +32,10 @@ __all__ = [
 
 _SUPPORTED = "s3://, gs://, az://, file://, memory://, paths"
 _LOCAL_OPTIONS = frozenset({"fsync"})
+#: Every scheme :func:`open_store` takes.
+SCHEMES = ("s3", "gs", "gcs", "az", "abfs", "abfss", "file", "memory")
+#: A known scheme followed by one colon but not by "://": ``s3:/bucket``, ``gs:bucket``, ``az:/``.
+_MISTYPED = re.compile(r"^(" + "|".join(SCHEMES) + r"):(?!//)(.*)$", re.IGNORECASE | re.DOTALL)
 
 
 def __getattr__(name: str):
@@ -46,17 +54,48 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def _suggest(scheme: str, rest: str) -> str:
+    """The URL a mistyped one probably meant (``s3:/b/p`` -> ``s3://b/p``)."""
+    rest = rest.lstrip("/")
+    if scheme == "file":
+        return f"file:///{rest}"
+    if not rest:
+        return f"{scheme}://{'container' if scheme in ('az', 'abfs', 'abfss') else 'bucket'}/prefix"
+    return f"{scheme}://{rest}"
+
+
+def _refuse_mistyped(url: str) -> None:
+    """Refuse a path that is a known scheme with a colon but no ``//`` (it would become a local directory)."""
+    m = _MISTYPED.match(url)
+    if m is None:
+        return
+    scheme, rest = m.group(1).lower(), m.group(2)
+    if "@" in rest:  # never echo what may be a secret
+        raise StoreURLError(f"store URL looks like a mistyped {scheme}:// URL (it has no '//' after '{scheme}:')")
+    raise StoreURLError(
+        f"{url!r} looks like a mistyped URL: did you mean {_suggest(scheme, rest)!r}? "
+        f"(for a local directory of that name, write ./{url})"
+    )
+
+
 def _split_url(url: str) -> tuple[str, str]:
     """``(scheme, rest)``; scheme is ``""`` for a plain path."""
     if not isinstance(url, str) or not url:
-        raise ValueError("store URL must be a non-empty string")
+        raise StoreURLError("store URL must be a non-empty string")
     scheme, sep, rest = url.partition("://")
     if not sep:
+        _refuse_mistyped(url)
         return "", url
     if not scheme or not all(c.isalnum() or c in "+-." for c in scheme):
         # Never echo the URL: it may carry credentials.
-        raise ValueError("malformed store URL (expected scheme://location or a path)")
+        raise StoreURLError("malformed store URL (expected scheme://location or a path)")
     return scheme.lower(), rest
+
+
+def _unknown_scheme(scheme: str) -> StoreURLError:
+    close = difflib.get_close_matches(scheme, SCHEMES, n=1, cutoff=0.5)
+    hint = f"; did you mean {close[0]}://?" if close else ""
+    return StoreURLError(f"unsupported store URL scheme {scheme!r} (supported: {_SUPPORTED}){hint}")
 
 
 def _refuse_credentials(scheme: str, rest: str) -> None:
@@ -64,7 +103,7 @@ def _refuse_credentials(scheme: str, rest: str) -> None:
     # itself contain "/" (AWS secrets often do), which would hide the "@".
     if "@" in rest:
         # Do not echo the URL: the part before "@" is a secret.
-        raise ValueError(
+        raise StoreURLError(
             f"{scheme}:// URL must not embed credentials (user:secret@...); "
             "pass them in storage_options or through the environment"
         )
@@ -100,8 +139,11 @@ def open_store(url: str, storage_options: dict | None = None) -> ObjectStore:
 
     Raises
     ------
-    ValueError
-        An unsupported scheme, embedded credentials, or a malformed location.
+    StoreURLError
+        (a ``ValueError``) An unsupported scheme, embedded credentials, a
+        malformed location, or a path that looks like a mistyped URL
+        (``s3:/bucket``, ``gs:bucket``, ``az:/``: a known scheme with a colon
+        but no ``//``), refused with the URL it probably meant.
     """
     scheme, rest = _split_url(url)
     if scheme:
@@ -114,39 +156,39 @@ def open_store(url: str, storage_options: dict | None = None) -> ObjectStore:
         opts = _no_options("local", storage_options, _LOCAL_OPTIONS)
         host, slash, path = rest.partition("/")
         if host not in ("", "localhost") or not slash:
-            raise ValueError("file:// URL must be file:///absolute/path (no host)")
+            raise StoreURLError("file:// URL must be file:///absolute/path (no host)")
         return LocalStore("/" + path.strip("/"), **opts)
     if scheme == "memory":
         _no_options("memory", storage_options)
         name = rest.strip("/")
         if not name:
-            raise ValueError("memory:// URL needs a name, e.g. memory://scratch")
+            raise StoreURLError("memory:// URL needs a name, e.g. memory://scratch")
         return MemoryStore(name)
     if scheme == "s3":
         location = rest.rstrip("/")
         if not location.split("/", 1)[0]:
-            raise ValueError("s3:// URL needs a bucket, e.g. s3://bucket/prefix")
+            raise StoreURLError("s3:// URL needs a bucket, e.g. s3://bucket/prefix")
         if "?" in location or "#" in location:
-            raise ValueError("s3:// URL must not carry a query or fragment")
+            raise StoreURLError("s3:// URL must not carry a query or fragment")
         from .s3 import S3Store
 
         return S3Store(location, storage_options)
     if scheme in ("gs", "gcs"):
         location = rest.rstrip("/")
         if not location.split("/", 1)[0]:
-            raise ValueError(f"{scheme}:// URL needs a bucket, e.g. gs://bucket/prefix")
+            raise StoreURLError(f"{scheme}:// URL needs a bucket, e.g. gs://bucket/prefix")
         if "?" in location or "#" in location:
-            raise ValueError(f"{scheme}:// URL must not carry a query or fragment")
+            raise StoreURLError(f"{scheme}:// URL must not carry a query or fragment")
         from .gcs import GCSStore
 
         return GCSStore(location, storage_options)
     if scheme in ("az", "abfs", "abfss"):
         location = rest.rstrip("/")
         if not location.split("/", 1)[0]:
-            raise ValueError(f"{scheme}:// URL needs a container, e.g. az://container/prefix")
+            raise StoreURLError(f"{scheme}:// URL needs a container, e.g. az://container/prefix")
         if "?" in location or "#" in location:
-            raise ValueError(f"{scheme}:// URL must not carry a query or fragment (a SAS token goes in storage_options)")
+            raise StoreURLError(f"{scheme}:// URL must not carry a query or fragment (a SAS token goes in storage_options)")
         from .azure import AzureStore
 
         return AzureStore(location, storage_options)
-    raise ValueError(f"unsupported store URL scheme {scheme!r} (supported: {_SUPPORTED})")
+    raise _unknown_scheme(scheme)

@@ -13,6 +13,9 @@ Write-out of an upload's data is started every :data:`WRITEBACK_BYTES`
 (``sync_file_range``, Linux), so that the ``fsync`` of :meth:`complete`
 finds little left to write instead of the whole object. A directory
 created for an object is made durable in its parent too.
+
+Opening a store and reading from it create nothing: the directory and its
+``.tmp/`` appear with the first write, so a mistyped path leaves no trace.
 """
 
 from __future__ import annotations
@@ -68,7 +71,8 @@ class LocalStore(ObjectStore):
     Parameters
     ----------
     root:
-        Directory holding the store; created if missing.
+        Directory holding the store; created by the first write (opening
+        and reading never create it).
     fsync:
         Flush file data and directory entries to disk before a write returns
         (default True: a committed step survives a power cut).
@@ -78,7 +82,8 @@ class LocalStore(ObjectStore):
         self.root = os.path.abspath(os.path.expanduser(root))
         self.fsync = fsync
         self.url = f"file://{self.root}"
-        os.makedirs(os.path.join(self.root, _TMP), exist_ok=True)
+        self._tmp_root = os.path.join(self.root, _TMP)
+        self._tmp_made = False
 
     def _path(self, key: str) -> str:
         check_key(key)
@@ -86,8 +91,15 @@ class LocalStore(ObjectStore):
             raise ValueError(f"key {key!r} is reserved")
         return os.path.join(self.root, *key.split("/"))
 
+    def tmp_dir(self) -> str:
+        """``.tmp/`` (with the store's directory), created on the first write."""
+        if not self._tmp_made:
+            os.makedirs(self._tmp_root, exist_ok=True)
+            self._tmp_made = True
+        return self._tmp_root
+
     def _tmp_path(self, tag: str = "") -> str:
-        return os.path.join(self.root, _TMP, f"{uuid.uuid4().hex}{tag}")
+        return os.path.join(self.tmp_dir(), f"{uuid.uuid4().hex}{tag}")
 
     def _missing(self, key: str) -> ObjectNotFoundError:
         return ObjectNotFoundError(f"{self.url}/{key}: no such object")
@@ -233,8 +245,12 @@ class LocalStore(ObjectStore):
 
     def list_multipart(self, prefix: str = "") -> list[MultipartInfo]:
         out = []
-        tmpdir = os.path.join(self.root, _TMP)
-        for name in os.listdir(tmpdir):
+        tmpdir = self._tmp_root
+        try:
+            names = os.listdir(tmpdir)
+        except (FileNotFoundError, NotADirectoryError):
+            return []  # nothing was ever written here
+        for name in names:
             if not name.endswith(".mpu"):
                 continue
             try:
@@ -248,7 +264,7 @@ class LocalStore(ObjectStore):
         return sorted(out)
 
     def abort_multipart(self, key: str, upload_id: str) -> None:
-        tmpdir = os.path.join(self.root, _TMP)
+        tmpdir = self._tmp_root
         if not all(c in "0123456789abcdef" for c in upload_id):
             raise ValueError(f"invalid upload id {upload_id!r}")
         for suffix in (".mpu", ".part"):
@@ -265,7 +281,7 @@ class _LocalMultipart(MultipartUpload):
         super().__init__(key, part_size)
         self.store = store
         self.upload_id = uuid.uuid4().hex
-        tmpdir = os.path.join(store.root, _TMP)
+        tmpdir = store.tmp_dir()
         self._marker = os.path.join(tmpdir, self.upload_id + ".mpu")
         self._data = os.path.join(tmpdir, self.upload_id + ".part")
         # Written to a temporary name and renamed, so a kill never leaves an
