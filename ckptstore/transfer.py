@@ -5,7 +5,8 @@
 - :func:`import_file`: a ``.safetensors`` file, a ``torch.save`` file
   (``weights_only`` loading only) or a DCP directory into a new step.
 - :func:`copy`: steps from one repository to another, moving only the
-  chunks the destination lacks, as stored (no recompression).
+  chunks the destination lacks, as stored (no recompression), with the tags
+  and checkpoint names that point at them.
 - :func:`diff`: what changed between two steps, from manifests alone.
 
 Progress callbacks have the signature ``progress(what, done, total)``; a
@@ -33,7 +34,7 @@ from . import manifest as _m
 from . import zero
 from .catalog import Catalog
 from .errors import CkptStoreError, FormatError, IntegrityError, MissingStepError
-from .layout import check_step
+from .layout import check_step, name_key, name_record, tag_key, tag_record
 from .chunktable import TableBuilder
 from .manifest import ChunkRef, Manifest, Shard, TableRef, TensorEntry
 from .packs import PackWriter
@@ -429,11 +430,23 @@ class CopyResult:
     raw_bytes_copied: int = 0
     packs: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    #: Tags this copy created or moved in the destination: name -> step.
+    tags: dict[str, int] = field(default_factory=dict)
+    #: Checkpoint names likewise: name space -> name -> step.
+    names: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: ``"tag best"`` / ``"name lightning:last.ckpt"`` -> the step it pointed at in the destination before.
+    moved: dict[str, int] = field(default_factory=dict)
+    #: Tags and names of selected steps that were not copied: (label, why).
+    refs_skipped: list[tuple[str, str]] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return {
             "copied": self.copied,
             "skipped": [{"step": s, "reason": r} for s, r in self.skipped],
+            "tags": self.tags,
+            "names": self.names,
+            "moved": self.moved,
+            "refs_skipped": [{"ref": label, "reason": r} for label, r in self.refs_skipped],
             "chunks_copied": self.chunks_copied,
             "chunks_reused": self.chunks_reused,
             "bytes_copied": self.bytes_copied,
@@ -487,6 +500,17 @@ def copy(
     every chunk is read back and hashed too); a problem raises
     :class:`IntegrityError`.
 
+    Tags and checkpoint names (``refs/tags/``, ``refs/names/``) come with
+    their steps: once a selected step is in the destination with the
+    source's content (copied now, or found identical), each source tag and
+    name pointing at it is written there (right after that step's commit,
+    so a tagged copy is protected from GC from the start), moving a
+    destination tag or name of the same name that pointed elsewhere
+    (:attr:`CopyResult.moved`). A tag or name whose step is not copied (not
+    selected, or different content in the destination) is not created;
+    those of selected steps are listed in :attr:`CopyResult.refs_skipped`.
+    Copying again finds every step and pointer in place and writes nothing.
+
     ``progress("copy bytes", done, total)`` counts stored bytes copied.
     """
     progress = progress or _noop
@@ -509,6 +533,7 @@ def copy(
         dst.adopt_defaults(src_cfg)
     dst.ensure_config()
     dst_steps = set(dst.steps())
+    refs = _Refs(src, dst, set(todo), res)
 
     plans = []
     for s in todo:
@@ -516,6 +541,10 @@ def copy(
         if s in dst_steps:
             same = _content_key(man) == _content_key(dst.tables.resolve_all(dst.manifest(s)))
             res.skipped.append((s, "already in the destination" + (" (identical)" if same else " (different content!)")))
+            if same:
+                refs.point(s)
+            else:
+                refs.skip(s, f"step {s} has different content in the destination")
             continue
         plans.append(man)
 
@@ -523,12 +552,53 @@ def copy(
     # copy, and every commit's base-age check counts from that read.
     outer = dst.write_lease(plans[0].step if plans else 0)
     try:
-        return _copy_steps(src, dst, plans, res, progress, verify_data, batch_bytes, t0)
+        return _copy_steps(src, dst, plans, res, progress, verify_data, batch_bytes, t0, refs.point)
     finally:
         dst.drop_lease(outer)
 
 
-def _copy_steps(src, dst, plans, res, progress, verify_data, batch_bytes, t0) -> CopyResult:
+class _Refs:
+    """The source's tags and checkpoint names of the steps a copy selected, written as their steps arrive."""
+
+    def __init__(self, src: Catalog, dst: Catalog, selected: set[int], res: CopyResult):
+        self.dst, self.res = dst, res
+        self.by_step: dict[int, list[tuple[str, str, str]]] = {}  # step -> (kind, name space, name)
+        for name, step in src.tags().items():
+            if step in selected:
+                self.by_step.setdefault(step, []).append(("tag", "", name))
+        for ns, names in src.all_names().items():
+            for name, step in names.items():
+                if step in selected:
+                    self.by_step.setdefault(step, []).append(("name", ns, name))
+        self.have_tags = dst.tags() if self.by_step else {}
+        self.have_names = dst.all_names() if self.by_step else {}
+
+    def point(self, step: int) -> None:
+        """Write the tags and names of ``step``, now in the destination, where they differ."""
+        for kind, ns, name in self.by_step.get(step, ()):
+            if kind == "tag":
+                before = self.have_tags.get(name)
+                if before != step:
+                    self.dst.store.put(tag_key(name), tag_record(step))
+                    self.res.tags[name] = step
+            else:
+                before = self.have_names.get(ns, {}).get(name)
+                if before != step:
+                    self.dst.store.put(name_key(ns, name), name_record(ns, name, step, self.dst.clock.time()))
+                    self.res.names.setdefault(ns, {})[name] = step
+            if before is not None and before != step:
+                self.res.moved[_ref_label(kind, ns, name)] = before
+
+    def skip(self, step: int, why: str) -> None:
+        for kind, ns, name in self.by_step.get(step, ()):
+            self.res.refs_skipped.append((_ref_label(kind, ns, name), why))
+
+
+def _ref_label(kind: str, ns: str, name: str) -> str:
+    return f"tag {name}" if kind == "tag" else f"name {ns}:{name}"
+
+
+def _copy_steps(src, dst, plans, res, progress, verify_data, batch_bytes, t0, on_copied) -> CopyResult:
     index_read_at = dst.clock.monotonic()
     index, pack_sizes = _dst_index(dst)
     # Total bytes to move (upper bound for progress: chunks not yet in dst).
@@ -611,6 +681,7 @@ def _copy_steps(src, dst, plans, res, progress, verify_data, batch_bytes, t0) ->
         if not report.ok:
             raise IntegrityError(f"{dst.url}: step {step} was copied but does not verify:\n{report}")
         res.copied.append(step)
+        on_copied(step)
     progress("copy bytes", total, total)
     res.seconds = time.perf_counter() - t0
     return res

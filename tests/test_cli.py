@@ -168,3 +168,31 @@ def test_a_plain_relative_path_still_saves(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "runs" / "exp1" / "config.json").exists()
     assert main(["ls", "runs/exp1", "--json"]) == 0
     assert [s["step"] for s in json.loads(capsys.readouterr().out)["steps"]] == [1]
+
+
+def _help(command: str, capsys) -> str:
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    return " ".join(capsys.readouterr().out.split())
+
+
+def test_gc_help_says_what_a_bare_gc_keeps_and_a_bare_gc_keeps_that(tmp_path, capsys):
+    text = _help("gc", capsys)
+    assert "A bare `gc URL` keeps only the newest step and every tagged step" in text
+    assert "checkpoint names do not protect a step" in text
+    url = str(tmp_path / "repo")
+    with ckptstore.open(url, **SMALL) as repo:
+        for s in (1, 2, 3, 4):
+            repo.save({"w": torch.full((10,), float(s))}, step=s)
+        repo.tag(2, "best")
+        repo.set_name("lightning", "epoch=2.ckpt", 3)
+    assert main(["gc", url, "--yes"]) == 0
+    capsys.readouterr()
+    with ckptstore.open(url) as repo:
+        assert repo.steps() == [2, 4]
+
+
+def test_cp_help_says_tags_and_names_come_with_their_steps(capsys):
+    text = _help("cp", capsys)
+    assert "Tags and checkpoint names come with the steps they point at" in text
+    assert "one whose step is not copied is not created" in text and "running cp again copies nothing" in text

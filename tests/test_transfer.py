@@ -222,6 +222,71 @@ def test_copy_local_to_s3_and_back(tmp_path, s3):
         r.close()
 
 
+def test_copy_brings_tags_and_names_with_their_steps(tmp_path):
+    src = ckptstore.open(str(tmp_path / "src"), **SMALL)
+    _dedup_history(src, n=4)  # steps 10..40
+    src.tag(10, "best")
+    src.tag(30, "final")
+    src.set_name("lightning", "epoch=0.ckpt", 10)
+    src.set_name("lightning", "last.ckpt", 40)
+    src.set_name("deepspeed", "global_step30", 30)
+    dst = _counting_repo(str(tmp_path / "dst"))
+    res = src.copy_to(dst, steps=[10, 40])
+    # a tag or name whose step is not copied is not created
+    assert dst.tags() == {"best": 10} and res.tags == {"best": 10}
+    assert dst.all_names() == {"lightning": {"epoch=0.ckpt": 10, "last.ckpt": 40}} == res.names
+    assert res.moved == {} and res.refs_skipped == []
+    # ... so a gc of the copy keeps the tagged step, as in the source
+    assert dst.plan_gc().delete_steps == ()
+    res = src.copy_to(dst)
+    assert res.copied == [20, 30] and res.tags == {"final": 30}
+    assert res.names == {"deepspeed": {"global_step30": 30}}
+    assert dst.tags() == src.tags() and dst.all_names() == src.all_names()
+
+    # a second copy copies nothing: no step, no tag, no name written
+    dst.store.reset()
+    res = src.copy_to(dst)
+    assert res.copied == [] and res.tags == {} and res.names == {} and res.moved == {}
+    assert dst.store.calls["put"] == 1  # the copy's lease, nothing else
+    assert dst.store.calls["put_if_absent"] == 0 and dst.store.calls["upload_part"] == 0
+
+    # a pointer moved in the source moves in the destination, and says from where
+    src.tag(40, "best")
+    src.set_name("lightning", "last.ckpt", 20)
+    res = src.copy_to(dst)
+    assert res.tags == {"best": 40} and res.names == {"lightning": {"last.ckpt": 20}}
+    assert res.moved == {"tag best": 10, "name lightning:last.ckpt": 40}
+    assert dst.tags() == src.tags() and dst.all_names() == src.all_names()
+
+    # a step the destination holds with other content keeps the destination's pointers
+    other = ckptstore.open(str(tmp_path / "other"), **SMALL)
+    other.save({"x": torch.ones(3)}, step=30)
+    res = src.copy_to(other, steps=[30])
+    assert other.tags() == {} and other.all_names() == {}
+    assert res.refs_skipped == [("tag final", "step 30 has different content in the destination"),
+                                ("name deepspeed:global_step30", "step 30 has different content in the destination")]
+    for r in (src, dst, other):
+        r.close()
+
+
+def test_cli_cp_reports_tags_and_names(tmp_path, capsys):
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    with ckptstore.open(src, **SMALL) as repo:
+        repo.save(_state(1), step=1)
+        repo.save(_state(2), step=2)
+        repo.tag(1, "best")
+        repo.set_name("lightning", "last.ckpt", 2)
+    assert main(["cp", src, dst]) == 0
+    out = capsys.readouterr().out
+    assert "tag best -> step 1" in out and "name lightning:last.ckpt -> step 2" in out
+    assert main(["cp", src, dst, "--json"]) == 0
+    j = json.loads(capsys.readouterr().out)
+    assert j["copied"] == [] and j["tags"] == {} and j["names"] == {}
+    assert main(["ls", dst, "--json"]) == 0
+    steps = json.loads(capsys.readouterr().out)["steps"]
+    assert [(s["tags"], s["names"]) for s in steps] == [(["best"], []), ([], ["lightning:last.ckpt"])]
+
+
 def test_copy_follows_relocated_source_packs(tmp_path):
     # Copy reads chunks where a repack moved them (relocation records).
     import time

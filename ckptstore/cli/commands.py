@@ -328,6 +328,13 @@ def cmd_cp(args) -> int:
         f"copied {len(res.copied)} step(s): {res.chunks_copied} chunk(s), {human_bytes(res.bytes_copied)} stored "
         f"in {len(res.packs)} new pack(s); {res.chunks_reused} chunk reference(s) reused what the destination had"
     )
+    pointed = [(f"tag {n}", s) for n, s in sorted(res.tags.items())]
+    pointed += [(f"name {ns}:{n}", s) for ns, names in sorted(res.names.items()) for n, s in sorted(names.items())]
+    for label, step in pointed:
+        was = res.moved.get(label)
+        print(f"{label} -> step {step}" + (f" (moved from step {was})" if was is not None else ""))
+    for label, why in res.refs_skipped:
+        print(f"{label}: not copied, {why}")
     return 0
 
 

@@ -63,7 +63,15 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--read-data", action="store_true", help="read every chunk and check its hash")
     sp.set_defaults(func=commands.cmd_verify)
 
-    sp = sub.add_parser("gc", help="apply retention rules and reclaim unreferenced data")
+    sp = sub.add_parser(
+        "gc",
+        help="apply retention rules and reclaim unreferenced data",
+        description="Delete the steps no retention rule keeps, then the data no committed step references "
+        "(once older than the grace period). A bare `gc URL` keeps only the newest step and every tagged step "
+        "and deletes every other step (checkpoint names do not protect a step); add --keep-last, --keep-every, "
+        "--keep-within or --keep-step to keep more. The plan is printed, and confirmed, before anything is "
+        "deleted; --dry-run prints it and changes nothing.",
+    )
     common(sp)
     sp.add_argument("--keep-last", type=int, metavar="N", help="keep the newest N steps")
     sp.add_argument("--keep-every", type=int, metavar="K", help="keep steps divisible by K")
@@ -110,7 +118,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="input format (default: detected from the path)")
     sp.set_defaults(func=commands.cmd_import)
 
-    sp = sub.add_parser("cp", help="copy steps between repositories, moving only chunks the destination lacks")
+    sp = sub.add_parser(
+        "cp",
+        help="copy steps between repositories, moving only chunks the destination lacks",
+        description="Copy steps (default: every step) from SRC_URL to DST_URL, moving only the chunks the "
+        "destination lacks, as stored. Tags and checkpoint names come with the steps they point at (written "
+        "once the step is in the destination; one whose step is not copied is not created), so a gc of the "
+        "copy keeps the same tagged steps. A step already in the destination is skipped, so running cp again "
+        "copies nothing. DST_URL is created if it holds no repository; SRC_URL must hold one.",
+    )
     sp.add_argument("src", metavar="SRC_URL")
     sp.add_argument("dst", metavar="DST_URL")
     common(sp, url=False)
