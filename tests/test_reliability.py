@@ -21,6 +21,7 @@ import ckptstore
 from ckptstore import manifest as M, pack as P
 from ckptstore.errors import (
     FormatError,
+    HostNotResolvedError,
     IntegrityError,
     RepositoryNotFoundError,
     StepExistsError,
@@ -86,6 +87,60 @@ def test_retries_are_bounded_in_attempts_and_time():
     with pytest.raises(TransientStorageError):
         slow.head("k")
     assert time.monotonic() - t < 1.0
+
+
+class _SimClock:
+    """RetryStore's clock in simulated time: ``sleep`` advances ``monotonic``."""
+
+    def __init__(self):
+        self.now = 0.0
+        self.slept = []
+
+    def sleep(self, s: float) -> None:
+        self.slept.append(s)
+        self.now += s
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def _unresolved(temporary: bool):
+    """A FaultStore error factory: the host name of the store does not resolve."""
+
+    def make(op, key):
+        e = HostNotResolvedError(f"s3://b/{key}: S3 {op} failed: could not resolve host 'nohost.invalid'")
+        e.temporary = temporary
+        return e
+
+    return make
+
+
+def test_a_host_that_does_not_resolve_is_not_retried_for_minutes():
+    policy = RetryPolicy(max_attempts=1000, base_delay=0.05, max_delay=5.0, max_total=120.0)
+    # The resolver says the name does not exist: one attempt.
+    fs = FaultStore(MemoryStore())
+    fs.add_fault(op="head", kind="error", error=_unresolved(temporary=False))
+    clock = _SimClock()
+    rs = RetryStore(fs, policy, seed=1, sleep=clock.sleep, monotonic=clock.monotonic)
+    with pytest.raises(HostNotResolvedError, match="could not resolve host 'nohost.invalid'"):
+        rs.head("k")
+    assert fs.injected["error"] == 1 and clock.slept == [] and rs.gave_up == 1
+    # No answer from the resolver (no network): retried within max_unresolved only.
+    fs = FaultStore(MemoryStore())
+    fs.add_fault(op="head", kind="error", error=_unresolved(temporary=True))
+    clock = _SimClock()
+    rs = RetryStore(fs, policy, seed=1, sleep=clock.sleep, monotonic=clock.monotonic)
+    with pytest.raises(HostNotResolvedError):
+        rs.head("k")
+    assert fs.injected["error"] > 1 and 0 < clock.now <= policy.max_unresolved
+    # ... while a transient error still gets the whole budget
+    fs = FaultStore(MemoryStore())
+    fs.add_fault(op="head", kind="error", error=transient("SlowDown"))
+    clock = _SimClock()
+    rs = RetryStore(fs, policy, seed=1, sleep=clock.sleep, monotonic=clock.monotonic)
+    with pytest.raises(TransientStorageError):
+        rs.head("k")
+    assert policy.max_total - policy.max_delay < clock.now <= policy.max_total
 
 
 def test_backoff_is_jittered_exponential():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import uuid
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -589,6 +590,97 @@ def test_local_store_creates_nothing_until_the_first_write(tmp_path):
     up.upload_part(1, b"x")
     up.complete(1)
     assert (tmp_path / "b" / "p").read_bytes() == b"x"
+
+
+# ---------------------------------------------------------------- host names that do not resolve
+#: The emulator's published development key (not a secret), with an endpoint no resolver knows.
+_AZ_DEV = ("DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;AccountKey=Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50"
+           "uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw==;BlobEndpoint=http://az.nohost.invalid:10000/devstoreaccount1;")
+UNRESOLVED = {
+    "s3": ("s3://bucket/p", {"key": "AKIAFAKEKEYID0000000", "secret": "fake/secret/0000000000000000000000000000",
+                             "client_kwargs": {"endpoint_url": "http://s3.nohost.invalid:9000", "region_name": "us-east-1"}}),
+    "gcs": ("gs://bucket/p", {"endpoint_url": "http://gcs.nohost.invalid:4443", "token": "anon", "project": "x"}),
+    "azure": ("az://cont/p", {"connection_string": _AZ_DEV}),
+}
+
+
+class _Resolver:
+    """``socket.getaddrinfo`` failing for ``*.invalid`` names with ``code``; counts those calls."""
+
+    def __init__(self, code: int):
+        import socket
+
+        self.code, self.calls, self._real = code, 0, socket.getaddrinfo
+
+    def __call__(self, host, *args, **kwargs):
+        import socket
+
+        if str(host).endswith(".invalid"):
+            self.calls += 1
+            raise socket.gaierror(self.code, "Name or service not known" if self.code == socket.EAI_NONAME
+                                  else "Temporary failure in name resolution")
+        return self._real(host, *args, **kwargs)
+
+
+@pytest.mark.parametrize("backend", sorted(UNRESOLVED))
+def test_a_host_name_that_does_not_exist_fails_at_once_naming_the_host(backend, monkeypatch):
+    import socket
+
+    import ckptstore
+    from ckptstore.errors import HostNotResolvedError
+
+    resolver = _Resolver(socket.EAI_NONAME)
+    monkeypatch.setattr(socket, "getaddrinfo", resolver)  # the resolver every client calls
+    url, so = UNRESOLVED[backend]
+    with ckptstore.open(url, storage_options=so) as repo:  # the default retry policy
+        with pytest.raises(HostNotResolvedError) as ei:
+            repo.steps()
+    host = urlsplit(so.get("endpoint_url") or so.get("client_kwargs", {}).get("endpoint_url")
+                    or "http://az.nohost.invalid").hostname
+    assert f"could not resolve host '{host}' (Name or service not known)" in str(ei.value)
+    assert ei.value.temporary is False
+    # one ckptstore attempt: the client's own tries (botocore's 3), never RetryStore's 8
+    assert 1 <= resolver.calls <= 3
+
+
+def test_gcs_resolves_its_endpoint_before_gcsfs_retries_for_half_a_minute():
+    import socket
+
+    from ckptstore.catalog import Catalog
+    from ckptstore.errors import HostNotResolvedError
+    from ckptstore.storage.gcs import GCSStore
+    from ckptstore.storage.retry import RetryPolicy, RetryStore
+
+    class Clock:
+        now = 0.0
+
+        def sleep(self, s):
+            self.now += s
+
+        def monotonic(self):
+            return self.now
+
+    url, so = UNRESOLVED["gcs"]
+    resolver = _Resolver(socket.EAI_AGAIN)  # no answer (no network): retried briefly
+    clock = Clock()
+    store = RetryStore(GCSStore(url, so, resolver=resolver), sleep=clock.sleep, monotonic=clock.monotonic)
+    with pytest.raises(HostNotResolvedError, match="could not resolve host 'gcs.nohost.invalid' .Temporary failure"):
+        Catalog(store).steps()
+    assert 1 < resolver.calls <= RetryPolicy().max_attempts and 0 < clock.now <= RetryPolicy().max_unresolved
+    store.close()
+
+
+def test_cli_says_the_host_could_not_be_resolved(monkeypatch, capsys):
+    import socket
+
+    from ckptstore.cli.main import main
+
+    monkeypatch.setattr(socket, "getaddrinfo", _Resolver(socket.EAI_NONAME))
+    argv = ["ls", "gs://bucket/x", "-o", "endpoint_url=http://gcs.nohost.invalid:4443", "-o", "token=anon",
+            "-o", "project=x"]
+    assert main(argv) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "could not resolve host 'gcs.nohost.invalid'" in lines[0], lines
 
 
 def test_importing_storage_does_not_import_s3fs():

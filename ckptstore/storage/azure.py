@@ -65,7 +65,7 @@ from ..errors import (
     StorageError,
     TransientStorageError,
 )
-from ._classify import MAX_MESSAGE, in_chain, is_network_error, optional_types
+from ._classify import MAX_MESSAGE, host_not_resolved, in_chain, is_network_error, optional_types
 from .base import (
     MultipartInfo,
     MultipartUpload,
@@ -144,6 +144,9 @@ def classify_error(exc: BaseException, where: str, op: str, exists_on_conflict: 
     """
     if isinstance(exc, CkptStoreError):
         return exc
+    dns = host_not_resolved(exc, where, f"Azure {op}")
+    if dns is not None:
+        return dns
     status, code, message = _http(exc)
     message = message[:MAX_MESSAGE]
     if _is_connection_error(exc):

@@ -78,10 +78,11 @@ import asyncio
 import json
 import os
 import re
+import socket
 import threading
 import uuid
 from datetime import datetime, timezone
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 # gcsfs >= 2026 otherwise probes every bucket over gRPC first (and waits ~60 s
 # against an emulator); must be set before gcsfs is imported.
@@ -94,7 +95,15 @@ from ..errors import (  # noqa: E402
     StorageError,
     TransientStorageError,
 )
-from ._classify import MAX_MESSAGE, in_chain, is_network_error, optional_types, scrub  # noqa: E402
+from ._classify import (  # noqa: E402
+    MAX_MESSAGE,
+    check_resolves,
+    host_not_resolved,
+    in_chain,
+    is_network_error,
+    optional_types,
+    scrub,
+)
 from .base import (  # noqa: E402
     MultipartInfo,
     MultipartUpload,
@@ -172,6 +181,9 @@ def classify_error(exc: BaseException, where: str, op: str, exists_on_412: bool 
     """
     if isinstance(exc, CkptStoreError):
         return exc
+    dns = host_not_resolved(exc, where, f"GCS {op}")
+    if dns is not None:
+        return dns
     status = _status(exc)
     message = str(getattr(exc, "message", "") or exc)[:MAX_MESSAGE]
     if isinstance(exc, FileExistsError) or status == 412:
@@ -218,12 +230,21 @@ class GCSStore(ObjectStore):
     max_concurrency:
         Most requests of one :meth:`get_ranges` call, or of one compose
         round or cleanup, in flight at once.
+    resolver:
+        ``socket.getaddrinfo`` (the default) or a stand-in with its
+        signature: the endpoint's host is resolved once, before the first
+        request, and a name that does not resolve raises
+        :class:`~ckptstore.errors.HostNotResolvedError` at once; gcsfs would
+        otherwise retry it for about 30 s per call. Skipped when the session
+        goes through a proxy (``session_kwargs`` with ``trust_env`` or a
+        connector), where the proxy resolves names.
     """
 
     mtime_resolution = 0.001  # GCS "updated" has milliseconds (the emulator: µs)
     remote = True
 
-    def __init__(self, path: str, storage_options: dict | None = None, max_concurrency: int = 16):
+    def __init__(self, path: str, storage_options: dict | None = None, max_concurrency: int = 16,
+                 resolver: Callable | None = None):
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         for scheme in ("gs://", "gcs://"):
@@ -256,6 +277,7 @@ class GCSStore(ObjectStore):
         self._fs_obj = None
         self._fs_lock = threading.Lock()
         self._catch = _errors_to_classify()
+        self._resolver = resolver or socket.getaddrinfo
 
     def __repr__(self) -> str:
         return f"GCSStore({self.url!r})"
@@ -269,7 +291,12 @@ class GCSStore(ObjectStore):
                     import gcsfs.core
 
                     # The core class: the "extended" one probes buckets over gRPC.
-                    self._fs_obj = gcsfs.core.GCSFileSystem(**self._opts)
+                    fs = gcsfs.core.GCSFileSystem(**self._opts)
+                    session = self._opts.get("session_kwargs") or {}
+                    location = getattr(fs, "_location", None)
+                    if isinstance(location, str) and not (session.get("trust_env") or "connector" in session):
+                        check_resolves(location, self.url, "GCS", self._resolver)
+                    self._fs_obj = fs
         return self._fs_obj
 
     def _full(self, key: str) -> str:

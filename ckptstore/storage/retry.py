@@ -6,6 +6,13 @@ code); everything else fails on the first attempt. Attempts and total time
 are both bounded. On by default for remote stores (``ckptstore.open(...,
 retry=RetryPolicy(...) | False)``).
 
+A host name that does not resolve (:class:`~ckptstore.errors.HostNotResolvedError`)
+is not transient: a name the resolver says does not exist fails at once,
+and one it could not get an answer for (no network, a name server that did
+not reply) is retried for at most ``max_unresolved`` seconds, so a
+mistyped endpoint or a machine without network fails within seconds, not
+after the minutes of backoff a flaky server deserves.
+
 Two operations need care because the first attempt may have succeeded with
 its response lost:
 
@@ -24,7 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from ..errors import ObjectExistsError, ObjectNotFoundError, TransientStorageError
+from ..errors import HostNotResolvedError, ObjectExistsError, ObjectNotFoundError, TransientStorageError
 from .base import MultipartUpload, ObjectStore
 from .wrappers import WrapperStore
 
@@ -37,12 +44,16 @@ class RetryPolicy:
     base_delay: first backoff, seconds; doubles each retry.
     max_delay: cap of one backoff.
     max_total: give up once this many seconds have passed since the first attempt.
+    max_unresolved: the same bound for a host name the resolver could not
+        get an answer for (``EAI_AGAIN``); a name that does not exist is not
+        retried at all.
     """
 
     max_attempts: int = 8
     base_delay: float = 0.05
     max_delay: float = 5.0
     max_total: float = 120.0
+    max_unresolved: float = 5.0
 
     def __post_init__(self):
         if self.max_attempts < 1:
@@ -53,15 +64,18 @@ class RetryStore(WrapperStore):
     """Retries transient failures of ``inner`` (thread-safe).
 
     ``retries`` counts retries made, ``gave_up`` calls that exhausted the policy.
+    ``sleep`` and ``monotonic`` are the clock the backoff waits on and the
+    time bounds read (tests pass a simulated one).
     """
 
     def __init__(self, inner: ObjectStore, policy: RetryPolicy | None = None, seed: int | None = None,
-                 sleep: Callable[[float], None] = time.sleep):
+                 sleep: Callable[[float], None] = time.sleep, monotonic: Callable[[], float] = time.monotonic):
         super().__init__(inner)
         self.policy = policy or RetryPolicy()
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self._sleep = sleep
+        self._monotonic = monotonic
         self.retries = 0
         self.gave_up = 0
 
@@ -71,15 +85,18 @@ class RetryStore(WrapperStore):
             return self._rng.uniform(0, cap)  # "full jitter"
 
     def _run(self, fn: Callable, on_retry_error: Callable | None = None):
-        start = time.monotonic()
+        start = self._monotonic()
         attempt = 1
         while True:
             try:
                 return fn()
-            except TransientStorageError:
-                elapsed = time.monotonic() - start
+            except (TransientStorageError, HostNotResolvedError) as e:
+                elapsed = self._monotonic() - start
                 delay = self._backoff(attempt)
-                if attempt >= self.policy.max_attempts or elapsed + delay > self.policy.max_total:
+                bound = self.policy.max_total
+                if isinstance(e, HostNotResolvedError):
+                    bound = min(bound, self.policy.max_unresolved) if e.temporary else -1.0
+                if attempt >= self.policy.max_attempts or elapsed + delay > bound:
                     with self._lock:
                         self.gave_up += 1
                     raise

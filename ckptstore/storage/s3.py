@@ -65,7 +65,7 @@ from ..errors import (
     StorageError,
     TransientStorageError,
 )
-from ._classify import MAX_MESSAGE, in_chain, is_network_error, optional_types, scrub
+from ._classify import MAX_MESSAGE, host_not_resolved, in_chain, is_network_error, optional_types, scrub
 from .base import (
     READ_PIECE,
     MultipartInfo,
@@ -177,11 +177,15 @@ def classify_error(exc: BaseException, where: str, op: str, exists_on_412: bool 
     -------
     An exception to raise (``raise classify_error(e, ...) from e``):
     :class:`ObjectNotFoundError`, :class:`ObjectExistsError`,
-    :class:`TransientStorageError` (throttling, 5xx, connection failures) or
-    :class:`StorageError` (everything else; fail fast).
+    :class:`TransientStorageError` (throttling, 5xx, connection failures),
+    :class:`HostNotResolvedError` (the endpoint's host name does not resolve:
+    retried only briefly) or :class:`StorageError` (everything else; fail fast).
     """
     if isinstance(exc, CkptStoreError):
         return exc
+    dns = host_not_resolved(exc, where, f"S3 {op}")
+    if dns is not None:
+        return dns
     code, status, message = error_code(exc)
     message = message[:MAX_MESSAGE]
     if code or status:
