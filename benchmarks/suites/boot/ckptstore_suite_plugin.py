@@ -3,6 +3,15 @@
 Before each test it writes the test's id, made safe for a path, to
 ``$CKPTSTORE_SUITE_DIR/current`` (see ``sitecustomize``), so each test gets
 a repository of its own.
+
+It also lets DeepSpeed 0.19's ``DistributedFixture`` classes work under
+pytest >= 8.4 (the same on both sides of a run): DeepSpeed marks them as
+fixtures with a ``_pytestfixturefunction`` class attribute, which pytest
+no longer reads, so tests using them failed with "fixture ... not found".
+Each such class in a test module is registered as a real fixture whose
+function builds the class; DeepSpeed's own ``pytest_fixture_setup`` hook
+(``tests/conftest.py``) then runs it on its ranks as it does under older
+pytest.
 """
 
 from __future__ import annotations
@@ -17,6 +26,35 @@ import pytest
 def slug(nodeid: str) -> str:
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", nodeid.split("::", 1)[-1])[:80]
     return f"{name}-{hashlib.sha1(nodeid.encode()).hexdigest()[:8]}"
+
+
+def _register_dist_fixtures(module) -> None:
+    for name, obj in list(vars(module).items()):
+        if not (isinstance(obj, type) and getattr(obj, "is_dist_fixture", False)):
+            continue
+        if obj.__module__ != module.__name__:
+            continue  # DistributedFixture itself, imported
+
+        def build(cls=obj):
+            return cls()
+
+        build.is_dist_fixture = True
+        build.__name__ = name
+        # the class keeps its own name in the module: DeepSpeed pickles it to its ranks
+        setattr(module, f"_ckptstore_dist_fixture_{name}", pytest.fixture(name=name)(build))
+
+
+def pytest_pycollect_makemodule(module_path, parent):
+    module = pytest.Module.from_parent(parent, path=module_path)
+    getobj = module._getobj
+
+    def _getobj():
+        obj = getobj()
+        _register_dist_fixtures(obj)
+        return obj
+
+    module._getobj = _getobj
+    return module
 
 
 @pytest.hookimpl(tryfirst=True)

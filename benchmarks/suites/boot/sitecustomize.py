@@ -6,6 +6,9 @@ Lightning's ``ddp_spawn`` children) import it at start-up. It
 
 - switches DeepSpeed's shared-memory comm op off (a ~75 s g++ build per
   process on CPU, the tests' own setting in ``tests/ds_workers.py``);
+- gives ``DeepSpeedEngine`` back the ``sparse_tensor_module_names``
+  attribute 0.19.5's tests compare and 0.19.8 dropped (an empty set, on
+  both sides of a run);
 - with ``CKPTSTORE_SUITE_DIR`` set (the ``--ckptstore`` side of a run),
   plugs ckptstore in the documented way when the framework is imported:
   every engine ``deepspeed.initialize`` returns gets
@@ -43,6 +46,15 @@ def suite_url() -> str:
 
 def _patch_deepspeed_ops(mod):
     mod.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def _patch_engine_compat(mod):
+    # DeepSpeed 0.19.5's checkpoint tests compare engine.sparse_tensor_module_names
+    # of the saved and the loaded engine (tests/unit/checkpoint/common.py);
+    # 0.19.8 dropped the attribute. Both sides of a run get the same empty set.
+    cls = mod.DeepSpeedEngine
+    if not hasattr(cls, "sparse_tensor_module_names"):
+        cls.sparse_tensor_module_names = property(lambda self: set())
 
 
 def _patch_deepspeed(mod):
@@ -89,7 +101,7 @@ def _patch_trainer(mod):
     cls.__init__ = __init__
 
 
-_HOOKS = {"deepspeed.ops": [_patch_deepspeed_ops]}
+_HOOKS = {"deepspeed.ops": [_patch_deepspeed_ops], "deepspeed.runtime.engine": [_patch_engine_compat]}
 if _DIR:
     _HOOKS.setdefault("deepspeed", []).append(_patch_deepspeed)
     _HOOKS["lightning.pytorch.trainer.trainer"] = [_patch_trainer]
