@@ -67,6 +67,7 @@ class ChunkFetcher:
         where: Callable[[int], str],
         on_error: OnError | None = None,
         into: Into | None = None,
+        done: Callable[[int], None] | None = None,
     ) -> None:
         """Fetch, verify and decode ``refs``; call ``deliver`` once per chunk.
 
@@ -74,6 +75,9 @@ class ChunkFetcher:
         decoded into it and verified there instead of being delivered; if it
         fails to verify, the destination holds bytes that must not be used
         (and the read raises, or reports the chunk to ``on_error``).
+        ``done(i)``, if given, is called once chunk ``i`` has been verified
+        and delivered or decoded in place (from the decoding threads, for
+        progress).
 
         ``where(i)`` is the start of every message about chunk ``i``: what
         it belongs to, ending in ``": "`` (``"s3://b/run: step 5: tensor 'w': "``),
@@ -85,7 +89,7 @@ class ChunkFetcher:
         """
         if not refs:
             return
-        job = _Job(self, list(refs), deliver, where, on_error, into)
+        job = _Job(self, list(refs), deliver, where, on_error, into, done)
         with self._lock:
             self._active += 1
         try:
@@ -99,13 +103,14 @@ class ChunkFetcher:
 
 
 class _Job:
-    def __init__(self, fetcher: ChunkFetcher, refs, deliver, where, on_error, into=None):
+    def __init__(self, fetcher: ChunkFetcher, refs, deliver, where, on_error, into=None, done=None):
         self.f = fetcher
         self.refs = refs
         self.deliver = deliver
         self.where = where
         self.on_error = on_error
         self.into = into
+        self.done = done
 
     def fail(self, i: int, err: Exception) -> None:
         if self.on_error is None:
@@ -185,13 +190,16 @@ class _Job:
                     _codec.decode_verified_into(r.codec, stored, dest, r.hash, where)
                 except IntegrityError as e:
                     self.fail(i, e)
-                return
-            try:
-                raw = _codec.decode_verified(r.codec, stored, r.raw_len, r.hash, where)
-            except IntegrityError as e:
-                self.fail(i, e)
-                return
-            self.deliver(i, memoryview(raw), stored)
+                    return
+            else:
+                try:
+                    raw = _codec.decode_verified(r.codec, stored, r.raw_len, r.hash, where)
+                except IntegrityError as e:
+                    self.fail(i, e)
+                    return
+                self.deliver(i, memoryview(raw), stored)
+            if self.done is not None:
+                self.done(i)
 
         def arrived(got: int) -> None:
             while pending and refs[pending[0]].offset + refs[pending[0]].stored_len - req.start <= got:

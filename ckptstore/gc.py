@@ -29,6 +29,7 @@ from .layout import (
 )
 from .manifest import ChunkRef, StepRefs, merge_ranges
 from .packs import PackWriter
+from .progress import callback as progress_callback
 from .relocations import RelocationView
 from .storage.base import MultipartInfo
 from .units import human_bytes, parse_duration
@@ -210,11 +211,18 @@ class GCPlan:
         lines.append(f"  frees {human_bytes(self.bytes_to_free)}")
         return "\n".join(lines)
 
-    def execute(self, progress: Callable[[str, int, int], None] | None = None) -> "GCResult":
-        """Carry the plan out, re-checking every reference just before deleting."""
+    def execute(self, progress: Callable[[str, int, int], None] | bool | None = None) -> "GCResult":
+        """Carry the plan out, re-checking every reference just before deleting.
+
+        ``progress``: None, True (bars on stderr) or a callable, as in :mod:`ckptstore.progress`.
+        """
         if self.repo is None:
             raise ValueError("this plan is detached from its repository")
-        return _execute(self, self.repo, progress or (lambda what, done, total: None))
+        report, close = progress_callback(progress)
+        try:
+            return _execute(self, self.repo, report)
+        finally:
+            close()
 
 
 #: Packs (and segments) GC clears and deletes together, in one

@@ -25,6 +25,7 @@ from typing import NamedTuple
 import torch
 
 from . import manifest as _m
+from .progress import byte_bar
 from .reader import Checkpoint
 from .repository import Repository
 from .repository import open as _open_repo
@@ -333,10 +334,7 @@ class ModuleLoader:
                                         chunk=chunk, cls=self.staging_cls)
         bar = None
         if self.progress:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=sum(g.nbytes for g in todo), unit="B", unit_scale=True, unit_divisor=1024,
-                       desc=f"load step {self.ckpt.step}")
+            bar = byte_bar(sum(g.nbytes for g in todo), f"load step {self.ckpt.step}")
         lock = threading.Lock()
 
         def tick(n: int) -> None:
@@ -432,7 +430,8 @@ def load_module(
     storage_options, **open_options:
         As for :func:`ckptstore.open` (when ``url`` is a URL).
     progress:
-        Show a ``tqdm`` bar of the bytes filled.
+        Show a ``tqdm`` bar of the bytes filled (in the units of
+        :mod:`ckptstore.progress`).
     staging_bytes:
         Total size of the staging buffers (default 64 MiB, at most a quarter
         of the read budget). They are reserved in the read budget, as much of

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
@@ -23,6 +23,8 @@ from . import planner as _plan
 from .catalog import Catalog
 from .errors import FormatError
 from .manifest import Manifest, Shard, TensorEntry
+from .progress import Counter
+from .progress import callback as progress_callback
 from .staging import TensorReader, make_staging
 from .tensors import byte_view, castable, writable_in_place
 from .tree import flatten, tree_keys, unflatten
@@ -158,7 +160,7 @@ class Checkpoint:
             self.read_box(e, tuple((0, n, 1) for n in e.shape), dest.detach())
         return dest
 
-    def read_many_into(self, dests: dict[str, torch.Tensor]) -> None:
+    def read_many_into(self, dests: dict[str, torch.Tensor], on_bytes: Callable[[int], None] | None = None) -> None:
         """Read whole tensors into ``dests`` (key -> tensor of the stored shape).
 
         Dtypes cast as in :meth:`read_into`. Tensors stored as one shard and
@@ -166,6 +168,8 @@ class Checkpoint:
         together: their chunks are coalesced across tensors into few range
         requests (a state dict of many small tensors costs a handful of GETs,
         not one per tensor). The rest go one tensor at a time.
+        ``on_bytes(n)`` is called (from several threads) as ``n`` more bytes
+        of the destinations are filled.
         """
         keys, refs, targets, rest = [], [], [], []
         checked = {key: self._check_dest(key, dest) for key, dest in dests.items()}
@@ -196,12 +200,13 @@ class Checkpoint:
         def deliver(i: int, raw, stored) -> None:  # every chunk has a destination
             into(i)[:] = np.frombuffer(raw, dtype=np.uint8, count=len(raw))
 
+        done = None if on_bytes is None else (lambda i: on_bytes(refs[i].raw_len))
         self.repo.fetcher.fetch(refs, deliver, lambda i: f"{self.repo.url}: step {self.step}: tensor {keys[i]!r}: ",
-                                into=into)
+                                into=into, done=done)
         if rest:
-            self._read_staged(rest, dests)
+            self._read_staged(rest, dests, on_bytes)
 
-    def _read_staged(self, keys: list[str], dests: dict[str, torch.Tensor]) -> None:
+    def _read_staged(self, keys: list[str], dests: dict[str, torch.Tensor], on_bytes=None) -> None:
         """Tensors :meth:`read_many_into` cannot decode into in place (CUDA, another dtype,
         not contiguous, several shards): ``tensor_workers`` at a time, through one set
         of staging buffers (pinned when a destination is on CUDA), the path of
@@ -216,7 +221,7 @@ class Checkpoint:
         nbytes = self.repo.runtime.read_budget().limit // 2
         with make_staging(self, pin=pin, room=room, chunk=chunk, staging_bytes=nbytes) as staging:
             reader = TensorReader(self, staging)
-            self.repo.runtime.map_tensors(lambda k: reader.read_into(k, dests[k]), keys)
+            self.repo.runtime.map_tensors(lambda k: reader.read_into(k, dests[k], on_bytes=on_bytes), keys)
 
     # -- boxes and shards
     def _check_dest(self, key: str, dest: torch.Tensor) -> TensorEntry:
@@ -346,23 +351,31 @@ def open_checkpoint(cat: Catalog, step: int) -> Checkpoint:
     return Checkpoint(cat, cat.manifest(step))
 
 
-def load_step(cat: Catalog, step: int | None = None, into: Mapping | None = None) -> dict:
+def load_step(cat: Catalog, step: int | None = None, into: Mapping | None = None, progress=None) -> dict:
     """The body of ``Repository.load``; see there."""
     if step is None:
         step = cat.newest_step()
     ckpt = open_checkpoint(cat, step)
     if into is None:
-        tensors = {}
+        dest = {}
         for k in ckpt.keys():
             e = ckpt.manifest.tensors[k]
-            tensors[k] = torch.empty(e.shape, dtype=_m.DTYPES[e.dtype])
-        ckpt.read_many_into(tensors)
-        return unflatten(ckpt.manifest.tree, tensors.__getitem__)
-    _, dest = flatten(into)
-    missing = [k for k in dest if k not in ckpt.manifest.tensors]
-    if missing:
-        raise KeyError(f"step {step} has no tensor(s) {missing[:5]} present in `into`")
-    ckpt.read_many_into(dest)
+            dest[k] = torch.empty(e.shape, dtype=_m.DTYPES[e.dtype])
+    else:
+        _, dest = flatten(into)
+        missing = [k for k in dest if k not in ckpt.manifest.tensors]
+        if missing:
+            raise KeyError(f"step {step} has no tensor(s) {missing[:5]} present in `into`")
+    report, close = progress_callback(progress)
+    try:
+        on_bytes = None
+        if progress is not None and progress is not False:
+            on_bytes = Counter(report, "load bytes", sum(t.numel() * t.element_size() for t in dest.values())).add
+        ckpt.read_many_into(dest, on_bytes)
+    finally:
+        close()
+    if into is None:
+        return unflatten(ckpt.manifest.tree, dest.__getitem__)
     _replace_values(into, ckpt.manifest.tree)
     return into
 

@@ -21,6 +21,7 @@ from . import transfer as _transfer
 from . import verify as _verify
 from .catalog import Catalog
 from .clock import Clock
+from .progress import callback as progress_callback
 from .reader import Checkpoint, TensorMeta, load_step, open_checkpoint
 from .save import AsyncSaver, StepInfo, flatten_for_save, save_step
 from .storage.base import ObjectStore
@@ -48,6 +49,7 @@ class Repository(Catalog):
         metadata: dict | None = None,
         blocking: bool = True,
         base: int | str | None = "latest",
+        progress=None,
     ):
         """Save a state dict as a new committed step.
 
@@ -66,6 +68,12 @@ class Repository(Catalog):
             the caller may modify its tensors as soon as this returns.
         base:
             Dedup base: ``"latest"`` (default), a step number, or None.
+        progress:
+            None (default: silent), True (a bar on stderr), or a callable
+            ``progress("save bytes", done, total)`` called as each chunk of
+            the state dict's bytes is hashed and either found in the dedup
+            base or handed to the uploads (:mod:`ckptstore.progress`). With
+            ``blocking=False`` it reports from the background save.
 
         Returns
         -------
@@ -73,23 +81,26 @@ class Repository(Catalog):
         """
         tree, tensors, step, metadata = flatten_for_save(state_dict, step, metadata)
         if not blocking:
-            return self._async.submit(tree, tensors, step, metadata, base)
-        return save_step(self, tree, tensors, step, metadata, base)
+            return self._async.submit(tree, tensors, step, metadata, base, progress)
+        return save_step(self, tree, tensors, step, metadata, base, progress)
 
     # ------------------------------------------------------------ load
     def checkpoint(self, step: int) -> Checkpoint:
         """A read view of one committed step."""
         return open_checkpoint(self, step)
 
-    def load(self, step: int | None = None, into: Mapping | None = None) -> dict:
+    def load(self, step: int | None = None, into: Mapping | None = None, progress=None) -> dict:
         """Load a step (default: the latest) as a state dict.
 
         With ``into``, tensors are read in place into the given state dict's
         tensors (same keys and shapes; another floating dtype is cast like
         DCP casts) without a second full copy, plain values are replaced,
-        and ``into`` is returned.
+        and ``into`` is returned. ``progress``: None (default: silent),
+        True (a bar on stderr), or a callable ``progress("load bytes", done,
+        total)`` called as the destination tensors are filled and verified
+        (:mod:`ckptstore.progress`).
         """
-        return load_step(self, step, into)
+        return load_step(self, step, into, progress)
 
     # ------------------------------------------------------------ gc, verify
     def plan_gc(self, **kwargs) -> _gc.GCPlan:
@@ -97,8 +108,15 @@ class Repository(Catalog):
         return _gc.plan_gc(self, **kwargs)
 
     def verify(self, step: int | None = None, read_data: bool = False, progress=None) -> _verify.VerifyReport:
-        """Check manifests, packs and (with ``read_data``) every chunk; see :mod:`ckptstore.verify`."""
-        return _verify.verify(self, step=step, read_data=read_data, progress=progress)
+        """Check manifests, packs and (with ``read_data``) every chunk; see :mod:`ckptstore.verify`.
+
+        ``progress``: None, True or a callable, as in :mod:`ckptstore.progress`.
+        """
+        report, close = progress_callback(progress)
+        try:
+            return _verify.verify(self, step=step, read_data=read_data, progress=report)
+        finally:
+            close()
 
     def stats(self) -> dict:
         """Space accounting: stored and referenced bytes, dead bytes in partly used packs, ratios."""
@@ -106,9 +124,16 @@ class Repository(Catalog):
 
     # ------------------------------------------------------------ transfer (see ckptstore.transfer)
     def export(self, step: int, out, format: str = "safetensors", keys=None, progress=None) -> dict:
-        """Write a step as a ``.safetensors`` file or (``format="dcp"``) a DCP directory."""
+        """Write a step as a ``.safetensors`` file or (``format="dcp"``) a DCP directory.
+
+        ``progress`` (safetensors): None, True or a callable, as in :mod:`ckptstore.progress`.
+        """
         if format == "safetensors":
-            return _transfer.export_safetensors(self, step, out, keys_glob=keys, progress=progress)
+            report, close = progress_callback(progress)
+            try:
+                return _transfer.export_safetensors(self, step, out, keys_glob=keys, progress=report)
+            finally:
+                close()
         if format == "dcp":
             if keys is not None:
                 raise ValueError("keys selects tensors only for safetensors export")
@@ -119,9 +144,16 @@ class Repository(Catalog):
         """Save a .safetensors file, torch.save file or DCP directory as ``step``; see :func:`ckptstore.transfer.import_file`."""
         return _transfer.import_file(self, path, step, **kwargs)
 
-    def copy_to(self, dst: "Repository", steps=None, **kwargs) -> _transfer.CopyResult:
-        """Copy steps to another repository, moving only chunks it lacks; see :func:`ckptstore.transfer.copy`."""
-        return _transfer.copy(self, dst, steps=steps, **kwargs)
+    def copy_to(self, dst: "Repository", steps=None, progress=None, **kwargs) -> _transfer.CopyResult:
+        """Copy steps to another repository, moving only chunks it lacks; see :func:`ckptstore.transfer.copy`.
+
+        ``progress``: None, True or a callable, as in :mod:`ckptstore.progress`.
+        """
+        report, close = progress_callback(progress)
+        try:
+            return _transfer.copy(self, dst, steps=steps, progress=report, **kwargs)
+        finally:
+            close()
 
     def diff(self, a: int, b: int) -> dict:
         """Tensors added, removed, changed and unchanged from step ``a`` to ``b``, from manifests only."""

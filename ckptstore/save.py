@@ -23,7 +23,7 @@ import collections
 import json
 import time
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 import torch
@@ -54,6 +54,8 @@ from .manifest import (
     merge_ranges,
 )
 from .packs import PackWriter, part_window
+from .progress import Counter
+from .progress import callback as progress_callback
 from .storage.upload import ParallelUploader
 from .tensors import stage, tensor_bytes
 from .tree import flatten, tree_keys
@@ -297,11 +299,14 @@ class ChunkWriter:
     ``add(tensor)`` returns the list that :meth:`finish` fills with the
     tensor's chunk references. Memory: at most ``max_inflight_bytes / 4`` of
     chunks are being hashed and encoded; the rest of the budget holds part
-    buffers (:func:`~ckptstore.packs.part_window`).
+    buffers (:func:`~ckptstore.packs.part_window`). ``on_bytes(n)`` is called
+    (on the thread calling ``add``/``drain``) as each chunk of ``n`` bytes is
+    referenced or handed to the pack uploads, in order.
     """
 
-    def __init__(self, cat: Catalog, base_refs: dict[str, ChunkRef]):
+    def __init__(self, cat: Catalog, base_refs: dict[str, ChunkRef], on_bytes: Callable[[int], None] | None = None):
         self.cat = cat
+        self.on_bytes = on_bytes
         o = self.o = cat.options
         self.cpu = cat.runtime.cpu
         self.base = base_refs
@@ -376,6 +381,8 @@ class ChunkWriter:
             if scratch is not None:
                 self.scratch.put(scratch)
         refs.append(ref)
+        if self.on_bytes is not None:
+            self.on_bytes(len(piece))
 
     def drain(self) -> None:
         """Append every pending chunk and start sealing the open pack (returns before it is sealed).
@@ -413,13 +420,25 @@ def check_metadata(metadata) -> dict:
     return metadata
 
 
-def save_step(cat: Catalog, tree, tensors: dict[str, torch.Tensor], step: int, metadata: dict, base) -> StepInfo:
+def save_step(cat: Catalog, tree, tensors: dict[str, torch.Tensor], step: int, metadata: dict, base,
+              progress=None) -> StepInfo:
     """Save one flattened state dict as a new step (the body of ``Repository.save``)."""
+    report, close = progress_callback(progress)
+    try:
+        return _save_step(cat, tree, tensors, step, metadata, base, report if progress not in (None, False) else None)
+    finally:
+        close()
+
+
+def _save_step(cat: Catalog, tree, tensors, step: int, metadata: dict, base, report) -> StepInfo:
     t0 = time.perf_counter()
     commit = StepCommit(cat, step, base)
     try:
         base_step = commit.begin()
-        writer = ChunkWriter(cat, dedup_index(cat, base_step))
+        on_bytes = None
+        if report is not None:
+            on_bytes = Counter(report, "save bytes", sum(t.numel() * t.element_size() for t in tensors.values())).add
+        writer = ChunkWriter(cat, dedup_index(cat, base_step), on_bytes)
         entries: dict[str, tuple[torch.Tensor, list]] = {}
         try:
             for key in tree_keys(tree):
@@ -525,9 +544,9 @@ class AsyncSaver:
         self.staging = staged
         return staged
 
-    def submit(self, tree, tensors, step, metadata, base):
+    def submit(self, tree, tensors, step, metadata, base, progress=None):
         staged = self.stage_all(tensors)
-        fut = self.cat.runtime.background.submit(save_step, self.cat, tree, staged, step, metadata, base)
+        fut = self.cat.runtime.background.submit(save_step, self.cat, tree, staged, step, metadata, base, progress)
         self.last = fut
         return fut
 

@@ -282,6 +282,7 @@ def import_file(
     format: str | None = None,
     metadata: dict | None = None,
     base: int | str | None = "latest",
+    progress=None,
 ):
     """Save a ``.safetensors`` file, a ``torch.save`` file or a DCP directory as step ``step``.
 
@@ -306,14 +307,15 @@ def import_file(
       ``torch.load(weights_only=True)`` (DCP's default planner would use
       ``weights_only=False``).
 
-    The whole state dict is held in memory, then ``repo.save`` writes it.
+    The whole state dict is held in memory, then ``repo.save`` writes it
+    (``progress`` as for ``repo.save``: ``"save bytes"``).
     """
     sd, file_meta = read_file(path, format)
     meta = dict(file_meta)
     if metadata:
         meta.update(metadata)
     tree, tensors, step, meta = flatten_for_save(sd, step, meta)
-    return save_step(repo, tree, tensors, step, meta, base)
+    return save_step(repo, tree, tensors, step, meta, base, progress)
 
 
 def _read_safetensors(path) -> tuple[dict, dict]:

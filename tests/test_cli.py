@@ -196,3 +196,50 @@ def test_cp_help_says_tags_and_names_come_with_their_steps(capsys):
     text = _help("cp", capsys)
     assert "Tags and checkpoint names come with the steps they point at" in text
     assert "one whose step is not copied is not created" in text and "running cp again copies nothing" in text
+
+
+class _Tty:
+    """A terminal stand-in for stderr (bars are drawn only on a terminal)."""
+
+    def __init__(self):
+        import io
+
+        self.buf = io.StringIO()
+
+    def isatty(self):
+        return True
+
+    def write(self, s):
+        return self.buf.write(s)
+
+    def flush(self):
+        pass
+
+    def take(self) -> str:
+        out = self.buf.getvalue()
+        self.buf.seek(0)
+        self.buf.truncate()
+        return out
+
+
+def test_import_and_cp_show_progress_and_a_second_cp_moves_nothing(tmp_path, monkeypatch):
+    import re
+
+    from safetensors.torch import save_file
+
+    f = tmp_path / "w.safetensors"
+    save_file({"w": torch.randn(512, 1024), "b": torch.randn(1024)}, str(f))
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    tty = _Tty()
+    monkeypatch.setattr("sys.stderr", tty)
+    assert main(["import", str(f), src, "--step", "1"]) == 0
+    err = tty.take()
+    assert "save: 100%" in err and "2.0 MiB/2.0 MiB" in err  # 512x1024 + 1024 float32
+    assert main(["cp", src, dst]) == 0
+    err = tty.take()
+    assert err.count("copy: 100%") == 1, err  # one bar, not redrawn at its end
+    assert main(["cp", src, dst]) == 0
+    assert "copy" not in tty.take()  # nothing to move: no bar, no rate from bytes skipped
+    assert main(["import", str(f), src, "--step", "2", "--json"]) == 0
+    assert tty.take() == ""  # --json: no bars
+    assert not re.search(r"\d[kMGT]B?/s", err)

@@ -15,7 +15,7 @@ PKG = Path(__file__).resolve().parent.parent / "ckptstore"
 #: Lowest first. A module may import modules of its own layer or of lower
 #: ones; keep in step with the table in docs/architecture.md.
 LAYERS: list[list[str]] = [
-    ["errors", "units", "clock"],
+    ["errors", "units", "clock", "progress"],
     ["storage.base"],
     ["storage._classify", "storage.upload", "storage.wrappers"],
     ["storage.memory", "storage.local", "storage.retry", "storage.faults", "storage.s3", "storage.gcs", "storage.azure"],

@@ -181,6 +181,45 @@ def test_an_empty_repository_is_not_a_missing_one():
     assert not isinstance(ei.value, RepositoryNotFoundError)
 
 
+def test_save_and_load_report_progress_as_bytes_advance(capfd):
+    repo = _mem_repo()
+    sd = {"a": torch.randn(300, 1000), "b": {"c": torch.randn(70_000)}, "n": 3}
+    total = (300 * 1000 + 70_000) * 4
+    calls = []
+    repo.save(sd, step=1, progress=lambda *a: calls.append(a))
+    assert {w for w, _, _ in calls} == {"save bytes"} and {t for _, _, t in calls} == {total}
+    done = [d for _, d, _ in calls]
+    assert done[0] == 0 and done[-1] == total and done == sorted(done)
+    assert len(done) >= total // SMALL["chunk_size"]  # per chunk, not once at the end
+    # the next save reuses every chunk: still reported
+    calls.clear()
+    repo.save(sd, step=2, progress=lambda *a: calls.append(a))
+    assert calls[-1] == ("save bytes", total, total)
+    calls.clear()
+    repo.save(sd, step=3, blocking=False, progress=lambda *a: calls.append(a)).result()
+    assert calls[-1] == ("save bytes", total, total)
+
+    for into in (None, {"a": torch.empty(300, 1000), "b": {"c": torch.empty(70_000)}},
+                 {"a": torch.empty(300, 1000, dtype=torch.float64), "b": {"c": torch.empty(70_000)}}):
+        calls.clear()
+        out = repo.load(1, into=into, progress=lambda *a: calls.append(a))
+        want = total + (300 * 1000 * 4 if into is not None and into["a"].dtype == torch.float64 else 0)
+        done = [d for _, d, _ in calls]
+        assert {w for w, _, _ in calls} == {"load bytes"} and {t for _, _, t in calls} == {want}
+        assert done[0] == 0 and done[-1] == want and done == sorted(done) and len(done) > 3
+        assert torch.equal(out["a"].float(), sd["a"])
+    # off by default; True draws a bar on stderr, in the summaries' units
+    capfd.readouterr()
+    repo.load(1)
+    repo.save(sd, step=4)
+    assert capfd.readouterr().err == ""
+    repo.load(1, progress=True)
+    err = capfd.readouterr().err
+    assert "load: 100%" in err and "1.4 MiB/1.4 MiB" in err
+    with pytest.raises(TypeError, match="progress must be"):
+        repo.load(1, progress="yes")
+
+
 def test_load_into_is_in_place():
     repo = _mem_repo()
     model = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.Linear(300, 7))

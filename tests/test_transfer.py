@@ -380,8 +380,9 @@ def test_cli_transfer_commands(tmp_path, capsys):
     assert "1 changed, 6 unchanged" in o and "model.w" in o
 
 
-def test_cli_progress_helper(monkeypatch):
+def test_cli_progress_bars_speak_the_summaries_units(monkeypatch):
     import io
+    import re
 
     from ckptstore.cli.commands import _Progress
 
@@ -395,11 +396,18 @@ def test_cli_progress_helper(monkeypatch):
     p("export bytes", 0, 4 << 20)
     p("export bytes", 2 << 20, 4 << 20)
     p("export bytes", 4 << 20, 4 << 20)
+    p("export bytes", 4 << 20, 4 << 20)  # a final call repeated (cp's): no second bar drawn at once
+    p("copy bytes", 0, 0)  # nothing to copy: no bar
+    p("copy bytes", 0, 0)
     p("packs", 1, 3)  # gc/verify style: counts, then a new phase
     p("packs", 3, 3)
     p.close()
     out = err.getvalue()
-    assert "export" in out and "4.00M/4.00M" in out and "B/s" in out  # sizes and throughput
+    # sizes as the summaries spell them (human_bytes), binary units, rate included
+    assert "4.0 MiB/4.0 MiB" in out and re.search(r"\d+\.\d (B|KiB|MiB|GiB|TiB)/s\]", out), out
+    assert not re.search(r"\d[kMGT]B?/s|\d[kMGT]/", out), out  # never tqdm's 4.00M or decimal MB/s
+    assert out.count("export:") == 2 and out.count("100%") == 2  # one bar (start, end), then packs'
+    assert "copy" not in out
     assert "packs" in out and "3/3" in out
     quiet = _Tty()
     monkeypatch.setattr("sys.stderr", quiet)

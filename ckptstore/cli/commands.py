@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from .. import open as open_repo
+from ..progress import Bars
 from ._format import emit_json, human_bytes, iso, table
 
 
@@ -132,45 +133,9 @@ def cmd_stats(args) -> int:
     return 0
 
 
-class _Progress:
-    """tqdm progress bars on stderr, one per phase; quiet under ``--json`` or off a terminal.
-
-    Called as ``progress(what, done, total)`` (the library's callback
-    signature). A ``what`` ending in ``" bytes"`` counts bytes: the bar
-    shows sizes and throughput. A new ``what`` closes the previous bar.
-    """
-
-    def __init__(self, enabled: bool):
-        self.enabled = enabled and sys.stderr.isatty()
-        self._bar = None
-        self._what = None
-
-    def __call__(self, what: str, done: int, total: int) -> None:
-        if not self.enabled:
-            return
-        if what != self._what or self._bar is None:
-            self.close()
-            from tqdm import tqdm
-
-            is_bytes = what.endswith(" bytes")
-            self._bar = tqdm(
-                total=total, desc=what.removesuffix(" bytes") if is_bytes else what, file=sys.stderr,
-                unit="B" if is_bytes else "it", unit_scale=is_bytes, unit_divisor=1024 if is_bytes else 1000,
-                leave=True, dynamic_ncols=True,
-            )
-            self._what = what
-        bar = self._bar
-        if total != bar.total:
-            bar.total = total
-        bar.update(done - bar.n)
-        if done >= total:
-            self.close()
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
-            self._what = None
+def _Progress(enabled: bool) -> Bars:
+    """Bars on stderr in a terminal; none under ``--json`` (or off a terminal)."""
+    return Bars(enabled)
 
 
 def cmd_verify(args) -> int:
@@ -291,9 +256,13 @@ def cmd_export(args) -> int:
 def cmd_import(args) -> int:
     from ..transfer import detect_format
 
+    progress = _Progress(not args.json)
     with _open(args) as repo:  # the URL is checked before the file is read
         fmt = args.format or detect_format(args.path)
-        info = repo.import_(args.path, args.step, format=fmt)
+        try:
+            info = repo.import_(args.path, args.step, format=fmt, progress=progress)
+        finally:
+            progress.close()
     if args.json:
         emit_json({"format": fmt, **info.as_dict()})
     else:
