@@ -1,8 +1,11 @@
-# One-command set-up: `make demo` and `make test` create .venv when missing,
-# install the pinned CPU build of torch and the package with its test extras.
+# One-command set-up: `make demo` and `make test` create .venv when missing and
+# install the pinned CPU build of torch and the package. `make demo` installs
+# only what the demo runs (the core and the `demo` extra: moto); `make test`
+# (and `make setup`) add the test and integrations extras and Azurite.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+CORE_STAMP := $(VENV)/.ckptstore-core
 STAMP := $(VENV)/.ckptstore-installed
 # Azurite (the Azure Storage emulator the tests start) from npm, into a
 # git-ignored folder next to the checkout.
@@ -12,10 +15,15 @@ AZURITE := $(NODE_DIR)/node_modules/.bin/azurite-blob
 
 .PHONY: setup setup-bench test test-fast demo bench clean
 
-$(STAMP): pyproject.toml
+$(CORE_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[demo]' torch==2.13.0
+	$(PY) -m pip check
+	touch $(CORE_STAMP)
+
+$(STAMP): $(CORE_STAMP)
+	$(PY) -m pip install -q -e '.[test]' torch==2.13.0
 	# The integrations extra (ckptstore.integrations), torch kept at 2.13.0;
 	# DS_BUILD_OPS=0: DeepSpeed compiles no op at install (the tests switch its JIT comm op off)
 	DS_BUILD_OPS=0 $(PY) -m pip install -q -e '.[integrations]' torch==2.13.0
@@ -40,7 +48,8 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
 
-demo: setup
+# The core and the demo extra only: no test or integrations extras, no Azurite.
+demo: $(CORE_STAMP)
 	$(VENV)/bin/ckptstore demo
 
 bench: setup
