@@ -123,13 +123,19 @@ def flat_groups(engine) -> list[F.FlatGroup]:
     names = engine.param_names
     if any(opt.is_moe_group(pg) for pg in opt.optimizer.param_groups):
         raise NotImplementedError("ckptstore does not re-partition ZeRO-1/2 MoE parameter groups")
+    # DeepSpeed 0.19.8 records each parameter's offset (alignment padding between parameters);
+    # earlier 0.19 releases put parameters back to back.
+    offsets = getattr(opt, "round_robin_bit16_offsets", None)
+    metas = getattr(opt, "round_robin_bit16_meta", None)
     out = []
     for i, params in enumerate(opt.round_robin_bit16_groups):
+        numels = [int(m.numel()) for m in metas[i]] if metas else [int(p.numel()) for p in params]
+        offs = [int(o) for o in offsets[i]] if offsets else [sum(numels[:j]) for j in range(len(numels))]
         out.append(
             F.FlatGroup(
                 names=tuple(names[p] for p in params),
-                offsets=tuple(int(o) for o in opt.round_robin_bit16_offsets[i]),
-                numels=tuple(int(m.numel()) for m in opt.round_robin_bit16_meta[i]),
+                offsets=tuple(offs),
+                numels=tuple(numels),
                 partition_size=int(opt.partition_size[i]),
                 world=dist.get_world_size(group=opt.real_dp_process_group[i]) if dist.is_initialized() else 1,
             )
@@ -184,7 +190,10 @@ def zero12_optim_file(stored: F.StoredStep, layout: F.ZeroLayout, engine, rank: 
     osd["single_partition_of_fp32_groups"] = fp32
     osd["group_paddings"] = [group.padding(rank) for group in groups]
     osd["partition_count"] = [group.world for group in groups]
-    osd["param_alignment_paddings"] = [[int(x) for x in p] for p in opt.round_robin_bit16_padding]
+    if hasattr(opt, "round_robin_bit16_padding"):
+        osd["param_alignment_paddings"] = [[int(x) for x in p] for p in opt.round_robin_bit16_padding]
+    else:
+        osd.pop("param_alignment_paddings", None)
     osd["param_slice_mappings"] = _slice_mappings(groups, rank)
     return sd
 
