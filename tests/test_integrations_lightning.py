@@ -381,3 +381,17 @@ def test_import_without_lightning_names_the_extra():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert res.returncode != 0
     assert "ImportError" in res.stderr and "pip install 'ckptstore[integrations]'" in res.stderr
+
+
+def test_a_name_whose_step_was_deleted_reads_the_file_or_says_so(tmp_path):
+    full = cl.CkptStoreCheckpointIO(str(tmp_path / "repo"))
+    full.save_checkpoint(_ckpt(1, 1), tmp_path / "a.ckpt")
+    stub = cl.CkptStoreCheckpointIO(str(tmp_path / "repo"), local_files="stub")
+    stub.save_checkpoint(_ckpt(2, 2), tmp_path / "b.ckpt")
+    with ckptstore.open(str(tmp_path / "repo")) as repo:
+        repo.delete(1)  # retention removed the named steps (names do not keep steps)
+        repo.delete(2)
+    # Lightning's own file is still there: it is read (weights_only), as Lightning would
+    assert torch.equal(full.load_checkpoint(tmp_path / "a.ckpt")["state_dict"]["w"], torch.ones(3))
+    with pytest.raises(StepNotFoundError, match=r"'b.ckpt' was saved as step 2, which has been deleted"):
+        stub.load_checkpoint(tmp_path / "b.ckpt")
