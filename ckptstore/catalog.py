@@ -169,9 +169,9 @@ class Catalog:
         if not self.exists():
             raise self._no_repository()
 
-    def _no_repository(self) -> RepositoryNotFoundError:
+    def _no_repository(self, note: str = "") -> RepositoryNotFoundError:
         return RepositoryNotFoundError(
-            f"no ckptstore repository at {self.url} (no {CONFIG_KEY}); save a step to create one"
+            f"no ckptstore repository at {self.url} (no {CONFIG_KEY}); save a step to create one{note}"
         )
 
     def _not_committed(self, step: int) -> StepNotFoundError:
@@ -201,7 +201,8 @@ class Catalog:
         """The newest committed step; :class:`StepNotFoundError` if none (:class:`RepositoryNotFoundError` if no repository)."""
         s = self.latest()
         if s is None:
-            self.require_repository()
+            if not self.exists():
+                raise self._no_repository(" (so there is no committed step to read)")
             raise StepNotFoundError(f"{self.url}: the repository has no committed step")
         return s
 
