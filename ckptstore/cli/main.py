@@ -29,40 +29,52 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ckptstore", description="Deduplicated PyTorch checkpoints in object stores.")
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _read_commands(sub)
+    _gc_commands(sub)
+    _transfer_commands(sub)
+    return p
 
-    def common(sp, url=True):
-        if url:
-            sp.add_argument("url", metavar="URL", help="repository: s3://bucket/prefix, gs://bucket/prefix, az://container/prefix, file:///path, path, memory://name")
-        sp.add_argument(
-            "--storage-option", "-o", action="append", type=_storage_option, default=[], metavar="KEY=VALUE",
-            help="backend option (repeatable), e.g. -o endpoint_url=http://127.0.0.1:9000",
-        )
-        sp.add_argument("--json", action="store_true", help="machine-readable output")
 
+def _common(sp, url: bool = True) -> None:
+    """The URL, ``-o KEY=VALUE`` and ``--json`` every command takes."""
+    if url:
+        sp.add_argument("url", metavar="URL", help="repository: s3://bucket/prefix, gs://bucket/prefix, az://container/prefix, file:///path, path, memory://name")
+    sp.add_argument(
+        "--storage-option", "-o", action="append", type=_storage_option, default=[], metavar="KEY=VALUE",
+        help="backend option (repeatable), e.g. -o endpoint_url=http://127.0.0.1:9000",
+    )
+    sp.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _read_commands(sub) -> None:
+    """ls, show, stats, verify."""
     sp = sub.add_parser(
         "ls",
         help="list committed steps",
         description="Committed steps: time, tensors, logical and newly stored bytes, tags, and the checkpoint "
         "names the integrations gave them (lightning:last.ckpt, deepspeed:global_step1000).",
     )
-    common(sp)
+    _common(sp)
     sp.set_defaults(func=commands.cmd_ls)
 
     sp = sub.add_parser("show", help="tensors and metadata of one step")
-    common(sp)
+    _common(sp)
     sp.add_argument("step", type=int, metavar="STEP")
     sp.set_defaults(func=commands.cmd_show)
 
     sp = sub.add_parser("stats", help="stored bytes, dedup and compression ratios")
-    common(sp)
+    _common(sp)
     sp.set_defaults(func=commands.cmd_stats)
 
     sp = sub.add_parser("verify", help="check manifests and packs (and chunk contents with --read-data)")
-    common(sp)
+    _common(sp)
     sp.add_argument("step", type=int, nargs="?", metavar="STEP", help="only this step")
     sp.add_argument("--read-data", action="store_true", help="read every chunk and check its hash")
     sp.set_defaults(func=commands.cmd_verify)
 
+
+def _gc_commands(sub) -> None:
+    """gc, rm, tag."""
     sp = sub.add_parser(
         "gc",
         help="apply retention rules and reclaim unreferenced data",
@@ -72,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--keep-within or --keep-step to keep more. The plan is printed, and confirmed, before anything is "
         "deleted; --dry-run prints it and changes nothing.",
     )
-    common(sp)
+    _common(sp)
     sp.add_argument("--keep-last", type=int, metavar="N", help="keep the newest N steps")
     sp.add_argument("--keep-every", type=int, metavar="K", help="keep steps divisible by K")
     sp.add_argument("--keep-within", metavar="DURATION", help="keep steps newer than this (e.g. 7d, 12h)")
@@ -89,19 +101,22 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=commands.cmd_gc)
 
     sp = sub.add_parser("rm", help="delete one step (its data goes with the next gc)")
-    common(sp)
+    _common(sp)
     sp.add_argument("step", type=int, metavar="STEP")
     sp.add_argument("--force", action="store_true", help="allow deleting the newest step")
     sp.set_defaults(func=commands.cmd_rm)
 
     sp = sub.add_parser("tag", help="name a step (tagged steps survive gc)")
-    common(sp)
+    _common(sp)
     sp.add_argument("step", type=int, metavar="STEP")
     sp.add_argument("name", metavar="NAME")
     sp.set_defaults(func=commands.cmd_tag)
 
+
+def _transfer_commands(sub) -> None:
+    """export, import, cp, diff, demo."""
     sp = sub.add_parser("export", help="write a step as a .safetensors file or a DCP directory")
-    common(sp)
+    _common(sp)
     sp.add_argument("step", type=int, metavar="STEP")
     sp.add_argument("out", metavar="OUT", help="OUT.safetensors, or a directory with --format dcp")
     sp.add_argument("--format", choices=["safetensors", "dcp"], default="safetensors",
@@ -112,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("import", help="save a .safetensors file, torch.save file or DCP directory as a step")
     sp.add_argument("path", metavar="FILE_OR_DIR")
-    common(sp)
+    _common(sp)
     sp.add_argument("--step", type=int, required=True, metavar="N", help="step number to create")
     sp.add_argument("--format", choices=["safetensors", "torch", "dcp"],
                     help="input format (default: detected from the path)")
@@ -129,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("src", metavar="SRC_URL")
     sp.add_argument("dst", metavar="DST_URL")
-    common(sp, url=False)
+    _common(sp, url=False)
     sp.add_argument("--src-option", action="append", type=_storage_option, default=[], metavar="KEY=VALUE",
                     help="backend option for the source only (repeatable; -o applies to both)")
     sp.add_argument("--dst-option", action="append", type=_storage_option, default=[], metavar="KEY=VALUE",
@@ -140,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=commands.cmd_cp)
 
     sp = sub.add_parser("diff", help="tensors added, removed, changed between two steps (manifests only)")
-    common(sp)
+    _common(sp)
     sp.add_argument("a", type=int, metavar="STEP_A")
     sp.add_argument("b", type=int, metavar="STEP_B")
     sp.set_defaults(func=commands.cmd_diff)
@@ -149,7 +164,6 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--steps", type=int, default=6, help="training steps to save (default 6)")
     sp.add_argument("--json", action="store_true", help="machine-readable output")
     sp.set_defaults(func=commands.cmd_demo)
-    return p
 
 
 #: Errors whose message says all there is (the URL or host given): no traceback hint.
