@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import socket
 import threading
 
@@ -130,7 +131,10 @@ def test_dead_upstream_drops_the_connection():
     port = s.getsockname()[1]
     s.close()  # nothing listens there
     with FaultProxy(("127.0.0.1", port)) as p:
-        with pytest.raises((ConnectionResetError, ConnectionAbortedError, BrokenPipeError)):
+        # the proxy may drop the client before it has sent: then even the
+        # shutdown of its own side fails (ENOTCONN), another form of the same drop
+        with pytest.raises(OSError) as e:
             got = _exchange(p.port, b"hello")
             if got == b"":
                 raise ConnectionResetError("closed")
+        assert e.value.errno in (None, errno.ECONNRESET, errno.ECONNABORTED, errno.EPIPE, errno.ENOTCONN), e.value
