@@ -367,6 +367,47 @@ def test_missing_bucket_listing_is_not_a_missing_object(gcs):
     assert not isinstance(ei.value, ObjectNotFoundError)
 
 
+def test_missing_bucket_is_named_by_object_calls_too(gcs):
+    # A 404 on an object (read or write) in a bucket that does not exist says
+    # so, as S3's NoSuchBucket and Azure's ContainerNotFound do; a missing
+    # object in a bucket that exists is still a missing object.
+    s = gcs("no-such-bucket/repo")
+    for call in (lambda: s.get("config.json"), lambda: s.put("k", b"x"), lambda: s.put_if_absent("k", b"x"),
+                 lambda: s.head("k"), lambda: s.get_ranges("k", [(0, 1)])):
+        with pytest.raises(StorageError, match=r"^gs://no-such-bucket: bucket does not exist") as ei:
+            call()
+        assert not isinstance(ei.value, ObjectNotFoundError)
+    with pytest.raises(StorageError, match="gs://no-such-bucket: bucket does not exist"):
+        ckptstore.open("gs://no-such-bucket/runs/exp1", storage_options=gcs.emulator.storage_options()).save(
+            {"w": torch.zeros(2)}, step=1)
+    present = gcs()
+    with pytest.raises(ObjectNotFoundError, match="no such object"):
+        present.get("missing")
+    present.put("k", b"x")
+    with pytest.raises(ObjectNotFoundError, match="no such object"):
+        present.get("missing")
+
+
+def test_emulator_host_in_the_environment_means_anonymous(gcs, monkeypatch):
+    # As google-cloud-storage does: with STORAGE_EMULATOR_HOST set and no
+    # token, no default credentials are looked for (and no metadata server asked).
+    import gcsfs.credentials
+
+    def probed(self):
+        raise AssertionError("looked for application-default credentials")
+
+    monkeypatch.setattr(gcsfs.credentials.GoogleCredentials, "_connect_google_default", probed)
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs.emulator.endpoint)
+    with ckptstore.open(f"gs://{BUCKET}/env") as repo:
+        repo.save({"w": torch.arange(3.0)}, step=1)
+        assert repo.steps() == [1]
+    # A token given explicitly is used as it is.
+    s = GCSStore(f"{BUCKET}/env", {"token": "anon", "project": "p"})
+    assert s._gcsfs_options()["project"] == "p"
+    with pytest.raises(AssertionError, match="application-default"):
+        GCSStore(f"{BUCKET}/env", {"token": "google_default"}).get("x")
+
+
 def test_cp_s3_to_gcs_copies_unique_chunks_once_and_verifies(gcs, s3):
     """``cp`` between clouds: S3 (moto) to GCS (emulator)."""
     import ckptstore

@@ -12,7 +12,10 @@ Errors. gcsfs turns responses into built-in exceptions
 ``requests.ProxyError``, a 400 mentioning "invalid" -> ``ValueError``, any
 other status -> ``gcsfs.retry.HttpError`` with ``.code``. :func:`classify_error`
 maps those to ckptstore's tree: 412 on a conditional create ->
-:class:`ObjectExistsError`, 404 -> :class:`ObjectNotFoundError`, 408/429/5xx and
+:class:`ObjectExistsError`, 404 -> :class:`ObjectNotFoundError` (a 404 on an
+object says nothing of the bucket: the first one asks, with a listing of
+one object, and a missing bucket is a :class:`StorageError` saying so),
+408/429/5xx and
 connection failures -> :class:`TransientStorageError`, the rest ->
 :class:`StorageError`. gcsfs itself retries 408/429/5xx and connection errors
 up to 6 times with exponential backoff (about 30 s in all) before we see them.
@@ -276,6 +279,7 @@ class GCSStore(ObjectStore):
         self._secrets = tuple(s for s in secrets if s)
         self._fs_obj = None
         self._fs_lock = threading.Lock()
+        self._bucket_seen = False
         self._catch = _errors_to_classify()
         self._resolver = resolver or socket.getaddrinfo
 
@@ -291,13 +295,43 @@ class GCSStore(ObjectStore):
                     import gcsfs.core
 
                     # The core class: the "extended" one probes buckets over gRPC.
-                    fs = gcsfs.core.GCSFileSystem(**self._opts)
+                    fs = gcsfs.core.GCSFileSystem(**self._gcsfs_options())
                     session = self._opts.get("session_kwargs") or {}
                     location = getattr(fs, "_location", None)
                     if isinstance(location, str) and not (session.get("trust_env") or "connector" in session):
                         check_resolves(location, self.url, "GCS", self._resolver)
                     self._fs_obj = fs
         return self._fs_obj
+
+    def _gcsfs_options(self) -> dict:
+        opts = self._opts
+        # With STORAGE_EMULATOR_HOST set and no token, connect anonymously, as
+        # google-cloud-storage does for an emulator: gcsfs would otherwise try
+        # application-default credentials and the GCE metadata server first.
+        if "token" not in opts and os.environ.get("STORAGE_EMULATOR_HOST", "") not in ("", "default"):
+            opts = {**opts, "token": "anon"}
+        return opts
+
+    def _missing_bucket(self, op: str) -> StorageError | None:
+        # An object call answered 404: the object, or the whole bucket? Asked
+        # once (a bucket seen to exist is not asked about again), with a
+        # listing of at most one object, which answers 404 only for a
+        # missing bucket and needs no permission a repository does not.
+        if self._bucket_seen:
+            return None
+        from fsspec.asyn import sync
+
+        async def probe():
+            await self._fs._call("GET", "b/{}/o", self.bucket, json_out=True, maxResults=1)
+
+        try:
+            sync(self._fs.loop, probe)
+        except FileNotFoundError:
+            return StorageError(f"gs://{self.bucket}: bucket does not exist (GCS {op}: 404)")
+        except self._catch:
+            return None  # the 404 stands as it is
+        self._bucket_seen = True
+        return None
 
     def _full(self, key: str) -> str:
         check_key(key)
@@ -316,14 +350,18 @@ class GCSStore(ObjectStore):
 
         fs = self._fs
         try:
-            return sync(fs.loop, coro_fn, *args, **kwargs)
+            out = sync(fs.loop, coro_fn, *args, **kwargs)
         except RangeReplyError as e:
             raise ValueError(str(e)) from None
         except self._catch as e:
             err = self._error(e, key, op, exists_on_412)
+            if isinstance(err, ObjectNotFoundError):
+                err = self._missing_bucket(op) or err
             if err is e:
                 raise
             raise err from e
+        self._bucket_seen = True
+        return out
 
     # async primitives: raw gcsfs exceptions, classified by _run
     async def _aget_meta(self, full: str) -> dict:
