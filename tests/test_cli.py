@@ -5,14 +5,18 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import ckptstore
+from ckptstore.cli.commands import install_hint
 from ckptstore.cli.main import main
 
 from .helpers import SMALL
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _repo(tmp_path):
@@ -70,7 +74,24 @@ def test_demo_without_moto_says_what_to_install():
     r = subprocess.run([sys.executable, "-c", hide], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and "pip install 'ckptstore[demo]'" in lines[0], r.stderr
+    assert len(lines) == 1 and lines[0].endswith(install_hint("demo")), r.stderr
+
+
+def test_install_hint_names_the_checkout_for_an_editable_install(tmp_path):
+    # `pip install -e .` (a checkout, as make installs it) then `ckptstore demo`:
+    # the fix is `pip install -e '.[demo]'` there, not the PyPI spelling.
+    checkout = tmp_path / "ckpt store"
+    (checkout / "ckptstore").mkdir(parents=True)
+    (checkout / "pyproject.toml").write_text('[project]\nname = "ckptstore"\n')
+    assert install_hint("demo", str(checkout / "ckptstore")) == (
+        f"pip install -e '.[demo]' (in the checkout {checkout})")
+    site = tmp_path / "site-packages"
+    (site / "ckptstore").mkdir(parents=True)
+    assert install_hint("demo", str(site / "ckptstore")) == "pip install 'ckptstore[demo]'"
+    (site / "pyproject.toml").write_text('[project]\nname = "other"\n')
+    assert install_hint("demo", str(site / "ckptstore")) == "pip install 'ckptstore[demo]'"
+    # These tests run from this checkout.
+    assert install_hint("test") == f"pip install -e '.[test]' (in the checkout {ROOT})"
 
 
 def test_console_script_demo_runs():

@@ -217,13 +217,35 @@ def cmd_tag(args) -> int:
     return 0
 
 
+def install_hint(extra: str, package_dir: str | None = None) -> str:
+    """The command that adds ``extra`` to this installation of ckptstore.
+
+    Run from a checkout (``pip install -e .``, as ``make`` installs it, or
+    the source tree on ``sys.path``) that is ``pip install -e '.[extra]'`` in
+    the checkout, not the PyPI spelling. ``package_dir`` is the folder of the
+    ``ckptstore`` package (this one's when None): a checkout has ckptstore's
+    ``pyproject.toml`` next to it.
+    """
+    from pathlib import Path
+
+    pkg = Path(package_dir) if package_dir is not None else Path(__file__).resolve().parent.parent
+    project = pkg.parent / "pyproject.toml"
+    try:
+        checkout = project.is_file() and 'name = "ckptstore"' in project.read_text(encoding="utf-8")
+    except OSError:
+        checkout = False
+    if checkout:
+        return f"pip install -e '.[{extra}]' (in the checkout {pkg.parent})"
+    return f"pip install 'ckptstore[{extra}]'"
+
+
 def cmd_demo(args) -> int:
     # The demo's embedded S3 server is moto's, an optional dependency.
     try:
         import moto.server  # noqa: F401
     except ImportError:
         print("ckptstore demo runs an embedded S3 server (moto), which is not installed: "
-              "pip install 'ckptstore[demo]'", file=sys.stderr)
+              + install_hint("demo"), file=sys.stderr)
         return 2
     from .demo import run_demo
 
