@@ -54,6 +54,7 @@ from .options import RepoOptions
 from .relocations import Relocations
 from .runtime import LRUCache, Runtime
 from .storage.base import ObjectInfo, ObjectStore
+from .tier import Tier
 from .tables import ChunkTables
 
 #: ``"step":N,"created":X`` as the writers of both manifest versions begin them.
@@ -84,18 +85,24 @@ class Catalog:
     clock:
         Wall and monotonic time for leases, tombstones, GC ages and the
         saver's dedup-base age (tests pass a :class:`~ckptstore.clock.ManualClock`).
+    cache_dir, cache_size:
+        A node-local tier (:mod:`ckptstore.tier`): saves write their packs
+        through to it, reads take each chunk from it first.
     **options:
         :class:`~ckptstore.options.RepoOptions` fields.
     """
 
-    def __init__(self, store: ObjectStore, clock: Clock | None = None, **options):
+    def __init__(self, store: ObjectStore, clock: Clock | None = None, cache_dir=None, cache_size=None, **options):
         self.store = store
         self.url = store.url
         self.options = RepoOptions.from_kwargs(bool(getattr(store, "remote", False)), **options)
         self.clock = clock or SYSTEM_CLOCK
         self.runtime = Runtime(self.options)
         self.relocations = Relocations(store)
-        self.fetcher = ChunkFetcher(store, self.runtime, self.options, self.relocations)
+        if cache_dir is None and cache_size is not None:
+            raise ValueError("cache_size needs a cache_dir")
+        self.tier = Tier(cache_dir, store.url, cache_size) if cache_dir is not None else None
+        self.fetcher = ChunkFetcher(store, self.runtime, self.options, self.relocations, self.tier)
         self.tables = ChunkTables(store, self.runtime)
         self._config: dict | None = None
         self._manifests: LRUCache[int, Manifest] = LRUCache(self.options.manifest_cache_bytes, manifest_weight)

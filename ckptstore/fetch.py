@@ -12,7 +12,12 @@ stored bytes), GC's repack and ``verify --read-data``. It
    on the CPU pool, then hands ``(raw, stored)`` to the caller's ``deliver``,
    or, for a chunk the caller gave a destination (``into``), decodes it
    straight into that memory (no scratch copy) and checks the hash there;
-4. follows relocation records when a pack is gone (repacked by GC).
+4. follows relocation records when a pack is gone (repacked by GC);
+5. with a node-local tier (:mod:`ckptstore.tier`), takes each chunk from
+   the tier first (a pack a save wrote through, or a chunk kept from an
+   earlier read), checked like any other: one that fails is removed from
+   the tier and read from the store, which is also where every chunk the
+   tier lacks comes from (and is then kept in the tier).
 
 Errors name the repository, the caller's context (step, tensor), the
 chunk, the pack and the offset; wrong bytes are never delivered.
@@ -37,6 +42,7 @@ from .relocations import Relocations
 from .runtime import Runtime
 from .storage.base import ObjectStore
 from .storage.upload import BufferPool
+from .tier import Tier
 
 #: ``deliver(i, raw, stored)``: chunk ``i``'s decoded bytes and its stored
 #: bytes (both valid only during the call).
@@ -52,13 +58,21 @@ Into = Callable[[int], object]
 class ChunkFetcher:
     """Fetches chunks of one repository; see the module docstring."""
 
-    def __init__(self, store: ObjectStore, runtime: Runtime, options: RepoOptions, relocations: Relocations):
+    def __init__(self, store: ObjectStore, runtime: Runtime, options: RepoOptions, relocations: Relocations,
+                 tier: Tier | None = None):
         self.store = store
         self.runtime = runtime
         self.options = options
         self.relocations = relocations
+        self.tier = tier
         self._active = 0
         self._lock = threading.Lock()
+        #: Stored (compressed) chunk bytes delivered, by where they came from.
+        self.read_bytes = {"tier": 0, "peer": 0, "store": 0}
+
+    def count(self, source: str, nbytes: int) -> None:
+        with self._lock:
+            self.read_bytes[source] += nbytes
 
     def fetch(
         self,
@@ -128,6 +142,8 @@ class _Job:
         return [_plan.RangeRequest(q.pack, q.start, q.end, tuple(items[k] for k in q.items)) for q in reqs]
 
     def run(self, items: list[int], hops: int) -> None:
+        if self.f.tier is not None and hops == 0:
+            items = self.from_tier(items)
         io = self.f.runtime.io
         futures = [io.submit(self.request, q, hops) for q in self.requests(items)]
         try:
@@ -139,7 +155,81 @@ class _Job:
             cf.wait(futures)
             raise
 
-    def request(self, req: _plan.RangeRequest, hops: int) -> None:
+    # ------------------------------------------------------------ the node-local tier
+    def from_tier(self, items: list[int]) -> list[int]:
+        """Deliver what the tier holds; return the chunks to read from the store (misses included)."""
+        tier = self.f.tier
+        refs = self.refs
+        in_packs: list[int] = []
+        in_chunks: list[int] = []
+        rest: list[int] = []
+        local_pack: dict[str, bool] = {}
+        for i in items:
+            pid = refs[i].pack
+            if tier.has_chunk(refs[i].hash):
+                # first: a chunk file is also the repaired copy of a chunk whose pack copy is damaged
+                in_chunks.append(i)
+                continue
+            if pid not in local_pack:
+                local_pack[pid] = tier.has_pack(pid)
+            if local_pack[pid]:
+                in_packs.append(i)
+            else:
+                rest.append(i)
+        if not in_packs and not in_chunks:
+            return rest
+        misses: list[int] = []
+        lock = threading.Lock()
+
+        def missed(idx) -> None:
+            with lock:
+                misses.extend(idx)
+
+        io = self.f.runtime.io
+        futures = [io.submit(self.request, q, 0, tier, missed) for q in self.requests(in_packs)]
+        futures += [io.submit(self.tier_chunk, i, missed) for i in in_chunks]
+        try:
+            for fut in cf.as_completed(futures):
+                fut.result()
+        except BaseException:
+            for fut in futures:
+                fut.cancel()
+            cf.wait(futures)
+            raise
+        if misses:
+            with self.f._lock:
+                tier.stats["tier_misses"] += len(misses)
+        return rest + sorted(misses)
+
+    def tier_chunk(self, i: int, missed) -> None:
+        """One chunk kept in the tier by an earlier read: decode and check it, else a miss."""
+        r = self.refs[i]
+        tier = self.f.tier
+        stored = tier.read_chunk(r.hash, r.stored_len)
+        if stored is None:
+            missed([i])
+            return
+        where = f"{self.where(i)}chunk {r.hash[:16]} (node-local tier)"
+        dest = self.into(i) if self.into is not None else None
+        try:
+            if dest is not None:
+                if memoryview(dest).nbytes != r.raw_len:
+                    raise IntegrityError(f"{where}: holds {r.raw_len} bytes, its place in the tensor {memoryview(dest).nbytes}")
+                _codec.decode_verified_into(r.codec, stored, dest, r.hash, where)
+            else:
+                raw = _codec.decode_verified(r.codec, stored, r.raw_len, r.hash, where)
+        except IntegrityError:
+            tier.discard_chunk(r.hash)
+            missed([i])
+            return
+        if dest is None:
+            self.deliver(i, memoryview(raw), memoryview(stored))
+        self.f.count("tier", r.stored_len)
+        if self.done is not None:
+            self.done(i)
+
+    # ------------------------------------------------------------ ranges
+    def request(self, req: _plan.RangeRequest, hops: int, tier: Tier | None = None, missed=None) -> None:
         # Bytes fetched and not yet decoded are bounded by the handle's read
         # budget (half of max_inflight_bytes), shared by every read.
         budget = self.f.runtime.read_budget()
@@ -152,17 +242,21 @@ class _Job:
         hold = pool.size if pooled else n
         budget.acquire(hold)
         try:
-            gone = self.fetch_and_decode(req, pool if pooled else None)
+            gone = self.fetch_and_decode(req, pool if pooled else None, tier, missed)
         finally:
             budget.release(hold)
         if gone:  # outside the budget: the relocated reads acquire their own
             self.relocated(req, gone, hops)
 
-    def fetch_and_decode(self, req: _plan.RangeRequest, pool: BufferPool | None = None) -> list[int]:
+    def fetch_and_decode(self, req: _plan.RangeRequest, pool: BufferPool | None = None,
+                         tier: Tier | None = None, missed=None) -> list[int]:
         """Fetch one request, decoding each chunk as soon as its bytes are in.
 
         Returns the chunks still to read when the pack turned out to be gone
-        (all of them, unless a retried read lost the pack half-way).
+        (all of them, unless a retried read lost the pack half-way). With
+        ``tier``, the range is read from the tier's copy of the pack, and a
+        chunk that cannot be read or does not verify there is handed to
+        ``missed`` (and the pack file removed) instead of failing.
         """
         first = req.items[0]
         n = req.end - req.start
@@ -176,6 +270,16 @@ class _Job:
         pending = collections.deque(sorted(req.items, key=lambda i: refs[i].offset + refs[i].stored_len))
         started: list[cf.Future] = []
         cpu = self.f.runtime.cpu
+        keep = self.f.tier if tier is None and self.f.tier is not None and self.f.tier.writable else None
+        source = "tier" if tier is not None else "store"
+
+        def bad(i: int, e: Exception) -> None:
+            if tier is None:
+                self.fail(i, e)
+                return
+            # A damaged chunk in the tier's copy of a pack: read from the store,
+            # which keeps a chunk file for it, read before the pack from now on.
+            missed([i])
 
         def decode(i: int) -> None:
             r = refs[i]
@@ -189,15 +293,18 @@ class _Job:
                         raise IntegrityError(f"{where}: holds {r.raw_len} bytes, its place in the tensor {room}")
                     _codec.decode_verified_into(r.codec, stored, dest, r.hash, where)
                 except IntegrityError as e:
-                    self.fail(i, e)
+                    bad(i, e)
                     return
             else:
                 try:
                     raw = _codec.decode_verified(r.codec, stored, r.raw_len, r.hash, where)
                 except IntegrityError as e:
-                    self.fail(i, e)
+                    bad(i, e)
                     return
                 self.deliver(i, memoryview(raw), stored)
+            self.f.count(source, r.stored_len)
+            if keep is not None:
+                keep.put_chunk(r.hash, stored)  # verified: kept for the next read on this node
             if self.done is not None:
                 self.done(i)
 
@@ -206,31 +313,47 @@ class _Job:
                 started.append(cpu.submit(decode, pending.popleft()))
 
         gone: list[int] = []
+        progress = arrived if len(req.items) > 1 else None  # one chunk: decoded here, once it is all in
         try:
-            try:
-                # One chunk: decoded here, once it is all in.
-                self.f.store.read_range_into(pack_key(req.pack), req.start, mv,
-                                             arrived if len(req.items) > 1 else None)
-            except ObjectNotFoundError:
-                gone = list(pending)
-            except ValueError as ex:
-                err = IntegrityError(
-                    f"{self.where(first)}pack {req.pack} is shorter than the manifest says "
-                    f"(offset {refs[first].offset}): {ex}"
-                )
-                for i in pending:
-                    self.fail(i, err)
-            except StorageError as ex:
-                # The store's message names the object; add what it was read for
-                # (same class, so retry and caller logic see what they saw).
-                raise type(ex)(
-                    f"{self.where(first)}reading bytes [{req.start}, {req.end}) of pack {req.pack} failed: {ex}"
-                ) from ex
-            else:
-                if len(req.items) == 1:
-                    decode(first)
+            if tier is not None:
+                try:
+                    tier.store.read_range_into(pack_key(req.pack), req.start, mv, progress)
+                except (ObjectNotFoundError, ValueError, StorageError, OSError) as ex:
+                    # The tier's copy is gone (evicted by another process) or short: the store has it.
+                    if not isinstance(ex, ObjectNotFoundError):
+                        tier.discard_pack(req.pack)
+                    cf.wait(started)  # the chunks whose bytes did arrive are decoded first
+                    missed(list(pending))
+                    pending.clear()
                 else:
-                    arrived(n)  # a store must report the end; in case one did not
+                    tier.mark_pack_read(req.pack)
+                    if len(req.items) == 1:
+                        decode(first)
+                    else:
+                        arrived(n)
+            else:
+                try:
+                    self.f.store.read_range_into(pack_key(req.pack), req.start, mv, progress)
+                except ObjectNotFoundError:
+                    gone = list(pending)
+                except ValueError as ex:
+                    err = IntegrityError(
+                        f"{self.where(first)}pack {req.pack} is shorter than the manifest says "
+                        f"(offset {refs[first].offset}): {ex}"
+                    )
+                    for i in pending:
+                        self.fail(i, err)
+                except StorageError as ex:
+                    # The store's message names the object; add what it was read for
+                    # (same class, so retry and caller logic see what they saw).
+                    raise type(ex)(
+                        f"{self.where(first)}reading bytes [{req.start}, {req.end}) of pack {req.pack} failed: {ex}"
+                    ) from ex
+                else:
+                    if len(req.items) == 1:
+                        decode(first)
+                    else:
+                        arrived(n)  # a store must report the end; in case one did not
             for fut in started:
                 fut.result()
         finally:

@@ -13,11 +13,19 @@ seal pool while the next one fills, at most ``packs_in_flight`` at once.
 exists with the size written (format invariant 3) before the caller may
 name it in a manifest. Saves, DCP writes, ``cp``/``import`` and GC's repack
 all write packs through it.
+
+With a node-local tier (``mirror``, :mod:`ckptstore.tier`), each pack is
+also written, as it is uploaded, to the tier's file of the same key (local
+positional writes of the same chunk buffers): a restart on this node then
+reads the pack from local disk. The tier's copy never fails a save: an
+error writing it (a full disk) abandons the copy, warns once, and the save
+goes on against the store alone.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import logging
 
 from . import pack as _pack
 from .errors import ObjectNotFoundError, PackVanishedError, StorageError
@@ -27,6 +35,8 @@ from .options import RepoOptions
 from .runtime import Runtime
 from .storage.base import ObjectStore
 from .storage.upload import ParallelUploader
+
+log = logging.getLogger(__name__)
 
 
 def part_window(options: RepoOptions, reserved: int) -> int:
@@ -44,16 +54,63 @@ def part_window(options: RepoOptions, reserved: int) -> int:
 class PackWriter:
     """Writes chunks into new packs of one store; see the module docstring."""
 
-    def __init__(self, store: ObjectStore, runtime: Runtime, options: RepoOptions, window: int):
+    def __init__(self, store: ObjectStore, runtime: Runtime, options: RepoOptions, window: int, mirror=None):
         self.store = store
         self.runtime = runtime
         self.o = options
         self.window = window
+        self.mirror = mirror  # a Tier, or None
         self._buffers = runtime.buffers("parts", options.part_size, (options.packs_in_flight + 1) * (window + 1))
         self._open: tuple[str, _pack.PackBuilder, ParallelUploader] | None = None
+        self._copy: ParallelUploader | None = None  # the open pack's copy in the tier
         self._sealing: list[tuple[str, int, cf.Future]] = []
+        self._copies: list[tuple[str, int, cf.Future]] = []
         self.sizes: dict[str, int] = {}  # packs verified complete, by finish()
         self.counts: dict[str, int] = {}  # chunks written into each pack
+
+    # -- the tier's copy
+    def _start_copy(self, pid: str) -> None:
+        tier = self.mirror
+        if tier is None or not tier.writable:
+            return
+        try:
+            self._copy = ParallelUploader(tier.pack_store(), pack_key(pid), self.o.part_size, self.runtime.io,
+                                          window=self.window, direct=True)
+            self._copy.write(_pack.header())
+        except OSError as e:
+            self._drop_copy(e)
+
+    def _copy_write(self, fn, arg) -> None:
+        if self._copy is None:
+            return
+        try:
+            fn(arg)
+        except OSError as e:
+            self._drop_copy(e)
+
+    def _drop_copy(self, e: BaseException) -> None:
+        if self._copy is not None:
+            try:
+                self._copy.abort()
+            except Exception:  # noqa: BLE001 - the copy is abandoned either way
+                pass
+            self._copy = None
+        self.mirror.disable_writes(e)
+
+    def _finish_copies(self) -> None:
+        for pid, expected, fut in self._copies:
+            try:
+                size = fut.result()
+            except OSError as e:
+                self.mirror.disable_writes(e)
+                self.mirror.discard_pack(pid)
+                continue
+            if size != expected:
+                log.warning("ckptstore: node-local tier: pack %s copy is %d bytes, expected %d", pid, size, expected)
+                self.mirror.discard_pack(pid)
+            else:
+                self.mirror.added(size)
+        self._copies.clear()
 
     def add(self, h: str, codec: str, pieces, raw_len: int) -> ChunkRef:
         """Append one encoded chunk (``pieces``: buffers whose bytes are its stored form)."""
@@ -63,11 +120,13 @@ class PackWriter:
                                   window=self.window, buffers=self._buffers)
             up.write(_pack.header())
             self._open = (pid, _pack.PackBuilder(), up)
+            self._start_copy(pid)
         pid, builder, up = self._open
         stored_len = sum(len(p) for p in pieces)
         e = builder.add(h, codec, stored_len, raw_len)
         self.counts[pid] = self.counts.get(pid, 0) + 1
         up.write_many(pieces)
+        self._copy_write(lambda ps: self._copy.write_many(ps), pieces)
         if builder.size >= self.o.pack_size:
             self.seal()
         return ChunkRef(h, pid, e.offset, stored_len, raw_len, codec)
@@ -78,8 +137,17 @@ class PackWriter:
             return
         pid, builder, up = self._open
         self._open = None
-        up.write(builder.tail())
+        tail = builder.tail()
+        up.write(tail)
         expected = builder.final_size()
+        copy, self._copy = self._copy, None
+        if copy is not None:
+            try:
+                copy.write(tail)
+                self._copies.append((pid, expected, self.runtime.seal.submit(copy.close)))
+            except OSError as e:
+                self._copy = copy
+                self._drop_copy(e)
         while len(busy := [f for _, _, f in self._sealing if not f.done()]) >= self.o.packs_in_flight:
             cf.wait(busy, return_when=cf.FIRST_COMPLETED)
         self._sealing.append((pid, expected, self.runtime.seal.submit(up.close)))
@@ -91,6 +159,7 @@ class PackWriter:
             size = fut.result()
             if size != expected:
                 raise StorageError(f"pack {pid}: wrote {size} bytes, expected {expected}")
+        self._finish_copies()
         store = self.store
 
         def head(item):
@@ -115,9 +184,21 @@ class PackWriter:
         if self._open is not None:
             self._open[2].abort()
             self._open = None
+        if self._copy is not None:
+            try:
+                self._copy.abort()
+            except Exception:  # noqa: BLE001
+                pass
+            self._copy = None
         for _, _, fut in self._sealing:
             try:
                 fut.result()
             except BaseException:
                 pass
         self._sealing.clear()
+        for _, _, fut in self._copies:
+            try:
+                fut.result()  # a finished copy of a pack that exists stays: it is that pack, byte for byte
+            except BaseException:
+                pass
+        self._copies.clear()

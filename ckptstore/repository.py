@@ -177,7 +177,11 @@ def open(url: str, storage_options: dict | None = None, **options) -> Repository
         ``max_inflight_bytes``, ``grace``, ...), ``clock`` (a
         :class:`~ckptstore.clock.Clock`), and ``retry``: a
         :class:`~ckptstore.storage.retry.RetryPolicy`, or False to turn off
-        the retries remote stores get by default.
+        the retries remote stores get by default; ``cache_dir`` (a
+        node-local tier, shared by the node's processes that name it:
+        saves keep what they upload there and reads take each chunk from it
+        first, hash-checked; see ``docs/tier.md``) and ``cache_size`` (its
+        budget, ``"200GB"`` or bytes).
     """
     from .storage import open_store
     from .storage.retry import RetryPolicy, RetryStore

@@ -314,7 +314,7 @@ class ChunkWriter:
         self.pending: collections.deque = collections.deque()
         self.pending_bytes = 0
         self.lookahead = max(2 * o.chunk_size, min(o.max_inflight_bytes // 4, 4 * o.workers * o.chunk_size))
-        self.packs = PackWriter(cat.store, cat.runtime, o, part_window(o, self.lookahead))
+        self.packs = PackWriter(cat.store, cat.runtime, o, part_window(o, self.lookahead), mirror=cat.tier)
         self.scratch = cat.runtime.buffers("scratch", o.chunk_size, self.lookahead // o.chunk_size + o.workers + 1)
         self.logical = self.reused = self.new_raw = self.new_stored = 0
         self.new_chunks = self.reused_chunks = 0

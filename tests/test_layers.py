@@ -25,7 +25,7 @@ LAYERS: list[list[str]] = [
     ["layout", "chunktable"],
     ["options"],
     ["runtime"],
-    ["relocations"],
+    ["relocations", "tier"],
     ["fetch", "packs", "tables"],
     ["catalog", "staging"],
     ["save", "reader"],

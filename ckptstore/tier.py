@@ -1,0 +1,342 @@
+"""The node-local tier: a directory on a node's own disk holding a repository's packs and chunks.
+
+Every process of a node that opens a repository with the same ``cache_dir``
+shares one tier, concurrently and across restarts (``docs/tier.md``)::
+
+    <cache_dir>/
+      TIER                         "ckptstore.tier 1": what this folder is
+      repos/<key>/                 one repository: key = BLAKE3 of its canonical URL (32 hex digits)
+        repo.json                  {"url": ...} (for people and `ckptstore cache ls`)
+        packs/<id[:2]>/<id>.pack   whole packs a save wrote (write-through), byte for byte the store's
+        chunks/<h[:2]>/<h>         chunks read from the store, in their stored (compressed) form
+        .tmp/                      files being written; published by rename or an exclusive link
+
+It is keyed by repository and content, never by rank or process: a pack is
+named by its random id, a chunk by its hash, so what one process publishes
+any other reads, and a file is never rewritten in place. Nothing here is
+trusted: every chunk read from the tier is decoded and checked against its
+hash by the fetcher like any other, and one that fails (a damaged or
+truncated file) is a miss: the file is removed and the chunk comes from the
+object store (:meth:`Tier.discard_pack`, :meth:`Tier.discard_chunk`).
+
+Bounded: the tier keeps under ``cache_size`` bytes and leaves ``free_floor``
+of its file system free; past either, the least recently used files (reads
+touch a file's modification time) are removed. A write that fails for lack
+of space (ENOSPC) turns the tier's writes off for this handle with a
+warning; saves and loads go on against the object store alone.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import re
+import threading
+import uuid
+
+from . import codec as _codec
+from .storage.local import LocalStore
+
+log = logging.getLogger(__name__)
+
+TIER_MARK = "ckptstore.tier 1"
+#: Default share of the tier's file system always left free.
+FREE_FLOOR = 0.05
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgtp]?i?b?)?\s*$", re.IGNORECASE)
+_UNIT = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "p": 10**15}
+
+
+def parse_size(value) -> int:
+    """``"200GB"``, ``"1.5 TiB"``, ``"512M"`` or a number of bytes -> bytes (decimal and binary units)."""
+    if isinstance(value, bool):
+        raise ValueError(f"invalid size {value!r}")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ValueError(f"size must not be negative: {value}")
+        return int(value)
+    m = _SIZE.match(str(value))
+    if not m:
+        raise ValueError(f"invalid size {value!r}; use e.g. 200GB, 1.5TiB, 512MiB or a number of bytes")
+    unit = (m.group(2) or "").lower()
+    base = _UNIT[unit[:1]] if unit[:1] in _UNIT else 1
+    if "i" in unit:
+        base = 1 << (10 * "bkmgtp".index(unit[0])) if unit[0] != "b" else 1
+    return int(float(m.group(1)) * base)
+
+
+def repo_key(url: str) -> str:
+    """The tier's folder name for a repository: 32 hex digits of the BLAKE3 of its canonical URL."""
+    return _codec.hash_bytes(url.rstrip("/").encode("utf-8"))[:32]
+
+
+class Tier:
+    """One repository's files in a node-local tier directory; see the module docstring.
+
+    Parameters
+    ----------
+    cache_dir:
+        The tier's directory, shared by every process of the node that names it.
+    url:
+        The repository's canonical URL (``repo.url``).
+    cache_size:
+        Most bytes the tier may hold over all its repositories (``"200GB"`` or
+        bytes); None: no limit but the free-space floor.
+    free_floor:
+        Share of the file system to leave free (default 5%).
+    """
+
+    def __init__(self, cache_dir, url: str, cache_size=None, free_floor: float = FREE_FLOOR):
+        self.cache_dir = os.path.abspath(os.fspath(cache_dir))
+        self.url = url
+        self.cache_size = None if cache_size is None else parse_size(cache_size)
+        if not 0 <= free_floor < 1:
+            raise ValueError(f"free_floor must be in [0, 1), got {free_floor}")
+        self.free_floor = free_floor
+        self.root = os.path.join(self.cache_dir, "repos", repo_key(url))
+        # Cached files need no fsync: a torn one fails its hash check and is a miss.
+        self.store = LocalStore(self.root, fsync=False)
+        self._lock = threading.Lock()
+        self._writable = True
+        self._added = 0  # bytes this handle published since the last check of the budget
+        self.stats = {"tier_misses": 0, "discarded": 0, "evicted": 0}
+        self._prepared = False
+
+    # ------------------------------------------------------------ setup
+    def _prepare(self) -> None:
+        """Create the tier's folders and marks (on the first write only)."""
+        if self._prepared:
+            return
+        os.makedirs(self.root, exist_ok=True)
+        mark = os.path.join(self.cache_dir, "TIER")
+        if not os.path.exists(mark):
+            _publish_bytes(self.cache_dir, mark, TIER_MARK.encode() + b"\n")
+        info = os.path.join(self.root, "repo.json")
+        if not os.path.exists(info):
+            _publish_bytes(self.root, info, json.dumps({"url": self.url}).encode())
+        self._prepared = True
+
+    @property
+    def writable(self) -> bool:
+        return self._writable
+
+    def disable_writes(self, why: BaseException | str) -> None:
+        """Stop writing to the tier for this handle (a full disk); reads go on."""
+        if self._writable:
+            self._writable = False
+            log.warning("ckptstore: node-local tier %s: writes turned off for this handle: %s", self.cache_dir, why)
+
+    # ------------------------------------------------------------ paths
+    def pack_path(self, pack_id: str) -> str:
+        return os.path.join(self.root, "packs", pack_id[:2], f"{pack_id}.pack")
+
+    def chunk_path(self, h: str) -> str:
+        return os.path.join(self.root, "chunks", h[:2], h)
+
+    def has_pack(self, pack_id: str) -> bool:
+        return os.path.isfile(self.pack_path(pack_id))
+
+    def has_chunk(self, h: str) -> bool:
+        return os.path.isfile(self.chunk_path(h))
+
+    # ------------------------------------------------------------ reads
+    def read_chunk(self, h: str, stored_len: int) -> bytes | None:
+        """A chunk's stored bytes from the tier, or None (missing, or not ``stored_len`` long: removed)."""
+        path = self.chunk_path(h)
+        try:
+            with open(path, "rb") as f:
+                data = f.read(stored_len + 1)
+        except OSError:
+            return None
+        if len(data) != stored_len:
+            self.discard_chunk(h)
+            return None
+        _touch(path)
+        return data
+
+    def mark_pack_read(self, pack_id: str) -> None:
+        _touch(self.pack_path(pack_id))
+
+    # ------------------------------------------------------------ writes
+    def put_chunk(self, h: str, stored) -> None:
+        """Keep a chunk read from the store (stored form), unless present; never raises for the tier's sake."""
+        if not self._writable or self.has_chunk(h):
+            return
+        try:
+            self._prepare()
+            path = self.chunk_path(h)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = os.path.join(self.store.tmp_dir(), f"{h[:16]}.{uuid.uuid4().hex[:8]}")
+            with open(tmp, "wb") as f:
+                f.write(stored)
+            try:
+                os.link(tmp, path)  # exclusive: another process may have published it first
+            except FileExistsError:
+                pass
+            finally:
+                os.unlink(tmp)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
+                self.disable_writes(e)
+                return
+            log.warning("ckptstore: node-local tier: could not keep chunk %s: %s", h[:16], e)
+            return
+        self.added(len(stored))
+
+    def pack_store(self) -> LocalStore:
+        """The store a save writes its packs through to (under ``packs/``, like the repository's keys)."""
+        self._prepare()
+        return self.store
+
+    def added(self, nbytes: int) -> None:
+        """Account bytes published; check the budget now and then."""
+        with self._lock:
+            self._added += nbytes
+            due = self._added >= self._check_every()
+            if due:
+                self._added = 0
+        if due:
+            self.enforce_budget()
+
+    def _check_every(self) -> int:
+        if self.cache_size:
+            return max(1 << 20, self.cache_size // 50)
+        return 256 << 20
+
+    def discard_pack(self, pack_id: str) -> None:
+        """Remove a pack file that failed a check (another process may have done it already)."""
+        self._unlink(self.pack_path(pack_id))
+
+    def discard_chunk(self, h: str) -> None:
+        self._unlink(self.chunk_path(h))
+
+    def _unlink(self, path: str) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            log.warning("ckptstore: node-local tier: could not remove %s: %s", path, e)
+            return
+        with self._lock:
+            self.stats["discarded"] += 1
+
+    # ------------------------------------------------------------ budget
+    def enforce_budget(self) -> int:
+        """Remove least recently used files until under ``cache_size`` and above the free floor; bytes freed."""
+        return evict(self.cache_dir, self.cache_size, self.free_floor, stats=self.stats, lock=self._lock)
+
+
+# ---------------------------------------------------------------- whole-tier operations
+def tier_files(cache_dir: str):
+    """Every cached file of a tier: (path, size, mtime, repo key, kind), kind "pack" or "chunk"."""
+    repos = os.path.join(cache_dir, "repos")
+    try:
+        keys = os.listdir(repos)
+    except FileNotFoundError:
+        return
+    for key in keys:
+        for kind, sub in (("pack", "packs"), ("chunk", "chunks")):
+            top = os.path.join(repos, key, sub)
+            try:
+                shards = os.listdir(top)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            for shard in shards:
+                try:
+                    entries = list(os.scandir(os.path.join(top, shard)))
+                except (FileNotFoundError, NotADirectoryError):
+                    continue
+                for e in entries:
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    yield e.path, st.st_size, st.st_mtime, key, kind
+
+
+def evict(cache_dir: str, cache_size: int | None, free_floor: float = FREE_FLOOR, target: float = 0.9,
+          stats: dict | None = None, lock=None) -> int:
+    """Remove least recently used tier files until the tier is under budget; returns bytes freed.
+
+    Over ``cache_size`` (or under the free-space floor) it frees down to
+    ``target`` of the limit, so that it does not run again at once.
+    """
+    files = sorted(tier_files(cache_dir), key=lambda f: f[2])
+    used = sum(f[1] for f in files)
+    try:
+        st = os.statvfs(cache_dir)
+        free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+    except OSError:
+        free, total = None, None
+    need = 0
+    if cache_size is not None and used > cache_size:
+        need = max(need, used - int(cache_size * target))
+    if free is not None and total and free < free_floor * total:
+        need = max(need, int(free_floor * total / target) - free)
+    freed = 0
+    for path, size, _, _, _ in files:
+        if freed >= need:
+            break
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            log.warning("ckptstore: node-local tier: could not evict %s: %s", path, e)
+            continue
+        freed += size
+        if stats is not None:
+            if lock is not None:
+                with lock:
+                    stats["evicted"] += 1
+            else:
+                stats["evicted"] += 1
+    return freed
+
+
+def usage(cache_dir: str) -> dict:
+    """Bytes and files of a tier by repository: {key: {"url", "packs", "chunks", "bytes", "files"}}."""
+    out: dict[str, dict] = {}
+    for _, size, _, key, kind in tier_files(cache_dir):
+        r = out.setdefault(key, {"url": _repo_url(cache_dir, key), "packs": 0, "chunks": 0, "bytes": 0, "files": 0})
+        r["packs" if kind == "pack" else "chunks"] += 1
+        r["bytes"] += size
+        r["files"] += 1
+    return out
+
+
+def is_tier(cache_dir: str) -> bool:
+    try:
+        with open(os.path.join(cache_dir, "TIER"), "rb") as f:
+            return f.read(64).decode("utf-8", "replace").startswith("ckptstore.tier ")
+    except OSError:
+        return False
+
+
+def _repo_url(cache_dir: str, key: str) -> str | None:
+    try:
+        with open(os.path.join(cache_dir, "repos", key, "repo.json"), "rb") as f:
+            doc = json.loads(f.read(65536))
+        return doc.get("url") if isinstance(doc, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _touch(path: str) -> None:
+    try:
+        os.utime(path, None)
+    except OSError:
+        pass
+
+
+def _publish_bytes(folder: str, path: str, data: bytes) -> None:
+    os.makedirs(folder, exist_ok=True)
+    tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+__all__ = ["Tier", "parse_size", "repo_key", "evict", "usage", "tier_files", "is_tier"]
