@@ -120,7 +120,7 @@ def repo_url(request, tmp_path):
 #: Modules whose tests start processes or servers of their own (multi-rank
 #: spawns, emulators, SeaweedFS, framework fits): `make test-fast` leaves them out.
 SLOW_MODULES = {
-    "test_azure", "test_crash", "test_dcp", "test_dcp_compat", "test_dcp_replicated", "test_gcs",
+    "test_azure", "test_crash", "test_dcp", "test_dcp_compat", "test_dcp_replicated", "test_doc_blocks", "test_gcs",
     "test_integrations_deepspeed", "test_integrations_hf", "test_integrations_lightning",
     "test_integrations_megatron", "test_netfaults", "test_scale_dcp", "test_soak",
 }

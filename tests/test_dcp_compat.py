@@ -8,7 +8,6 @@ step, Hugging Face-loadable exports, and optimizer state through
 from __future__ import annotations
 
 import socket
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ import ckptstore
 from ckptstore.dcp import CkptStoreReader, CkptStoreWriter, split_checkpoint_id
 
 from . import dcp_workers as W
+from .doc_blocks import recipe
 from .helpers import SMALL, bits_equal
 
 FLOATS = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2]
@@ -274,10 +274,8 @@ def _trained(seed=0, steps=3):
     return model, opt
 
 
-def _doc_block(marker: str) -> str:
-    text = (Path(__file__).resolve().parent.parent / "docs" / "dcp.md").read_text(encoding="utf-8")
-    after = text.split(f"<!-- recipe: {marker}", 1)[1]
-    return after.split("```python\n", 1)[1].split("```", 1)[0]
+def _doc_block(name: str) -> str:
+    return recipe("docs/dcp.md", name)
 
 
 def test_documented_optimizer_recipe_restores_every_adam_moment(tmp_path):

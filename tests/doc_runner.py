@@ -1,0 +1,297 @@
+"""Run one page's blocks as a reader would (see tests/doc_blocks.py for the markers).
+
+:class:`PageRun` walks the blocks in page order: python blocks go to the
+page's interpreter (a ``tests/doc_worker.py --serve`` process) or to their
+session's; a multi-rank session runs under ``torchrun`` once its last block
+is reached; shell blocks run line by line; server blocks start a process on
+a free loopback port. The first failure raises :class:`BlockFailed` naming
+the page, the line and what went wrong; later blocks usually depend on it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import select
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .doc_blocks import ROOT, Block, Command, read_blocks, shell_commands, synopsis_commands
+
+WORKER = str(Path(__file__).resolve().parent / "doc_worker.py")
+#: Hang guards only: a block of these pages runs in seconds.
+BLOCK_TIMEOUT = 300.0
+SERVER_TIMEOUT = 60.0
+
+
+class BlockFailed(AssertionError):
+    """A block did not run as written: the message names ``page:line``."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tail(text: str, n: int = 4000) -> str:
+    return text if len(text) <= n else "...\n" + text[-n:]
+
+
+class Interpreter:
+    """One ``doc_worker.py --serve`` process: a session's namespace, kept across blocks."""
+
+    def __init__(self, name: str, folder: Path, env: dict, log: Path):
+        self.name, self.log = name, log
+        r, w = os.pipe()
+        self._log = open(log, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, WORKER, "--serve", str(w)], stdin=subprocess.PIPE, stdout=self._log,
+            stderr=subprocess.STDOUT, pass_fds=(w,), cwd=folder, env=env, text=True, start_new_session=True)
+        os.close(w)
+        self._r, self._buf = r, b""
+
+    def request(self, msg: dict, timeout: float = BLOCK_TIMEOUT) -> dict:
+        """Send one request; the reply, with ``output`` (what the block printed)."""
+        start = self.log.stat().st_size
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+        deadline = time.monotonic() + timeout
+        reply = None
+        while reply is None:
+            if b"\n" in self._buf:
+                raw, self._buf = self._buf.split(b"\n", 1)
+                reply = json.loads(raw)
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.kill()
+                reply = {"ok": False, "error": f"no answer within {timeout:.0f} s (killed)"}
+                break
+            ready, _, _ = select.select([self._r], [], [], min(left, 1.0))
+            if ready:
+                chunk = os.read(self._r, 1 << 16)
+                if not chunk:
+                    reply = {"ok": False, "error": f"the interpreter exited ({self.proc.wait()})"}
+                self._buf += chunk
+        with open(self.log, "rb") as f:
+            f.seek(start)
+            reply["output"] = f.read().decode(errors="replace")
+        return reply
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.kill()
+        os.close(self._r)
+        self._log.close()
+
+
+class PageRun:
+    """The blocks of one page, run in order in ``folder`` with environment ``env``.
+
+    Attributes after :meth:`run`: ``ran`` (``page:line`` of each block run, with
+    its kind) and ``skipped`` (``page:line`` and the reason).
+    """
+
+    def __init__(self, page: str, folder: Path, env: dict, text: str | None = None):
+        self.page, self.folder, self.env = page, folder, dict(env)
+        self.blocks = read_blocks(page, text)
+        self.path = str(ROOT / page)
+        self.harness = folder.parent / f"{folder.name}-harness"
+        self.harness.mkdir(parents=True, exist_ok=True)
+        self.ports: dict[str, str] = {}
+        self.servers: list[tuple[Block, subprocess.Popen]] = []
+        self.sessions: dict[str, Interpreter] = {}
+        self.pending_env: dict[str, dict] = {}
+        self.ran: list[tuple[str, str]] = []
+        self.skipped: list[tuple[str, str]] = []
+        self.ranks: dict[str, int] = {}
+        self.last: dict[str, int] = {}
+        for i, b in enumerate(self.blocks):
+            for s in b.marker.sessions:
+                self.last[s] = i
+                if b.marker.ranks:
+                    self.ranks[s] = b.marker.ranks
+
+    # ------------------------------------------------------------ walk
+    def run(self) -> "PageRun":
+        deferred: dict[str, list[Block]] = {}
+        for i, b in enumerate(self.blocks):
+            if b.lang == "text":
+                if b.marker.synopsis:
+                    self._synopsis(b)
+                continue
+            if not b.runs:
+                self.skipped.append((b.where, b.marker.reason or ""))
+                continue
+            if b.lang == "sh":
+                self._server(b) if b.marker.server else self._shell(b)
+                continue
+            for s in b.marker.sessions or ("main",):
+                if s in self.ranks:
+                    deferred.setdefault(s, []).append(b)
+                    if self.last[s] == i:
+                        self._ranks(s, deferred.pop(s))
+                else:
+                    self._python(s, b)
+            self.ran.append((b.where, "python"))
+        return self
+
+    def close(self) -> None:
+        for s in self.sessions.values():
+            s.close()
+        for _, proc in self.servers:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+
+    def __enter__(self) -> "PageRun":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ helpers
+    def _code(self, b: Block) -> str:
+        code = b.code
+        for doc, real in self.ports.items():
+            code = re.sub(rf"\b(127\.0\.0\.1|localhost):{doc}\b", rf"\g<1>:{real}", code)
+        return code
+
+    def _fail(self, where: str, what: str, detail: str = "") -> None:
+        raise BlockFailed(f"{where}: {what}" + (f"\n{_tail(detail.rstrip())}" if detail.strip() else ""))
+
+    def _session(self, name: str) -> Interpreter:
+        if name not in self.sessions:
+            log = self.harness / f"session-{name}.log"
+            self.sessions[name] = Interpreter(name, self.folder, self.env, log)
+            self.pending_env[name] = {}
+        return self.sessions[name]
+
+    def _export(self, values: dict) -> None:
+        self.env.update(values)
+        for pending in self.pending_env.values():
+            pending.update(values)
+
+    def _request(self, session: str, where: str, msg: dict, what: str) -> None:
+        interp = self._session(session)
+        msg["env"], self.pending_env[session] = self.pending_env[session], {}
+        reply = interp.request(msg)
+        if not reply["ok"]:
+            rc = f" (exit status {reply['rc']})" if "rc" in reply else ""
+            self._fail(where, f"{what}{rc}", reply.get("output", "") + "\n" + reply.get("error", ""))
+
+    # ------------------------------------------------------------ kinds
+    def _python(self, session: str, b: Block) -> None:
+        label = "python block" + ("" if session == "main" else f" (session {session})")
+        self._request(session, b.where, {"op": "python", "path": self.path, "line": b.line, "code": self._code(b)},
+                      f"{label} failed")
+
+    def _shell(self, b: Block) -> None:
+        for cmd in shell_commands(Block(b.page, b.line, b.lang, self._code(b), b.marker)):
+            where = f"{b.page}:{cmd.line}"
+            if cmd.export:
+                self._export(cmd.overlay)
+            elif cmd.argv[:1] == ["ckptstore"]:
+                self._request("main", where, {"op": "cli", "argv": cmd.argv[1:], "overlay": cmd.overlay},
+                              f"`{cmd.text}` failed")
+            else:
+                self._subprocess(where, cmd)
+        self.ran.append((b.where, "sh"))
+
+    def _subprocess(self, where: str, cmd: Command) -> None:
+        env = dict(self.env, **cmd.overlay)
+        words = [shlex.quote(w) for w in cmd.argv]
+        try:
+            r = subprocess.run(["bash", "-c", " ".join(words)], cwd=self.folder, env=env, capture_output=True,
+                               text=True, timeout=BLOCK_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            self._fail(where, f"`{cmd.text}` did not finish within {BLOCK_TIMEOUT:.0f} s")
+        if r.returncode != 0:
+            self._fail(where, f"`{cmd.text}` failed (exit status {r.returncode})", r.stdout + r.stderr)
+
+    def _server(self, b: Block) -> None:
+        cmds = shell_commands(b)
+        ports = re.findall(r"(?<![\d.])(\d{4,5})(?![\d.])", cmds[0].text) if len(cmds) == 1 else []
+        if len(ports) != 1:
+            self._fail(b.where, "a server block holds one command naming one port")
+        doc_port, real = ports[0], str(free_port())
+        argv = [real if w == doc_port else w for w in cmds[0].argv]
+        log = self.harness / f"server-{b.line}.log"
+        with open(log, "wb") as f:
+            proc = subprocess.Popen(argv, cwd=self.folder, env=dict(self.env, **cmds[0].overlay), stdout=f,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        self.servers.append((b, proc))
+        deadline = time.monotonic() + SERVER_TIMEOUT
+        while True:
+            if proc.poll() is not None:
+                self._fail(b.where, f"`{cmds[0].text}` exited ({proc.returncode})", log.read_text(errors="replace"))
+            try:
+                socket.create_connection(("127.0.0.1", int(real)), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    self._fail(b.where, f"`{cmds[0].text}` did not listen within {SERVER_TIMEOUT:.0f} s",
+                               log.read_text(errors="replace"))
+                time.sleep(0.1)
+        self.ports[doc_port] = real
+        self.ran.append((b.where, "server"))
+
+    def _ranks(self, session: str, blocks: list[Block]) -> None:
+        n = self.ranks[session]
+        spec = self.harness / f"ranks-{session}.json"
+        results = self.harness / f"ranks-{session}"
+        results.mkdir(exist_ok=True)
+        spec.write_text(json.dumps([{"path": self.path, "line": b.line, "code": self._code(b)} for b in blocks]))
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}", "--master-addr=127.0.0.1",
+               f"--master-port={free_port()}", WORKER, "--script", str(spec), "--results", str(results)]
+        where = f"{self.page}:{blocks[0].line}"
+        try:
+            r = subprocess.run(cmd, cwd=self.folder, env=self.env, capture_output=True, text=True,
+                               timeout=BLOCK_TIMEOUT * 2)
+        except subprocess.TimeoutExpired as e:
+            self._fail(where, f"session {session} ({n} ranks) did not finish", str(e.stdout or "") + str(e.stderr or ""))
+        for rank in range(n):
+            f = results / f"rank-{rank}.json"
+            res = json.loads(f.read_text()) if f.exists() else None
+            if res is not None and not res["ok"]:
+                self._fail(f"{self.page}:{res['line']}", f"python block failed on rank {rank} of {n} (session {session})",
+                           res["error"])
+        if r.returncode != 0 or any(not (results / f"rank-{k}.json").exists() for k in range(n)):
+            self._fail(where, f"session {session} ({n} ranks under torchrun) failed (exit status {r.returncode})",
+                       r.stdout + r.stderr)
+
+    def _synopsis(self, b: Block) -> None:
+        from ckptstore.cli.docgen import subcommands
+        from ckptstore.cli.main import build_parser
+
+        subs = subcommands(build_parser())
+        for line, name, opts in synopsis_commands(b):
+            if name not in subs:
+                self._fail(f"{b.page}:{line}", f"`ckptstore {name}` is not a subcommand")
+            known = {o for a in subs[name][1]._actions for o in a.option_strings}
+            missing = [o for o in opts if o not in known]
+            if missing:
+                self._fail(f"{b.page}:{line}", f"`ckptstore {name}` has no option {', '.join(missing)}")
+        self.ran.append((b.where, "synopsis"))
