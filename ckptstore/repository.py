@@ -102,6 +102,11 @@ class Repository(Catalog):
         """
         return load_step(self, step, into, progress)
 
+    def read_stats(self) -> dict:
+        """Stored chunk bytes this handle has read, by source: ``{"tier", "peer", "store"}``."""
+        with self.fetcher._lock:
+            return dict(self.fetcher.read_bytes)
+
     # ------------------------------------------------------------ gc, verify
     def plan_gc(self, **kwargs) -> _gc.GCPlan:
         """Plan retention and garbage collection; see :func:`ckptstore.gc.plan_gc`."""

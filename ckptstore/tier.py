@@ -99,7 +99,8 @@ class Tier:
         self.store = LocalStore(self.root, fsync=False)
         self._lock = threading.Lock()
         self._writable = True
-        self._added = 0  # bytes this handle published since the last check of the budget
+        self._added = 0  # bytes this handle published since the tier was last scanned
+        self._usage: int | None = None  # the tier's bytes as last scanned, plus what this handle added since
         self.stats = {"tier_misses": 0, "discarded": 0, "evicted": 0}
         self._prepared = False
 
@@ -190,10 +191,14 @@ class Tier:
         return self.store
 
     def added(self, nbytes: int) -> None:
-        """Account bytes published; check the budget now and then."""
+        """Account bytes published: past the budget (or every so often, for other processes' files) evict."""
         with self._lock:
+            if self._usage is None:
+                self._usage = sum(f[1] for f in tier_files(self.cache_dir))
+            self._usage += nbytes
             self._added += nbytes
-            due = self._added >= self._check_every()
+            over = self.cache_size is not None and self._usage > self.cache_size
+            due = over or self._added >= self._check_every()
             if due:
                 self._added = 0
         if due:
@@ -201,7 +206,7 @@ class Tier:
 
     def _check_every(self) -> int:
         if self.cache_size:
-            return max(1 << 20, self.cache_size // 50)
+            return max(1 << 20, self.cache_size // 20)
         return 256 << 20
 
     def discard_pack(self, pack_id: str) -> None:
@@ -225,7 +230,10 @@ class Tier:
     # ------------------------------------------------------------ budget
     def enforce_budget(self) -> int:
         """Remove least recently used files until under ``cache_size`` and above the free floor; bytes freed."""
-        return evict(self.cache_dir, self.cache_size, self.free_floor, stats=self.stats, lock=self._lock)
+        freed, used = evict(self.cache_dir, self.cache_size, self.free_floor, stats=self.stats, lock=self._lock)
+        with self._lock:
+            self._usage = used
+        return freed
 
 
 # ---------------------------------------------------------------- whole-tier operations
@@ -257,8 +265,8 @@ def tier_files(cache_dir: str):
 
 
 def evict(cache_dir: str, cache_size: int | None, free_floor: float = FREE_FLOOR, target: float = 0.9,
-          stats: dict | None = None, lock=None) -> int:
-    """Remove least recently used tier files until the tier is under budget; returns bytes freed.
+          stats: dict | None = None, lock=None) -> tuple[int, int]:
+    """Remove least recently used tier files until the tier is under budget: (bytes freed, bytes left).
 
     Over ``cache_size`` (or under the free-space floor) it frees down to
     ``target`` of the limit, so that it does not run again at once.
@@ -293,7 +301,7 @@ def evict(cache_dir: str, cache_size: int | None, free_floor: float = FREE_FLOOR
                     stats["evicted"] += 1
             else:
                 stats["evicted"] += 1
-    return freed
+    return freed, used - freed
 
 
 def usage(cache_dir: str) -> dict:
