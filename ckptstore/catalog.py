@@ -103,7 +103,9 @@ class Catalog:
             raise ValueError("cache_size needs a cache_dir")
         self.tier = Tier(cache_dir, store.url, cache_size) if cache_dir is not None else None
         self.fetcher = ChunkFetcher(store, self.runtime, self.options, self.relocations, self.tier)
-        self.tables = ChunkTables(store, self.runtime)
+        self.tables = ChunkTables(store, self.runtime, self.tier)
+        #: The write-back queue (:mod:`ckptstore.writeback`) of a handle opened with ``write_back=True``.
+        self.write_back = None
         self._config: dict | None = None
         self._manifests: LRUCache[int, Manifest] = LRUCache(self.options.manifest_cache_bytes, manifest_weight)
         self._tombstones: LRUCache[str, tuple[StepRefs | None]] = LRUCache(
@@ -195,14 +197,23 @@ class Catalog:
         return float(cfg["grace"])
 
     # ------------------------------------------------------------ steps
-    def steps(self) -> list[int]:
-        """Committed steps, ascending."""
-        return sorted(s for s in (step_of_manifest_key(o.key) for o in self.store.list(MANIFEST_PREFIX)) if s is not None)
+    def steps(self, pending: bool = False) -> list[int]:
+        """Committed steps, ascending; with ``pending``, also the steps saved with write-back that
+        this node's tier holds and the store does not yet (:meth:`pending_steps`)."""
+        out = {s for s in (step_of_manifest_key(o.key) for o in self.store.list(MANIFEST_PREFIX)) if s is not None}
+        if pending:
+            out.update(self.pending_steps())
+        return sorted(out)
 
-    def latest(self) -> int | None:
-        """The newest committed step, or None in an empty repository (or where there is none)."""
-        s = self.steps()
+    def latest(self, pending: bool = False) -> int | None:
+        """The newest committed step (with ``pending``, pending ones too), or None in an empty
+        repository (or where there is none)."""
+        s = self.steps(pending=pending)
         return s[-1] if s else None
+
+    def pending_steps(self) -> list[int]:
+        """Steps saved with write-back into this handle's tier, not yet committed in the store."""
+        return self.tier.pending.steps() if self.tier is not None else []
 
     def newest_step(self) -> int:
         """The newest committed step; :class:`StepNotFoundError` if none (:class:`RepositoryNotFoundError` if no repository)."""

@@ -14,6 +14,7 @@ Create with :func:`open` (``ckptstore.open``). Where each part lives:
 
 from __future__ import annotations
 
+import signal
 from typing import Mapping
 
 from . import gc as _gc
@@ -25,6 +26,7 @@ from .progress import callback as progress_callback
 from .reader import Checkpoint, TensorMeta, load_step, open_checkpoint
 from .save import AsyncSaver, StepInfo, flatten_for_save, save_step
 from .storage.base import ObjectStore
+from .writeback import WRITE_BACK_STEPS, WriteBack, flush_on_signal
 
 __all__ = ["Repository", "Checkpoint", "StepInfo", "TensorMeta", "open"]
 
@@ -37,9 +39,31 @@ class Repository(Catalog):
     ``manifest``, ``delete``, ``tag``, ``tags``, ``config``, ``grace``, ``close``.
     """
 
-    def __init__(self, store: ObjectStore, clock: Clock | None = None, **options):
+    def __init__(self, store: ObjectStore, clock: Clock | None = None, write_back: bool = False,
+                 write_back_steps: int = WRITE_BACK_STEPS, **options):
         super().__init__(store, clock=clock, **options)
         self._async = AsyncSaver(self)
+        if write_back:
+            self.write_back = WriteBack(self, write_back_steps)
+
+    def flush(self) -> None:
+        """Wait for this handle's background work: async saves, and (write-back) every pending step's
+        upload and commit in the store. Raises the first failure (a pending step stays in the tier)."""
+        last = self._async.last
+        if last is not None:
+            last.result()
+        if self.write_back is not None:
+            self.write_back.flush()
+
+    def flush_on_signal(self, signals=(signal.SIGTERM,)) -> None:
+        """Flush on SIGTERM (a preemption notice) before the previous handler runs; from the main thread."""
+        flush_on_signal(self, signals)
+
+    def close(self) -> None:
+        """Wait for pending work (write-back steps: a failure is logged, the steps stay in the tier), then close."""
+        if self.write_back is not None:
+            self.write_back.close()
+        super().close()
 
     # ------------------------------------------------------------ save
     def save(
@@ -186,7 +210,10 @@ def open(url: str, storage_options: dict | None = None, **options) -> Repository
         node-local tier, shared by the node's processes that name it:
         saves keep what they upload there and reads take each chunk from it
         first, hash-checked; see ``docs/tier.md``) and ``cache_size`` (its
-        budget, ``"200GB"`` or bytes).
+        budget, ``"200GB"`` or bytes); ``write_back=True`` (with a
+        ``cache_dir``): a save returns once the step is durable in the tier
+        and is committed in the store in the background, at most
+        ``write_back_steps`` (2) steps pending (:mod:`ckptstore.writeback`).
     """
     from .storage import open_store
     from .storage.retry import RetryPolicy, RetryStore

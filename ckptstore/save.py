@@ -20,7 +20,9 @@
 from __future__ import annotations
 
 import collections
+import errno
 import json
+import logging
 import time
 from dataclasses import dataclass
 from typing import Callable, Mapping
@@ -59,6 +61,8 @@ from .progress import callback as progress_callback
 from .storage.upload import ParallelUploader
 from .tensors import stage, tensor_bytes
 from .tree import flatten, tree_keys
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -145,13 +149,18 @@ def pack_usage(refs, counts: dict[str, int], base: Manifest | None = None) -> di
     return out
 
 
-def write_segment(cat: Catalog, builder: TableBuilder) -> SegmentRef:
-    """Write one chunk-table segment (a new, write-once object) and check its size."""
+def write_segment(cat: Catalog, builder: TableBuilder, store=None) -> SegmentRef:
+    """Write one chunk-table segment (a new, write-once object) and check its size.
+
+    ``store``: where to write it (default the repository's store; a
+    write-back save writes it into the node-local tier).
+    """
     data, header_len, digest = builder.encode()
     sid = new_pack_id()
     key = segment_key(sid)
     o = cat.options
-    up = ParallelUploader(cat.store, key, o.part_size, cat.runtime.io, window=4,
+    store = cat.store if store is None else store
+    up = ParallelUploader(store, key, o.part_size, cat.runtime.io, window=4,
                           buffers=cat.runtime.buffers("parts", o.part_size, (o.packs_in_flight + 1) * 5))
     try:
         up.write(data)
@@ -160,7 +169,7 @@ def write_segment(cat: Catalog, builder: TableBuilder) -> SegmentRef:
         up.abort()
         raise
     try:
-        got = cat.store.head(key).size
+        got = store.head(key).size
     except ObjectNotFoundError:
         raise PackVanishedError(f"{cat.url}/{key}: segment vanished after its upload completed") from None
     if size != len(data) or got != len(data):
@@ -190,22 +199,24 @@ class StepCommit:
         self.lease: str | None = None
         self.t0: float | None = None
 
-    def begin(self, base_read_at: float | None = None) -> int | None:
+    def begin(self, base_read_at: float | None = None, pending: bool = False) -> int | None:
         """Claim the step (not committed yet), write the lease; returns the dedup base step.
 
         ``base_read_at`` (the clock's monotonic time) is for a writer that
         read what it reuses earlier, under a lease of its own held since
-        then (``cp``): the base-age check counts from there.
+        then (``cp``): the base-age check counts from there. ``pending``:
+        a write-back save, which also refuses a step pending in the tier and
+        may take a pending step as its dedup base.
         """
         cat = self.cat
-        if cat.store.exists(manifest_key(self.step)):
+        if cat.store.exists(manifest_key(self.step)) or (pending and self.step in cat.pending_steps()):
             raise StepExistsError(f"{cat.url}: step {self.step} already exists; nothing was written")
         cat.ensure_config()
         # The lease goes up, and the clock starts, before the dedup base is read.
         self.lease = cat.write_lease(self.step)
         self.t0 = cat.clock.monotonic() if base_read_at is None else base_read_at
         if self.base == "latest":
-            self.base_step = cat.latest()
+            self.base_step = cat.latest(pending=pending)
         else:
             self.base_step = None if self.base is None else check_step(self.base)
         return self.base_step
@@ -243,17 +254,20 @@ class StepCommit:
                 sizes[pid] = self.cat.store.head(pack_key(pid)).size
         return Manifest(**{**man.__dict__, "packs": sizes})
 
+    def check_manifest_size(self, man: Manifest, body: bytes) -> None:
+        if len(body) > _m.MAX_MANIFEST_BYTES:
+            raise ManifestTooLargeError(
+                f"{self.cat.url}: step {man.step}: the manifest would be {len(body)} bytes, over the "
+                f"{_m.MAX_MANIFEST_BYTES}-byte limit readers accept; nothing was committed. Save with a "
+                "larger chunk_size, or fewer, larger shards"
+            )
+
     def commit(self, man: Manifest) -> bytes:
         """Create the step's manifest (exclusive create): the step now exists."""
         cat = self.cat
         self.check_base_age()
         body = _m.to_json(man)
-        if len(body) > _m.MAX_MANIFEST_BYTES:
-            raise ManifestTooLargeError(
-                f"{cat.url}: step {man.step}: the manifest would be {len(body)} bytes, over the "
-                f"{_m.MAX_MANIFEST_BYTES}-byte limit readers accept; nothing was committed. Save with a "
-                "larger chunk_size, or fewer, larger shards"
-            )
+        self.check_manifest_size(man, body)
         try:
             cat.store.put_if_absent(manifest_key(man.step), body)
         except ObjectExistsError:
@@ -304,7 +318,8 @@ class ChunkWriter:
     referenced or handed to the pack uploads, in order.
     """
 
-    def __init__(self, cat: Catalog, base_refs: dict[str, ChunkRef], on_bytes: Callable[[int], None] | None = None):
+    def __init__(self, cat: Catalog, base_refs: dict[str, ChunkRef], on_bytes: Callable[[int], None] | None = None,
+                 store=None):
         self.cat = cat
         self.on_bytes = on_bytes
         o = self.o = cat.options
@@ -314,7 +329,9 @@ class ChunkWriter:
         self.pending: collections.deque = collections.deque()
         self.pending_bytes = 0
         self.lookahead = max(2 * o.chunk_size, min(o.max_inflight_bytes // 4, 4 * o.workers * o.chunk_size))
-        self.packs = PackWriter(cat.store, cat.runtime, o, part_window(o, self.lookahead), mirror=cat.tier)
+        # A write-back save writes its packs into the tier (``store``), with no second copy.
+        self.packs = PackWriter(cat.store if store is None else store, cat.runtime, o, part_window(o, self.lookahead),
+                                mirror=cat.tier if store is None else None)
         self.scratch = cat.runtime.buffers("scratch", o.chunk_size, self.lookahead // o.chunk_size + o.workers + 1)
         self.logical = self.reused = self.new_raw = self.new_stored = 0
         self.new_chunks = self.reused_chunks = 0
@@ -424,21 +441,38 @@ def save_step(cat: Catalog, tree, tensors: dict[str, torch.Tensor], step: int, m
               progress=None) -> StepInfo:
     """Save one flattened state dict as a new step (the body of ``Repository.save``)."""
     report, close = progress_callback(progress)
+    report = report if progress not in (None, False) else None
     try:
-        return _save_step(cat, tree, tensors, step, metadata, base, report if progress not in (None, False) else None)
+        if cat.write_back is None or not cat.tier.writable:
+            return _save_step(cat, tree, tensors, step, metadata, base, report, None)
+        try:
+            return _save_step(cat, tree, tensors, step, metadata, base, report, cat.write_back)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            # The tier is full: this save goes straight to the store (nothing
+            # of it was committed anywhere), with a warning, never failing.
+            log.warning("ckptstore: write-back: the node-local tier %s is full (%s); step %d is saved "
+                        "straight to %s", cat.tier.cache_dir, e, step, cat.url)
+            cat.tier.disable_writes(e)
+            return _save_step(cat, tree, tensors, step, metadata, base, report, None)
     finally:
         close()
 
 
-def _save_step(cat: Catalog, tree, tensors, step: int, metadata: dict, base, report) -> StepInfo:
+def _save_step(cat: Catalog, tree, tensors, step: int, metadata: dict, base, report, wb) -> StepInfo:
     t0 = time.perf_counter()
+    if wb is not None:
+        wb.reserve()  # at most write_back_steps pending: wait for the oldest
     commit = StepCommit(cat, step, base)
+    handed_over = False
+    target = wb.store if wb is not None else None  # write-back: packs and segment go to the tier
     try:
-        base_step = commit.begin()
+        base_step = commit.begin(pending=wb is not None)
         on_bytes = None
         if report is not None:
             on_bytes = Counter(report, "save bytes", sum(t.numel() * t.element_size() for t in tensors.values())).add
-        writer = ChunkWriter(cat, dedup_index(cat, base_step), on_bytes)
+        writer = ChunkWriter(cat, dedup_index(cat, base_step), on_bytes, store=target)
         entries: dict[str, tuple[torch.Tensor, list]] = {}
         try:
             for key in tree_keys(tree):
@@ -454,7 +488,7 @@ def _save_step(cat: Catalog, tree, tensors, step: int, metadata: dict, base, rep
                 first, count = builder.extend(refs)
                 te[key] = TensorEntry(key, _m.dtype_name(t.dtype), shape,
                                       (Shard((0,) * len(shape), shape, tuple(refs), TableRef(0, first, count)),))
-            seg = write_segment(cat, builder)
+            seg = write_segment(cat, builder, store=target)
             packs = writer.finish()
         except PackVanishedError as e:
             writer.abort()
@@ -478,9 +512,16 @@ def _save_step(cat: Catalog, tree, tensors, step: int, metadata: dict, base, rep
             pack_use=pack_usage((c for _, refs in entries.values() for c in refs), writer.packs.counts,
                                 cat.cached_manifest(base_step) if base_step is not None else None),
         )
-        body = commit.commit(commit.pack_sizes(man, packs))
+        if wb is not None:
+            body = wb.hand_over(commit, commit.pack_sizes(man, packs), packs, seg)  # committed in the background
+            handed_over = True
+        else:
+            body = commit.commit(commit.pack_sizes(man, packs))
     finally:
-        commit.end()
+        if not handed_over:
+            commit.end()
+            if wb is not None:
+                wb.unreserve()
     return StepInfo(
         step=commit.step,
         logical_bytes=writer.logical,

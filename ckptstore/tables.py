@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections import defaultdict
 from typing import Iterable, Iterator
 
@@ -33,12 +34,19 @@ HEADER_CACHE_BYTES = 64 << 20
 class ChunkTables:
     """Chunk records of 2.0 shards, read by share; see the module docstring."""
 
-    def __init__(self, store: ObjectStore, runtime: Runtime):
+    def __init__(self, store: ObjectStore, runtime: Runtime, tier=None):
         self.store = store
         self.runtime = runtime
+        self.tier = tier
         self._headers: LRUCache[str, _ct.SegmentHeader] = LRUCache(
             HEADER_CACHE_BYTES, lambda h: 200 + 32 * len(h.digests) + 48 * len(h.packs)
         )
+
+    def _source(self, segment_id: str) -> ObjectStore:
+        """The node-local tier when it holds the segment (a write-back step's), else the store."""
+        if self.tier is not None and os.path.isfile(os.path.join(self.tier.root, segment_key(segment_id))):
+            return self.tier.store
+        return self.store
 
     # ------------------------------------------------------------ headers
     def header(self, man: Manifest, seg: SegmentRef) -> _ct.SegmentHeader:
@@ -47,7 +55,7 @@ class ChunkTables:
             return h
         where = f"{self.store.url}: step {man.step}: chunk-table segment {seg.id}"
         try:
-            (raw,) = self.store.get_ranges(segment_key(seg.id), [(0, seg.header)])
+            (raw,) = self._source(seg.id).get_ranges(segment_key(seg.id), [(0, seg.header)])
         except ObjectNotFoundError:
             raise MissingDataError(f"{where} is missing; the step cannot be restored") from None
         except ValueError as e:
@@ -147,7 +155,7 @@ class ChunkTables:
                 runs.append([b, b])
         ranges = [(header.block_range(a)[0], header.block_range(b)[1]) for a, b in runs]
         try:
-            datas = self.store.get_ranges(segment_key(sref.id), ranges) if ranges else []
+            datas = self._source(sref.id).get_ranges(segment_key(sref.id), ranges) if ranges else []
         except ObjectNotFoundError:
             raise MissingDataError(f"{where} is missing; the step cannot be restored") from None
         except ValueError as e:

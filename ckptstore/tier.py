@@ -8,7 +8,10 @@ shares one tier, concurrently and across restarts (``docs/tier.md``)::
       repos/<key>/                 one repository: key = BLAKE3 of its canonical URL (32 hex digits)
         repo.json                  {"url": ...} (for people and `ckptstore cache ls`)
         packs/<id[:2]>/<id>.pack   whole packs a save wrote (write-through), byte for byte the store's
+        segments/<id[:2]>/<id>.seg chunk tables of steps saved with write-back
         chunks/<h[:2]>/<h>         chunks read from the store, in their stored (compressed) form
+        pending/<step:020d>.json   a step saved with write-back, not yet committed in the store
+        pending/<step:020d>.claim  the process uploading it (host, pid)
         .tmp/                      files being written; published by rename or an exclusive link
 
 It is keyed by repository and content, never by rank or process: a pack is
@@ -33,6 +36,7 @@ import json
 import logging
 import os
 import re
+import socket
 import threading
 import uuid
 
@@ -103,6 +107,7 @@ class Tier:
         self._usage: int | None = None  # the tier's bytes as last scanned, plus what this handle added since
         self.stats = {"tier_misses": 0, "discarded": 0, "evicted": 0}
         self._prepared = False
+        self._pending: PendingSteps | None = None
 
     # ------------------------------------------------------------ setup
     def _prepare(self) -> None:
@@ -127,6 +132,13 @@ class Tier:
         if self._writable:
             self._writable = False
             log.warning("ckptstore: node-local tier %s: writes turned off for this handle: %s", self.cache_dir, why)
+
+    @property
+    def pending(self) -> "PendingSteps":
+        """This repository's steps saved with write-back and not yet in the store."""
+        if self._pending is None:
+            self._pending = PendingSteps(self)
+        return self._pending
 
     # ------------------------------------------------------------ paths
     def pack_path(self, pack_id: str) -> str:
@@ -236,16 +248,138 @@ class Tier:
         return freed
 
 
+# ---------------------------------------------------------------- write-back: pending steps
+PENDING_FORMAT = "ckptstore.tier.pending"
+_PENDING_NAME = re.compile(r"^([0-9]{20})\.json$")
+
+
+class PendingSteps:
+    """The pending steps of one repository in a tier (``pending/``); see :mod:`ckptstore.writeback`.
+
+    A pending record is written last, fsynced and renamed into place, after
+    the step's packs and segment are fsynced in the tier: it is the step's
+    local commit. It is removed once the step is committed in the store. A
+    process uploading a step holds a claim (an exclusive link of a file
+    naming its host and pid); a claim whose process is gone is taken over.
+    """
+
+    def __init__(self, tier: "Tier"):
+        self.tier = tier
+        self.dir = os.path.join(tier.root, "pending")
+        self.durable = LocalStore(tier.root, fsync=True)
+
+    def path(self, step: int) -> str:
+        return os.path.join(self.dir, f"{step:020d}.json")
+
+    def write(self, step: int, record: dict) -> None:
+        self.tier._prepare()
+        os.makedirs(self.dir, exist_ok=True)
+        data = json.dumps({"format": PENDING_FORMAT, "version": 1, **record}).encode()
+        self.durable.put(f"pending/{step:020d}.json", data)  # fsynced temp file, renamed, directory fsynced
+
+    def steps(self) -> list[int]:
+        try:
+            names = os.listdir(self.dir)
+        except FileNotFoundError:
+            return []
+        return sorted(int(m.group(1)) for m in map(_PENDING_NAME.match, names) if m)
+
+    def read(self, step: int) -> dict | None:
+        try:
+            with open(self.path(step), "rb") as f:
+                doc = json.loads(f.read())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(doc, dict) or doc.get("format") != PENDING_FORMAT or doc.get("step") != step:
+            return None
+        return doc
+
+    def remove(self, step: int) -> None:
+        for path in (self.path(step), self._claim_path(step)):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+    def packs(self) -> set[str]:
+        """Ids of packs and segments some pending step still needs (never evicted)."""
+        out: set[str] = set()
+        for step in self.steps():
+            rec = self.read(step)
+            if rec:
+                out.update(rec.get("packs", {}))
+                out.update(rec.get("segments", {}))
+        return out
+
+    # -- claims
+    def _claim_path(self, step: int) -> str:
+        return os.path.join(self.dir, f"{step:020d}.claim")
+
+    def claim(self, step: int) -> bool:
+        """Take step ``step`` for this process; False if a live process holds it."""
+        path = self._claim_path(step)
+        me = {"host": socket.gethostname(), "pid": os.getpid()}
+        for _ in range(2):
+            tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(me, f)
+            try:
+                os.link(tmp, path)
+                return True
+            except FileExistsError:
+                holder = self._holder(path)
+                if holder == me:
+                    return True
+                if holder is not None and (holder.get("host") != me["host"] or _alive(holder.get("pid"))):
+                    return False
+                try:
+                    os.unlink(path)  # the holder is gone: take it over
+                except FileNotFoundError:
+                    pass
+            finally:
+                os.unlink(tmp)
+        return False
+
+    def release(self, step: int) -> None:
+        path = self._claim_path(step)
+        if self._holder(path) == {"host": socket.gethostname(), "pid": os.getpid()}:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+    @staticmethod
+    def _holder(path: str) -> dict | None:
+        try:
+            with open(path) as f:
+                doc = json.load(f)
+            return doc if isinstance(doc, dict) else None
+        except (OSError, ValueError):
+            return None
+
+
+def _alive(pid) -> bool:
+    if type(pid) is not int or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 # ---------------------------------------------------------------- whole-tier operations
 def tier_files(cache_dir: str):
-    """Every cached file of a tier: (path, size, mtime, repo key, kind), kind "pack" or "chunk"."""
+    """Every cached file of a tier: (path, size, mtime, repo key, kind), kind "pack", "segment" or "chunk"."""
     repos = os.path.join(cache_dir, "repos")
     try:
         keys = os.listdir(repos)
     except FileNotFoundError:
         return
     for key in keys:
-        for kind, sub in (("pack", "packs"), ("chunk", "chunks")):
+        for kind, sub in (("pack", "packs"), ("segment", "segments"), ("chunk", "chunks")):
             top = os.path.join(repos, key, sub)
             try:
                 shards = os.listdir(top)
@@ -273,6 +407,7 @@ def evict(cache_dir: str, cache_size: int | None, free_floor: float = FREE_FLOOR
     """
     files = sorted(tier_files(cache_dir), key=lambda f: f[2])
     used = sum(f[1] for f in files)
+    protected = _pending_ids(cache_dir)
     try:
         st = os.statvfs(cache_dir)
         free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
@@ -284,9 +419,11 @@ def evict(cache_dir: str, cache_size: int | None, free_floor: float = FREE_FLOOR
     if free is not None and total and free < free_floor * total:
         need = max(need, int(free_floor * total / target) - free)
     freed = 0
-    for path, size, _, _, _ in files:
+    for path, size, _, _, kind in files:
         if freed >= need:
             break
+        if kind != "chunk" and os.path.basename(path).split(".")[0] in protected:
+            continue  # a pending step needs it until it is in the store
         try:
             os.unlink(path)
         except FileNotFoundError:
@@ -304,12 +441,38 @@ def evict(cache_dir: str, cache_size: int | None, free_floor: float = FREE_FLOOR
     return freed, used - freed
 
 
+def _pending_ids(cache_dir: str) -> set[str]:
+    out: set[str] = set()
+    repos = os.path.join(cache_dir, "repos")
+    try:
+        keys = os.listdir(repos)
+    except FileNotFoundError:
+        return out
+    for key in keys:
+        folder = os.path.join(repos, key, "pending")
+        try:
+            names = os.listdir(folder)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for name in names:
+            if _PENDING_NAME.match(name):
+                try:
+                    with open(os.path.join(folder, name), "rb") as f:
+                        doc = json.loads(f.read())
+                    out.update(doc.get("packs", {}))
+                    out.update(doc.get("segments", {}))
+                except (OSError, ValueError, AttributeError):
+                    continue
+    return out
+
+
 def usage(cache_dir: str) -> dict:
     """Bytes and files of a tier by repository: {key: {"url", "packs", "chunks", "bytes", "files"}}."""
     out: dict[str, dict] = {}
     for _, size, _, key, kind in tier_files(cache_dir):
-        r = out.setdefault(key, {"url": _repo_url(cache_dir, key), "packs": 0, "chunks": 0, "bytes": 0, "files": 0})
-        r["packs" if kind == "pack" else "chunks"] += 1
+        r = out.setdefault(key, {"url": _repo_url(cache_dir, key), "packs": 0, "segments": 0, "chunks": 0,
+                                 "bytes": 0, "files": 0})
+        r[kind + "s"] += 1
         r["bytes"] += size
         r["files"] += 1
     return out

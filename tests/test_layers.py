@@ -25,11 +25,11 @@ LAYERS: list[list[str]] = [
     ["layout", "chunktable"],
     ["options"],
     ["runtime"],
-    ["relocations", "tier"],
+    ["relocations", "tier", "tier_admin"],
     ["fetch", "packs", "tables"],
     ["catalog", "staging"],
     ["save", "reader"],
-    ["verify", "zero"],
+    ["verify", "zero", "writeback"],
     ["gc", "transfer"],
     ["repository"],
     ["loading"],  # below the package, which exports load_module

@@ -1,0 +1,292 @@
+"""Write-back saves: a step is durable in the node-local tier first, in the object store later.
+
+``ckptstore.open(url, cache_dir=..., write_back=True)``: a save writes its
+packs and segment into the tier (fsynced), then the step's *pending record*
+(the manifest it will commit, the packs and segments it needs, its lease;
+fsynced, renamed into place: the local commit) and returns. A background
+thread of the handle then, in order, uploads each pending step's packs and
+segment from the tier, checks their sizes in the store, and commits the
+step exactly as a direct save does (:class:`~ckptstore.save.StepCommit`:
+the dedup base's age is checked, the manifest is created with an exclusive
+create), drops the lease and removes the pending record. So the step
+appears in the store atomically, only once all its packs are there.
+
+At most ``write_back_steps`` steps are pending per handle; a further save
+waits for the oldest to commit. A process that dies leaves its pending
+steps in the tier: the next handle opened with ``write_back=True`` on that
+tier (or ``ckptstore flush URL --cache-dir DIR``) claims them and commits
+them in step order. A step whose upload fails stays pending, with every
+later one; the error is raised by :meth:`WriteBack.flush` and by the next
+save, and ``flush`` tries again.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import signal
+import threading
+from dataclasses import dataclass
+
+from . import manifest as _m
+from .catalog import Catalog
+from .errors import CkptStoreError, ObjectNotFoundError, PackVanishedError, StorageError
+from .layout import pack_key, segment_key
+from .manifest import Manifest, SegmentRef
+from .save import StepCommit
+from .storage.upload import ParallelUploader
+
+log = logging.getLogger(__name__)
+
+#: Default number of steps a handle keeps pending before a save waits.
+WRITE_BACK_STEPS = 2
+
+
+class WriteBackError(CkptStoreError):
+    """A pending step could not be committed in the store; its data stays in the tier."""
+
+
+@dataclass
+class _Pending:
+    step: int
+    commit: StepCommit
+    man: Manifest
+    packs: dict[str, int]
+    segments: dict[str, int]
+
+
+class WriteBack:
+    """The write-back queue of one repository handle; see the module docstring."""
+
+    def __init__(self, cat: Catalog, max_pending: int = WRITE_BACK_STEPS):
+        if cat.tier is None:
+            raise ValueError("write_back=True needs a cache_dir (the node-local tier the steps are written to first)")
+        if max_pending < 1:
+            raise ValueError("write_back_steps must be at least 1")
+        self.cat = cat
+        self.tier = cat.tier
+        self.records = cat.tier.pending
+        self.store = self.records.durable  # the tier's root, fsynced writes
+        self.max_pending = max_pending
+        self._cv = threading.Condition()
+        self._queue: collections.deque[_Pending] = collections.deque()
+        self._reserved = 0
+        self._busy = False
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.recover()
+
+    # ------------------------------------------------------------ saving
+    def reserve(self) -> None:
+        """Wait for room for one more pending step (raises an earlier write-back failure)."""
+        with self._cv:
+            while len(self._queue) + self._reserved >= self.max_pending and self._error is None:
+                self._cv.wait()
+            self._raise_error()
+            self._reserved += 1
+
+    def unreserve(self) -> None:
+        with self._cv:
+            self._reserved -= 1
+            self._cv.notify_all()
+
+    def hand_over(self, commit: StepCommit, man: Manifest, packs: dict[str, int], seg: SegmentRef) -> bytes:
+        """Record the step as pending (its local commit) and queue its upload; returns the manifest body."""
+        cat = self.cat
+        body = _m.to_json(man)
+        commit.check_manifest_size(man, body)
+        started = cat.clock.time() - (cat.clock.monotonic() - commit.t0)
+        record = {
+            "url": cat.url,
+            "step": man.step,
+            "started": started,
+            "lease": commit.lease,
+            "base": commit.base_step,
+            "packs": packs,
+            "segments": {seg.id: seg.size},
+            "manifest": body.decode("utf-8"),
+        }
+        self.records.write(man.step, record)
+        self.records.claim(man.step)
+        cat.remember(man)
+        job = _Pending(man.step, commit, man, dict(packs), {seg.id: seg.size})
+        with self._cv:
+            self._reserved -= 1
+            self._queue.append(job)
+            self._start()
+            self._cv.notify_all()
+        return body
+
+    # ------------------------------------------------------------ recovery
+    def recover(self) -> list[int]:
+        """Queue the pending steps of this repository no live process is uploading; their steps."""
+        cat = self.cat
+        taken = []
+        with self._cv:
+            queued = {j.step for j in self._queue}
+        for step in self.records.steps():
+            if step in queued:
+                continue
+            rec = self.records.read(step)
+            if rec is None or rec.get("url") != cat.url or not self.records.claim(step):
+                continue
+            try:
+                man = _m.from_json(rec["manifest"].encode("utf-8"), expect_step=step)
+            except (KeyError, AttributeError, CkptStoreError) as e:
+                log.warning("ckptstore: write-back: pending record of step %d in %s is unreadable: %s",
+                            step, self.tier.cache_dir, e)
+                self.records.release(step)
+                continue
+            commit = StepCommit(cat, step, rec.get("base"))
+            commit.base_step = rec.get("base")
+            commit.lease = rec.get("lease")
+            # The base-age check counts from when the lease was written (wall time, across processes).
+            commit.t0 = cat.clock.monotonic() - max(0.0, cat.clock.time() - float(rec.get("started", 0.0)))
+            cat.remember(man)
+            taken.append(_Pending(step, commit, man, dict(rec.get("packs", {})), dict(rec.get("segments", {}))))
+        if taken:
+            with self._cv:
+                self._queue.extend(sorted(taken, key=lambda j: j.step))
+                self._start()
+                self._cv.notify_all()
+        return [j.step for j in taken]
+
+    # ------------------------------------------------------------ the uploader
+    def _start(self) -> None:
+        """Start the uploader thread if it is not running (called holding the lock)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="ckptstore-write-back", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                if not self._queue or self._error is not None:
+                    self._busy = False
+                    self._thread = None  # under the lock: a step queued from now on starts a new thread
+                    self._cv.notify_all()
+                    return
+                job = self._queue[0]
+                self._busy = True
+            try:
+                self._commit(job)
+            except BaseException as e:  # kept: raised by flush() and the next save
+                log.warning("ckptstore: write-back of step %d to %s failed (its data stays in %s): %s",
+                            job.step, self.cat.url, self.tier.cache_dir, e)
+                with self._cv:
+                    self._error = e
+                    for j in self._queue:
+                        self.records.release(j.step)
+                    self._queue.clear()
+                    self._busy = False
+                    self._thread = None
+                    self._cv.notify_all()
+                return
+            with self._cv:
+                self._queue.popleft()
+                self._cv.notify_all()
+
+    def _commit(self, job: _Pending) -> None:
+        for pid, size in job.packs.items():
+            self._upload(pack_key(pid), size)
+        for sid, size in job.segments.items():
+            self._upload(segment_key(sid), size)
+        job.commit.commit(job.man)  # the base-age check, then the exclusive create
+        job.commit.end()
+        self.records.remove(job.step)
+        self.tier.added(sum(job.packs.values()))  # now ordinary copies, counted against the budget
+
+    def _upload(self, key: str, size: int) -> None:
+        cat = self.cat
+        try:
+            if cat.store.head(key).size == size:
+                return  # uploaded before a crash or by another process
+        except ObjectNotFoundError:
+            pass
+        path = os.path.join(self.tier.root, key)
+        o = cat.options
+        buf = bytearray(o.part_size)
+        up = ParallelUploader(cat.store, key, o.part_size, cat.runtime.io, window=4,
+                              buffers=cat.runtime.buffers("parts", o.part_size, (o.packs_in_flight + 1) * 5))
+        try:
+            with open(path, "rb") as f:
+                while n := f.readinto(buf):
+                    up.write(memoryview(buf)[:n])
+            sent = up.close()
+        except FileNotFoundError:
+            up.abort()
+            raise WriteBackError(
+                f"{cat.url}: write-back: {key} is missing from the node-local tier {self.tier.cache_dir}; "
+                "the pending step cannot be committed: save it again"
+            ) from None
+        except BaseException:
+            up.abort()
+            raise
+        try:
+            got = cat.store.head(key).size
+        except ObjectNotFoundError:
+            raise PackVanishedError(f"{cat.url}/{key}: vanished after its upload completed") from None
+        if sent != size or got != size:
+            raise StorageError(f"{cat.url}/{key}: uploaded {sent} bytes, stored {got}, expected {size}")
+
+    # ------------------------------------------------------------ waiting
+    def pending_steps(self) -> list[int]:
+        return self.records.steps()
+
+    def flush(self) -> None:
+        """Wait until every pending step is committed; raise (and clear) a failure, after trying again."""
+        with self._cv:
+            failed, self._error = self._error, None
+        if failed is not None:
+            self.recover()  # try again from the first step that failed
+        with self._cv:
+            while (self._queue or self._busy) and self._error is None:
+                self._cv.wait()
+            self._raise_error(clear=True)
+
+    def _raise_error(self, clear: bool = False) -> None:
+        e = self._error
+        if e is None:
+            return
+        if clear:
+            self._error = None
+        raise WriteBackError(
+            f"{self.cat.url}: a step saved with write-back could not be committed in the store ({e}); it stays "
+            f"in the node-local tier {self.tier.cache_dir}: call repo.flush() or run "
+            f"`ckptstore flush {self.cat.url} --cache-dir {self.tier.cache_dir}` once the store is reachable"
+        ) from e
+
+    def close(self) -> None:
+        """Wait for the pending steps (a failure is logged: they stay in the tier for the next handle)."""
+        try:
+            self.flush()
+        except WriteBackError as e:
+            log.warning("ckptstore: %s", e)
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+
+
+def flush_on_signal(repo, signals=(signal.SIGTERM,)) -> None:
+    """On ``signals`` (default SIGTERM, a preemption notice), flush ``repo`` before the previous handler runs.
+
+    Call from the main thread. The previous handler (or the default action)
+    runs after the flush, so a job that is being stopped still stops.
+    """
+    for sig in signals:
+        previous = signal.getsignal(sig)
+
+        def handler(signum, frame, previous=previous):
+            try:
+                repo.flush()
+            except Exception as e:  # noqa: BLE001 - the data stays in the tier; the process is going down
+                log.warning("ckptstore: flush on signal %d: %s", signum, e)
+            if callable(previous):
+                previous(signum, frame)
+            elif previous == signal.SIG_DFL:
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+
+        signal.signal(sig, handler)
