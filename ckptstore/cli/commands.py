@@ -7,6 +7,7 @@ import sys
 from .. import open as open_repo
 from ..progress import Bars
 from ._format import emit_json, human_bytes, iso, table
+from .cache import tier_options
 
 
 def _storage_options(args, url: str | None = None) -> dict | None:
@@ -27,7 +28,7 @@ def _storage_options(args, url: str | None = None) -> dict | None:
 
 
 def _open(args):
-    return open_repo(args.url, storage_options=_storage_options(args))
+    return open_repo(args.url, storage_options=_storage_options(args), **tier_options(args))
 
 
 def cmd_ls(args) -> int:
@@ -305,7 +306,8 @@ def cmd_cp(args) -> int:
     src_opts = _options_from(common + list(args.src_option), args.src)
     dst_opts = _options_from(common + list(args.dst_option), args.dst)
     progress = _Progress(not args.json)
-    with open_repo(args.src, storage_options=src_opts) as src, open_repo(args.dst, storage_options=dst_opts) as dst:
+    with open_repo(args.src, storage_options=src_opts, **tier_options(args)) as src, \
+            open_repo(args.dst, storage_options=dst_opts) as dst:
         try:
             res = src.copy_to(dst, steps=args.step or None, progress=progress, verify_data=args.verify_data)
         finally:

@@ -15,7 +15,9 @@ import traceback
 
 from .. import __version__
 from ..errors import CkptStoreError, HostNotResolvedError, RepositoryNotFoundError, StoreURLError
+from ..tier_admin import NotATierError
 from . import commands
+from .cache import add_cache_commands, add_tier_options
 
 
 def _storage_option(s: str):
@@ -32,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     _read_commands(sub)
     _gc_commands(sub)
     _transfer_commands(sub)
+    add_cache_commands(sub)
     return p
 
 
@@ -55,15 +58,18 @@ def _read_commands(sub) -> None:
         "names the integrations gave them (lightning:last.ckpt, deepspeed:global_step1000).",
     )
     _common(sp)
+    add_tier_options(sp, metadata_only=True)
     sp.set_defaults(func=commands.cmd_ls)
 
     sp = sub.add_parser("show", help="tensors and metadata of one step")
     _common(sp)
     sp.add_argument("step", type=int, metavar="STEP")
+    add_tier_options(sp, metadata_only=True)
     sp.set_defaults(func=commands.cmd_show)
 
     sp = sub.add_parser("stats", help="stored bytes, dedup and compression ratios")
     _common(sp)
+    add_tier_options(sp, metadata_only=True)
     sp.set_defaults(func=commands.cmd_stats)
 
     sp = sub.add_parser("verify", help="check manifests and packs (and chunk contents with --read-data)")
@@ -123,6 +129,7 @@ def _transfer_commands(sub) -> None:
                     help="output format (default safetensors)")
     sp.add_argument("--keys", action="append", default=[], metavar="GLOB",
                     help="export only tensors whose key matches (fnmatch; repeatable; safetensors only)")
+    add_tier_options(sp)
     sp.set_defaults(func=commands.cmd_export)
 
     sp = sub.add_parser("import", help="save a .safetensors file, torch.save file or DCP directory as a step")
@@ -152,12 +159,15 @@ def _transfer_commands(sub) -> None:
     sp.add_argument("--step", action="append", type=int, default=[], metavar="N",
                     help="copy this step (repeatable; default: every step)")
     sp.add_argument("--verify-data", action="store_true", help="read back and hash every chunk of each copied step")
+    add_tier_options(sp, help_text="node-local tier of the source (docs/tier.md): its chunks are read from it first, "
+                     "hash-checked (the destination is written to the object store only)")
     sp.set_defaults(func=commands.cmd_cp)
 
     sp = sub.add_parser("diff", help="tensors added, removed, changed between two steps (manifests only)")
     _common(sp)
     sp.add_argument("a", type=int, metavar="STEP_A")
     sp.add_argument("b", type=int, metavar="STEP_B")
+    add_tier_options(sp, metadata_only=True)
     sp.set_defaults(func=commands.cmd_diff)
 
     sp = sub.add_parser("demo", help="train a small model, checkpoint it into an embedded S3 server, restore it")
@@ -167,7 +177,7 @@ def _transfer_commands(sub) -> None:
 
 
 #: Errors whose message says all there is (the URL or host given): no traceback hint.
-_INPUT_ERRORS = (RepositoryNotFoundError, StoreURLError, HostNotResolvedError)
+_INPUT_ERRORS = (RepositoryNotFoundError, StoreURLError, HostNotResolvedError, NotATierError)
 
 
 def main(argv: list[str] | None = None) -> int:
