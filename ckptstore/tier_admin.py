@@ -6,8 +6,10 @@ files to remove from a scan without touching the disk (a frozen, printable
 :class:`PrunePlan`), and :meth:`PrunePlan.execute` removes them.
 
 Only the files :func:`ckptstore.tier.tier_files` lists are ever removed
-(whole packs under ``packs/`` and chunk files under ``chunks/``), never a
-folder, ``repo.json``, the ``TIER`` mark or ``.tmp/``: the processes of the
+(whole packs under ``packs/``, segments under ``segments/``, chunk files
+under ``chunks/``), never a pack or segment that a pending step (saved with
+write-back, not yet in the object store) needs, never a folder, a pending
+record, ``repo.json``, the ``TIER`` mark or ``.tmp/``: the processes of the
 node that use the tier keep working while it is pruned (a reader that finds
 a file gone reads that chunk from the object store), and a directory without
 the ``TIER`` mark is refused outright (:class:`NotATierError`).
@@ -20,7 +22,7 @@ import json
 import os
 
 from .errors import CkptStoreError
-from .tier import FREE_FLOOR, is_tier, parse_size, repo_key, tier_files
+from .tier import _PENDING_NAME, FREE_FLOOR, _pending_ids, is_tier, parse_size, repo_key, tier_files
 from .units import human_bytes
 
 
@@ -30,7 +32,7 @@ class NotATierError(CkptStoreError, FileNotFoundError):
 
 @dataclasses.dataclass(frozen=True)
 class TierFile:
-    """One cached file: a whole pack (``kind="pack"``) or one chunk's stored bytes (``"chunk"``)."""
+    """One cached file: a whole pack (``kind="pack"``), a segment (``"segment"``) or one chunk's stored bytes (``"chunk"``)."""
 
     path: str
     size: int
@@ -48,9 +50,12 @@ class RepoUsage:
     #: The repository's URL as its ``repo.json`` records it (None when unreadable).
     url: str | None
     packs: int
+    segments: int
     chunks: int
     bytes: int
     last_used: float | None
+    #: Steps saved with write-back whose commit in the object store is still to come.
+    pending_steps: tuple[int, ...] = ()
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -66,6 +71,11 @@ class TierScan:
     #: Files under the repositories' ``.tmp/``: copies being written, or left by a process that died.
     tmp_files: int
     tmp_bytes: int
+    #: Ids of the packs and segments pending steps need: never pruned.
+    pending_ids: frozenset = frozenset()
+
+    def is_pending(self, f: TierFile) -> bool:
+        return f.kind != "chunk" and os.path.basename(f.path).split(".")[0] in self.pending_ids
 
     @property
     def bytes(self) -> int:
@@ -97,13 +107,15 @@ def scan(cache_dir) -> TierScan:
         mine = by_key.get(key, [])
         repos.append(RepoUsage(
             key=key, url=_recorded_url(cache_dir, key),
-            packs=sum(f.kind == "pack" for f in mine), chunks=sum(f.kind == "chunk" for f in mine),
-            bytes=sum(f.size for f in mine), last_used=max((f.mtime for f in mine), default=None),
+            packs=sum(f.kind == "pack" for f in mine), segments=sum(f.kind == "segment" for f in mine),
+            chunks=sum(f.kind == "chunk" for f in mine), bytes=sum(f.size for f in mine),
+            last_used=max((f.mtime for f in mine), default=None),
+            pending_steps=_pending_steps(os.path.join(repos_dir, key, "pending")),
         ))
         n, b = _tmp_usage(os.path.join(repos_dir, key, ".tmp"))
         tmp_files += n
         tmp_bytes += b
-    return TierScan(cache_dir, tuple(files), tuple(repos), tmp_files, tmp_bytes)
+    return TierScan(cache_dir, tuple(files), tuple(repos), tmp_files, tmp_bytes, frozenset(_pending_ids(cache_dir)))
 
 
 def stats(cache_dir, free_floor: float = FREE_FLOOR) -> dict:
@@ -121,8 +133,11 @@ def stats(cache_dir, free_floor: float = FREE_FLOOR) -> dict:
         "cache_dir": s.cache_dir,
         "repositories": len(s.repos),
         "packs": sum(r.packs for r in s.repos),
+        "segments": sum(r.segments for r in s.repos),
         "chunks": sum(r.chunks for r in s.repos),
         "bytes": s.bytes,
+        "pending_steps": sum(len(r.pending_steps) for r in s.repos),
+        "pending_bytes": sum(f.size for f in s.files if s.is_pending(f)),
         "oldest_use": s.files[0].mtime if s.files else None,
         "newest_use": max((f.mtime for f in s.files), default=None),
         "tmp_files": s.tmp_files,
@@ -142,6 +157,8 @@ class PruneResult:
     freed_bytes: int
     #: Planned files another process had removed already (evicted, or found damaged).
     already_gone: int
+    #: Planned files left alone: read since the plan, or needed by a step that became pending.
+    skipped: int = 0
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -157,6 +174,8 @@ class PrunePlan:
     held_bytes: int
     files: tuple[TierFile, ...]
     urls: tuple[tuple[str, str | None], ...]  # (key, url) of the repositories the plan touches
+    #: Files the rule would have taken that pending steps need: kept.
+    kept_pending: tuple[TierFile, ...] = ()
 
     @property
     def freed_bytes(self) -> int:
@@ -166,8 +185,9 @@ class PrunePlan:
         urls = dict(self.urls)
         out: dict[str, dict] = {}
         for f in self.files:
-            r = out.setdefault(f.key, {"key": f.key, "url": urls.get(f.key), "packs": 0, "chunks": 0, "bytes": 0})
-            r["packs" if f.kind == "pack" else "chunks"] += 1
+            r = out.setdefault(f.key, {"key": f.key, "url": urls.get(f.key), "packs": 0, "segments": 0, "chunks": 0,
+                                       "bytes": 0})
+            r[f.kind + "s"] += 1
             r["bytes"] += f.size
         return list(out.values())
 
@@ -176,6 +196,7 @@ class PrunePlan:
             "cache_dir": self.cache_dir, "rule": self.rule, "held_bytes": self.held_bytes,
             "freed_bytes": self.freed_bytes, "files": len(self.files),
             "left_bytes": self.held_bytes - self.freed_bytes, "repositories": self.by_repo(),
+            "kept_pending_files": len(self.kept_pending), "kept_pending_bytes": sum(f.size for f in self.kept_pending),
         }
 
     def __str__(self) -> str:
@@ -184,21 +205,38 @@ class PrunePlan:
                 f"{human_bytes(self.held_bytes - self.freed_bytes)} left")
         lines = [head]
         for r in self.by_repo():
-            lines.append(f"  {r['url'] or r['key']}: {r['packs']} pack(s), {r['chunks']} chunk(s), "
-                         f"{human_bytes(r['bytes'])}")
+            lines.append(f"  {r['url'] or r['key']}: {r['packs']} pack(s), {r['segments']} segment(s), "
+                         f"{r['chunks']} chunk(s), {human_bytes(r['bytes'])}")
+        if self.kept_pending:
+            lines.append(f"  kept {len(self.kept_pending)} file(s), "
+                         f"{human_bytes(sum(f.size for f in self.kept_pending))}, that pending steps need "
+                         "(saved with write-back, not yet in the object store)")
         return "\n".join(lines)
 
     def execute(self) -> PruneResult:
-        removed = freed = gone = 0
+        """Remove the planned files, except those used or needed since the plan was made.
+
+        Pending records are read again first (a write-back save may have
+        committed locally meanwhile), and a file whose modification time
+        moved (read or rewritten since the scan) is left alone.
+        """
+        protected = _pending_ids(self.cache_dir)
+        removed = freed = gone = skipped = 0
         for f in self.files:
+            if f.kind != "chunk" and os.path.basename(f.path).split(".")[0] in protected:
+                skipped += 1
+                continue
             try:
+                if os.stat(f.path).st_mtime != f.mtime:
+                    skipped += 1
+                    continue
                 os.unlink(f.path)
             except FileNotFoundError:
                 gone += 1
                 continue
             removed += 1
             freed += f.size
-        return PruneResult(removed, freed, gone)
+        return PruneResult(removed, freed, gone, skipped)
 
 
 def plan_prune(s: TierScan, max_size=None, repo: str | None = None, everything: bool = False) -> PrunePlan:
@@ -221,20 +259,26 @@ def plan_prune(s: TierScan, max_size=None, repo: str | None = None, everything: 
         files = tuple(f for f in files if f.key == key)
         rule = f"every file of {s.url_of(key) or key}"
     held = sum(f.size for f in files)
+    kept = tuple(f for f in files if s.is_pending(f))
     if max_size is not None:
         limit = parse_size(max_size)
-        picked, over = [], held - limit
+        picked, kept, over = [], [], held - limit
         for f in files:  # least recently used first
             if over <= 0:
                 break
+            if s.is_pending(f):
+                kept.append(f)
+                continue
             picked.append(f)
             over -= f.size
-        files = tuple(picked)
+        files, kept = tuple(picked), tuple(kept)
         rule = f"least recently used down to {human_bytes(limit)}"
         if repo is not None:
             rule += f" for {s.url_of(key) or key}"
+    else:
+        files = tuple(f for f in files if not s.is_pending(f))
     keys = sorted({f.key for f in files})
-    return PrunePlan(s.cache_dir, rule, held, tuple(files), tuple((k, s.url_of(k)) for k in keys))
+    return PrunePlan(s.cache_dir, rule, held, tuple(files), tuple((k, s.url_of(k)) for k in keys), kept)
 
 
 def resolve_repo(s: TierScan, repo: str) -> str:
@@ -269,6 +313,14 @@ def _recorded_url(cache_dir: str, key: str) -> str | None:
     except (OSError, ValueError):
         return None
     return doc.get("url") if isinstance(doc, dict) and isinstance(doc.get("url"), str) else None
+
+
+def _pending_steps(folder: str) -> tuple[int, ...]:
+    try:
+        names = os.listdir(folder)
+    except (FileNotFoundError, NotADirectoryError):
+        return ()
+    return tuple(sorted(int(m.group(1)) for m in map(_PENDING_NAME.match, names) if m))
 
 
 def _tmp_usage(folder: str) -> tuple[int, int]:

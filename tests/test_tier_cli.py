@@ -243,3 +243,36 @@ def test_repositories_are_found_by_any_spelling_of_their_url(tmp_path):
     assert canonical_url("abfss://c/p") == "az://c/p" and canonical_url("s3://b/p/") == "s3://b/p"
     assert canonical_url("file:///x/y/") == "file:///x/y"
     assert canonical_url("memory://name/") == ckptstore.open("memory://name").url
+
+
+def test_prune_keeps_what_a_pending_step_needs(tmp_path, capsys):
+    from ckptstore.tier import Tier
+
+    cache = tmp_path / "tier"
+    url, _ = _saved(tmp_path, cache=cache)
+    packs = _files(cache, "pack")
+    needed = os.path.basename(packs[0]).split(".")[0]
+    # a step saved with write-back and not yet committed in the store needs that pack
+    Tier(cache, canonical_url(url)).pending.write(7, {"step": 7, "packs": {needed: os.path.getsize(packs[0])},
+                                                     "segments": {}})
+    assert main(["cache", "ls", str(cache), "--json"]) == 0
+    assert _json(capsys)["repositories"][0]["pending_steps"] == [7]
+    assert main(["cache", "stats", str(cache), "--json"]) == 0
+    st = _json(capsys)
+    assert st["pending_steps"] == 1 and st["pending_bytes"] == os.path.getsize(packs[0])
+    for rule in (["--max-size", "0"], ["--repo", url], ["--all"]):
+        assert main(["cache", "prune", str(cache), *rule, "--json"]) == 0
+        assert _json(capsys)["plan"]["kept_pending_files"] == 1
+        assert _files(cache) == [packs[0]], rule
+
+
+def test_prune_leaves_a_file_used_since_the_plan(tmp_path):
+    cache = tmp_path / "tier"
+    _saved(tmp_path, cache=cache)
+    files = _files(cache)
+    _age(files)
+    plan = plan_prune(scan(cache), everything=True)
+    os.utime(files[0], None)  # read by a process after the plan was made
+    result = plan.execute()
+    assert (result.removed, result.skipped) == (len(files) - 1, 1)
+    assert _files(cache) == [files[0]]

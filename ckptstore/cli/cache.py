@@ -45,13 +45,14 @@ def add_cache_commands(sub) -> None:
     csub = sp.add_subparsers(dest="cache_command", metavar="CACHE_COMMAND", required=True)
 
     c = csub.add_parser("ls", help="repositories in a tier: URL, packs, chunks, bytes, last use",
-                        description="Repositories a tier holds data of: URL, packs, chunks, bytes, last use "
-                        "(UTC; reads touch the files they use).")
+                        description="Repositories a tier holds data of: URL, packs, segments, chunks, bytes, last "
+                        "use (UTC; reads touch the files they use), and the steps saved with write-back that "
+                        "are not yet committed in the object store (pending).")
     _dir(c)
     c.set_defaults(func=cmd_cache_ls)
 
     c = csub.add_parser("stats", help="totals of a tier, its file system's free space and the free-space floor",
-                        description="Bytes, packs and chunks a tier holds, temporary files (copies being written, "
+                        description="Bytes, packs, segments and chunks a tier holds, pending steps, temporary files (copies being written, "
                         "or left by a process that died), the file system's size and free space, and the "
                         "free-space floor every handle keeps (5% of the file system): a write to the tier "
                         "evicts when free space falls under it. cache_size is a handle's option, not recorded "
@@ -64,7 +65,9 @@ def add_cache_commands(sub) -> None:
         description="Remove files from a tier: with --max-size, the least recently used ones until the tier (or, "
         "with --repo, that repository's part of it) holds at most SIZE; with --repo alone, everything of that "
         "repository; with --all, everything. Prints what it frees (--dry-run: prints it and removes nothing). "
-        "Only cached packs and chunks are removed, never folders or files being written, so the node's "
+        "Packs and segments a pending step needs (saved with write-back, not yet in the object store) are "
+        "kept, whatever the rule. Only cached packs, segments and chunks are removed, never folders, pending "
+        "records or files being written, so the node's "
         "processes may keep using the tier meanwhile: a reader that finds a file gone reads that chunk from "
         "the object store. Nothing in the object store is touched.",
     )
@@ -91,9 +94,10 @@ def cmd_cache_ls(args) -> int:
         print(f"{s.cache_dir}: no repositories")
         return 0
     table(
-        [[r.url or f"(key {r.key})", r.packs, r.chunks, human_bytes(r.bytes),
-          iso(r.last_used) if r.last_used is not None else "-"] for r in s.repos],
-        ["repository", "packs", "chunks", "bytes", "last use (UTC)"],
+        [[r.url or f"(key {r.key})", r.packs, r.segments, r.chunks, human_bytes(r.bytes),
+          iso(r.last_used) if r.last_used is not None else "-", ",".join(map(str, r.pending_steps)) or "-"]
+         for r in s.repos],
+        ["repository", "packs", "segments", "chunks", "bytes", "last use (UTC)", "pending steps"],
     )
     n = len(s.repos)
     print(f"{n} repositor{'y' if n == 1 else 'ies'}, {human_bytes(s.bytes)} in {s.cache_dir}")
@@ -107,7 +111,11 @@ def cmd_cache_stats(args) -> int:
         return 0
     print(f"tier              {st['cache_dir']}")
     print(f"repositories      {st['repositories']}")
-    print(f"held              {human_bytes(st['bytes'])} in {st['packs']} pack(s) and {st['chunks']} chunk file(s)")
+    print(f"held              {human_bytes(st['bytes'])} in {st['packs']} pack(s), {st['segments']} segment(s) "
+          f"and {st['chunks']} chunk file(s)")
+    if st["pending_steps"]:
+        print(f"pending           {st['pending_steps']} step(s) saved with write-back, not yet in the object "
+              f"store, need {human_bytes(st['pending_bytes'])} (never evicted or pruned)")
     if st["oldest_use"] is not None:
         print(f"last use          oldest {iso(st['oldest_use'])}, newest {iso(st['newest_use'])} (UTC)")
     print(f"temporary files   {st['tmp_files']} ({human_bytes(st['tmp_bytes'])}): being written, or left by a "
@@ -136,5 +144,6 @@ def cmd_cache_prune(args) -> int:
         return 0
     print(plan)
     print(f"removed {result.removed} file(s), freed {human_bytes(result.freed_bytes)}"
-          + (f"; {result.already_gone} were already gone" if result.already_gone else ""))
+          + (f"; {result.already_gone} were already gone" if result.already_gone else "")
+          + (f"; left {result.skipped} in use since the plan" if result.skipped else ""))
     return 0
