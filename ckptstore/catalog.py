@@ -297,6 +297,10 @@ class Catalog:
         """Cache a manifest this handle just committed."""
         self._manifests.put(m.step, m)
 
+    def forget(self, step: int) -> None:
+        """Drop a manifest this handle cached (a pending step given up)."""
+        self._manifests.pop(step)
+
     def cached_manifest(self, step: int) -> Manifest | None:
         return self._manifests.get(step)
 

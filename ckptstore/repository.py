@@ -55,6 +55,15 @@ class Repository(Catalog):
         if self.write_back is not None:
             self.write_back.flush()
 
+    def discard_pending(self, step: int) -> None:
+        """Give up a step saved with write-back that cannot be committed (refused as stale, say).
+
+        Read it first with ``load(step)`` (it comes from the tier) to save it again.
+        """
+        if self.write_back is None:
+            raise ValueError("discard_pending needs a handle opened with write_back=True")
+        self.write_back.discard(step)
+
     def flush_on_signal(self, signals=(signal.SIGTERM,)) -> None:
         """Flush on SIGTERM (a preemption notice) before the previous handler runs; from the main thread."""
         flush_on_signal(self, signals)

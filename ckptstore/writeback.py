@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from . import manifest as _m
 from .catalog import Catalog
 from .errors import CkptStoreError, ObjectNotFoundError, PackVanishedError, StorageError
-from .layout import pack_key, segment_key
+from .layout import manifest_key, pack_key, segment_key
 from .manifest import Manifest, SegmentRef
 from .save import StepCommit
 from .storage.upload import ParallelUploader
@@ -189,6 +189,12 @@ class WriteBack:
                 self._cv.notify_all()
 
     def _commit(self, job: _Pending) -> None:
+        base = job.commit.base_step
+        if base is not None and not self.cat.store.exists(manifest_key(base)):
+            raise WriteBackError(
+                f"{self.cat.url}: step {job.step} reuses chunks of step {base}, which is not committed in the store "
+                "(it failed, or was discarded); this step cannot commit before it"
+            )
         for pid, size in job.packs.items():
             self._upload(pack_key(pid), size)
         for sid, size in job.segments.items():
@@ -236,7 +242,12 @@ class WriteBack:
         return self.records.steps()
 
     def flush(self) -> None:
-        """Wait until every pending step is committed; raise (and clear) a failure, after trying again."""
+        """Wait until every pending step is committed; after a failure, try again first.
+
+        Raises :class:`WriteBackError` if a step still cannot be committed;
+        until one flush succeeds, saves raise it too (a later step may reuse
+        the failed one's chunks).
+        """
         with self._cv:
             failed, self._error = self._error, None
         if failed is not None:
@@ -244,18 +255,34 @@ class WriteBack:
         with self._cv:
             while (self._queue or self._busy) and self._error is None:
                 self._cv.wait()
-            self._raise_error(clear=True)
+            self._raise_error()
 
-    def _raise_error(self, clear: bool = False) -> None:
+    def discard(self, step: int) -> None:
+        """Give up a pending step (its record goes; its files stay as ordinary tier copies)."""
+        with self._cv:
+            if self._busy and self._queue and self._queue[0].step == step:
+                raise WriteBackError(f"{self.cat.url}: step {step} is being committed; flush() first")
+            self._queue = collections.deque(j for j in self._queue if j.step != step)
+        if step not in self.records.steps():
+            raise KeyError(f"{self.cat.url}: step {step} is not pending in {self.tier.cache_dir}")
+        rec = self.records.read(step) or {}
+        self.records.remove(step)
+        self.cat.drop_lease(rec.get("lease"))
+        self.cat.forget(step)
+        with self._cv:
+            if self._error is not None and not self._queue:
+                self._error = None
+
+    def _raise_error(self) -> None:
         e = self._error
         if e is None:
             return
-        if clear:
-            self._error = None
         raise WriteBackError(
             f"{self.cat.url}: a step saved with write-back could not be committed in the store ({e}); it stays "
-            f"in the node-local tier {self.tier.cache_dir}: call repo.flush() or run "
-            f"`ckptstore flush {self.cat.url} --cache-dir {self.tier.cache_dir}` once the store is reachable"
+            f"in the node-local tier {self.tier.cache_dir}. Once the store is reachable, call repo.flush() or run "
+            f"`ckptstore flush {self.cat.url} --cache-dir {self.tier.cache_dir}`; a step refused as stale or "
+            "one whose base failed cannot commit: read it with repo.load(STEP) (from the tier), give it up with "
+            "repo.discard_pending(STEP), and save it again"
         ) from e
 
     def close(self) -> None:

@@ -1,0 +1,211 @@
+"""Write-back saves: durable in the node-local tier first, committed in the store in the background."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+import ckptstore
+from ckptstore.clock import ManualClock
+from ckptstore.layout import manifest_key
+from ckptstore.repository import Repository
+from ckptstore.storage import open_store
+from ckptstore.storage.faults import FaultStore
+from ckptstore.writeback import WriteBackError
+
+from .crash_child import CHILD_OPTS, build_state
+from .helpers import SMALL, assert_tree_equal
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _state(seed: int, n: int = 4):
+    g = torch.Generator().manual_seed(seed)
+    return {f"w{i}": torch.randn(64, 256, generator=g) for i in range(n)} | {"seed": seed}
+
+
+class _Gate:
+    """Holds the uploader at its first write to the store (a pack or segment) until opened."""
+
+    def __init__(self, store: FaultStore):
+        self.open = threading.Event()
+        self.reached = threading.Event()
+        for op in ("put", "create_multipart"):
+            for glob in ("packs/*", "segments/*"):
+                store.add_rule(op, glob, self._hook)
+
+    def _hook(self, op, key):
+        self.reached.set()
+        assert self.open.wait(60), "the test never opened the gate"
+        return None
+
+
+def _gated(tmp_path, **kw):
+    store = FaultStore(open_store(str(tmp_path / "repo")))
+    gate = _Gate(store)
+    repo = Repository(store, cache_dir=tmp_path / "tier", write_back=True, **{**SMALL, **kw})
+    return repo, gate
+
+
+def test_a_write_back_save_returns_before_the_store_has_the_step(tmp_path):
+    repo, gate = _gated(tmp_path)
+    sd = _state(1)
+    info = repo.save(sd, step=1)
+    assert info.step == 1
+    gate.reached.wait(30)
+    assert repo.steps() == [] and repo.steps(pending=True) == [1] and repo.pending_steps() == [1]
+    assert repo.latest() is None and repo.latest(pending=True) == 1
+    assert not repo.store.exists(manifest_key(1)), "the step appears in the store only when committed"
+    assert_tree_equal(repo.load(1), sd)  # read from the tier while pending
+    gate.open.set()
+    repo.flush()
+    assert repo.steps() == [1] and repo.pending_steps() == []
+    repo.close()
+    with ckptstore.open(str(tmp_path / "repo")) as plain:  # no tier: everything is in the store
+        assert_tree_equal(plain.load(1), sd)
+
+
+def test_at_most_write_back_steps_pending_then_a_save_waits(tmp_path):
+    repo, gate = _gated(tmp_path, write_back_steps=2)
+    repo.save(_state(1), step=1)
+    repo.save(_state(2), step=2)
+    third = threading.Thread(target=repo.save, args=(_state(3),), kwargs={"step": 3})
+    third.start()
+    third.join(1.0)
+    assert third.is_alive(), "a third pending step must wait for the oldest to commit"
+    assert repo.pending_steps() == [1, 2]
+    gate.open.set()
+    third.join(60)
+    assert not third.is_alive()
+    repo.flush()
+    assert repo.steps() == [1, 2, 3]
+    for s in (1, 2, 3):
+        assert_tree_equal(repo.load(s), _state(s))
+    repo.close()
+
+
+def test_a_later_save_dedups_against_a_pending_step(tmp_path):
+    repo, gate = _gated(tmp_path)
+    sd = _state(4)
+    repo.save(sd, step=1)
+    info = repo.save({**sd, "seed": 5}, step=2)  # same tensors: nothing new to write
+    assert info.new_bytes == 0 and info.reused_bytes > 0
+    gate.open.set()
+    repo.flush()
+    repo.close()
+    with ckptstore.open(str(tmp_path / "repo")) as plain:
+        assert_tree_equal(plain.load(2), {**sd, "seed": 5})
+
+
+def test_a_pending_step_older_than_the_grace_period_is_refused_at_commit(tmp_path, caplog):
+    clock = ManualClock()
+    store = FaultStore(open_store(str(tmp_path / "repo")))
+    gate = _Gate(store)
+    repo = Repository(store, clock=clock, grace=100.0, cache_dir=tmp_path / "tier", write_back=True, **SMALL)
+    repo.save(_state(6), step=1)
+    gate.reached.wait(30)
+    clock.advance(1000.0)  # the store was unreachable for longer than the grace period
+    gate.open.set()
+    with caplog.at_level(logging.WARNING, logger="ckptstore"):
+        with pytest.raises(WriteBackError, match="could not be committed") as e:
+            repo.flush()
+    assert "Save again" in str(e.value.__cause__) and "ckptstore flush" in str(e.value)
+    assert repo.steps() == [] and repo.pending_steps() == [1], "kept in the tier, never committed stale"
+    with pytest.raises(WriteBackError, match="discard_pending"):
+        repo.save(_state(7), step=2)  # the next save says so too, and how to save it again
+    with pytest.raises(WriteBackError):
+        repo.flush()  # tried again: still stale
+    again = repo.load(1)  # from the tier
+    repo.discard_pending(1)
+    assert repo.pending_steps() == [] and repo.steps(pending=True) == []
+    repo.save(again, step=1)
+    repo.flush()
+    assert repo.steps() == [1]
+    repo.close()
+    with ckptstore.open(str(tmp_path / "repo")) as plain:
+        assert_tree_equal(plain.load(1), _state(6))
+
+
+def test_gc_keeps_what_a_pending_step_will_commit(tmp_path):
+    store = FaultStore(open_store(str(tmp_path / "repo")))
+    direct = Repository(store, **SMALL)
+    base = _state(8)
+    direct.save(base, step=1)
+    gate = _Gate(store)
+    repo = Repository(store, cache_dir=tmp_path / "tier", write_back=True, **SMALL)
+    repo.save({**base, "w9": torch.ones(3)}, step=2)  # reuses step 1's chunks
+    gate.reached.wait(30)
+    direct.delete(1)
+    plan = direct.plan_gc(keep_last=1)
+    plan.execute()  # step 1's packs are held by the pending save's lease and the tombstone
+    gate.open.set()
+    repo.flush()
+    repo.close()
+    with ckptstore.open(str(tmp_path / "repo")) as plain:
+        assert plain.steps() == [2]
+        assert_tree_equal(plain.load(2), {**base, "w9": torch.ones(3)})
+        assert plain.verify(read_data=True).ok
+
+
+def test_a_full_tier_falls_back_to_a_direct_save(tmp_path, caplog):
+    repo = ckptstore.open(str(tmp_path / "repo"), cache_dir=tmp_path / "tier", write_back=True, **SMALL)
+    real = repo.write_back.store.create_multipart
+
+    def full(key, part_size):
+        mpu = real(key, part_size)
+
+        def write_at(offset, buffers):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        mpu.write_at = write_at
+        return mpu
+
+    repo.write_back.store.create_multipart = full
+    sd = _state(9)
+    with caplog.at_level(logging.WARNING, logger="ckptstore"):
+        info = repo.save(sd, step=1)
+    assert info.step == 1 and repo.steps() == [1] and repo.pending_steps() == []
+    assert any("is full" in r.getMessage() for r in caplog.records)
+    repo.close()
+    with ckptstore.open(str(tmp_path / "repo")) as plain:
+        assert_tree_equal(plain.load(1), sd)
+
+
+def test_write_back_needs_a_tier(tmp_path):
+    with pytest.raises(ValueError, match="needs a cache_dir"):
+        ckptstore.open(str(tmp_path / "repo"), write_back=True)
+
+
+def _child(url, cache, step, seed, phase):
+    return subprocess.run(
+        [sys.executable, os.path.join(HERE, "writeback_child.py"), url, cache, str(step), str(seed), phase],
+        capture_output=True, text=True, timeout=300,
+    )
+
+
+@pytest.mark.parametrize("phase", ["tier", "pending", "upload", "commit"])
+def test_a_killed_write_back_saver_leaves_no_partial_step_and_the_next_handle_commits_it(tmp_path, phase):
+    url, cache = str(tmp_path / "repo"), str(tmp_path / "tier")
+    seed = {"tier": 21, "pending": 22, "upload": 23, "commit": 24}[phase]
+    res = _child(url, cache, 5, seed, phase)
+    assert res.returncode == -9 and f"PHASE {phase}" in res.stdout, (res.stdout, res.stderr[-2000:])
+    with ckptstore.open(url) as plain:
+        assert plain.steps() == [], "no partial step in the store"
+    repo = ckptstore.open(url, cache_dir=cache, write_back=True, **CHILD_OPTS)
+    if phase == "tier":
+        assert repo.pending_steps() == [], "the save never reached its local commit: nothing to commit"
+        repo.close()
+        return
+    repo.flush()  # the dead process's pending step, claimed and committed
+    assert repo.steps() == [5] and repo.pending_steps() == []
+    repo.close()
+    with ckptstore.open(url) as plain:
+        assert_tree_equal(plain.load(5), build_state(seed))
+        assert plain.verify(read_data=True).ok
