@@ -176,6 +176,7 @@ def test_a_full_disk_in_the_tier_still_saves(tmp_path, monkeypatch, caplog):
     fresh.close()
 
 
+@pytest.mark.slow
 def test_two_processes_share_one_tier(tmp_path):
     url, cache = str(tmp_path / "repo"), tmp_path / "tier"
     sd = _state(5, n=8)

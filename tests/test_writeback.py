@@ -190,6 +190,7 @@ def _child(url, cache, step, seed, phase):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("phase", ["tier", "pending", "upload", "commit"])
 def test_a_killed_write_back_saver_leaves_no_partial_step_and_the_next_handle_commits_it(tmp_path, phase):
     url, cache = str(tmp_path / "repo"), str(tmp_path / "tier")
