@@ -107,7 +107,9 @@ class PageRun:
     """The blocks of one page, run in order in ``folder`` with environment ``env``.
 
     Attributes after :meth:`run`: ``ran`` (``page:line`` of each block run, with
-    its kind) and ``skipped`` (``page:line`` and the reason).
+    its kind), ``skipped`` (``page:line`` and the reason) and ``seconds``
+    (``page:line`` -> seconds spent at that block; a multi-rank session's time
+    is its last block's).
     """
 
     def __init__(self, page: str, folder: Path, env: dict, text: str | None = None):
@@ -122,6 +124,7 @@ class PageRun:
         self.pending_env: dict[str, dict] = {}
         self.ran: list[tuple[str, str]] = []
         self.skipped: list[tuple[str, str]] = []
+        self.seconds: dict[str, float] = {}
         self.ranks: dict[str, int] = {}
         self.last: dict[str, int] = {}
         for i, b in enumerate(self.blocks):
@@ -141,17 +144,19 @@ class PageRun:
             if not b.runs:
                 self.skipped.append((b.where, b.marker.reason or ""))
                 continue
+            t0 = time.monotonic()
             if b.lang == "sh":
                 self._server(b) if b.marker.server else self._shell(b)
-                continue
-            for s in b.marker.sessions or ("main",):
-                if s in self.ranks:
-                    deferred.setdefault(s, []).append(b)
-                    if self.last[s] == i:
-                        self._ranks(s, deferred.pop(s))
-                else:
-                    self._python(s, b)
-            self.ran.append((b.where, "python"))
+            else:
+                for s in b.marker.sessions or ("main",):
+                    if s in self.ranks:
+                        deferred.setdefault(s, []).append(b)
+                        if self.last[s] == i:
+                            self._ranks(s, deferred.pop(s))
+                    else:
+                        self._python(s, b)
+                self.ran.append((b.where, "python"))
+            self.seconds[b.where] = time.monotonic() - t0
         return self
 
     def close(self) -> None:
@@ -239,9 +244,12 @@ class PageRun:
         doc_port, real = ports[0], str(free_port())
         argv = [real if w == doc_port else w for w in cmds[0].argv]
         log = self.harness / f"server-{b.line}.log"
-        with open(log, "wb") as f:
-            proc = subprocess.Popen(argv, cwd=self.folder, env=dict(self.env, **cmds[0].overlay), stdout=f,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            with open(log, "wb") as f:
+                proc = subprocess.Popen(argv, cwd=self.folder, env=dict(self.env, **cmds[0].overlay), stdout=f,
+                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        except OSError as e:
+            self._fail(b.where, f"`{cmds[0].text}` could not start: {e} (`make setup` installs the local servers)")
         self.servers.append((b, proc))
         deadline = time.monotonic() + SERVER_TIMEOUT
         while True:
