@@ -291,7 +291,22 @@ class Catalog:
                 raise FormatError(f"{self.url}: step {step}: manifest is {info.size} bytes, over the limit")
             return self.store.get(key)
         except ObjectNotFoundError:
+            pending = self._pending_manifest(step)
+            if pending is not None:
+                return pending
             raise self._not_committed(step) from None
+
+    def _pending_manifest(self, step: int) -> bytes | None:
+        """The manifest a pending step (write-back, in this node's tier) will commit, or None."""
+        if self.tier is None:
+            return None
+        rec = self.tier.pending.read(step)
+        if rec is None or rec.get("url") != self.url or not isinstance(rec.get("manifest"), str):
+            return None
+        raw = rec["manifest"].encode("utf-8")
+        if len(raw) > _m.MAX_MANIFEST_BYTES:
+            raise FormatError(f"{self.url}: pending step {step}: manifest is {len(raw)} bytes, over the limit")
+        return raw
 
     def remember(self, m: Manifest) -> None:
         """Cache a manifest this handle just committed."""

@@ -64,6 +64,10 @@ def test_a_write_back_save_returns_before_the_store_has_the_step(tmp_path):
     assert repo.latest() is None and repo.latest(pending=True) == 1
     assert not repo.store.exists(manifest_key(1)), "the step appears in the store only when committed"
     assert_tree_equal(repo.load(1), sd)  # read from the tier while pending
+    other = ckptstore.open(str(tmp_path / "repo"), cache_dir=tmp_path / "tier")  # another handle on this node
+    assert other.steps(pending=True) == [1] and other.manifest(1).step == 1
+    assert_tree_equal(other.load(1), sd)
+    other.close()
     gate.open.set()
     repo.flush()
     assert repo.steps() == [1] and repo.pending_steps() == []
@@ -210,3 +214,27 @@ def test_a_killed_write_back_saver_leaves_no_partial_step_and_the_next_handle_co
     with ckptstore.open(url) as plain:
         assert_tree_equal(plain.load(5), build_state(seed))
         assert plain.verify(read_data=True).ok
+
+
+@pytest.mark.slow
+def test_ckptstore_flush_commits_what_a_dead_process_left(tmp_path, capsys):
+    import json
+
+    from ckptstore.cli.main import main
+
+    url, cache = str(tmp_path / "repo"), str(tmp_path / "tier")
+    res = _child(url, cache, 7, 31, "pending")
+    assert res.returncode == -9, res.stderr[-2000:]
+    assert main(["ls", url, "--cache-dir", cache, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["steps"]
+    assert [(r["step"], r["pending"]) for r in rows] == [(7, True)]
+    assert main(["ls", url]) == 0  # without the tier: the repository exists (its config), no step is committed
+    assert "no committed steps" in capsys.readouterr().out
+    assert main(["flush", url, "--cache-dir", cache]) == 0
+    assert "committed step 7" in capsys.readouterr().out
+    assert main(["ls", url, "--json"]) == 0
+    assert [r["step"] for r in json.loads(capsys.readouterr().out)["steps"]] == [7]
+    assert main(["flush", url, "--cache-dir", cache]) == 0
+    assert "no pending step" in capsys.readouterr().out
+    with ckptstore.open(url) as plain:
+        assert_tree_equal(plain.load(7), build_state(31))

@@ -42,11 +42,13 @@ def cmd_ls(args) -> int:
             for name, step in names.items():
                 names_by_step.setdefault(step, []).append(f"{ns}:{name}")
         rows = []
-        for step in repo.steps():
+        pending = set(repo.pending_steps())  # with --cache-dir: steps saved with write-back, local only
+        for step in repo.steps(pending=True):
             m = repo.manifest(step)
             rows.append(
                 {
                     "step": step,
+                    "pending": step in pending,
                     "time": iso(m.created),
                     "tensors": len(m.tensors),
                     "logical_bytes": m.stats.get("logical_bytes", 0),
@@ -62,14 +64,17 @@ def cmd_ls(args) -> int:
     if not rows:
         print(f"{repo.url}: no committed steps")
         return 0
-    table(
-        [
-            [r["step"], r["time"], r["tensors"], human_bytes(r["logical_bytes"]), human_bytes(r["new_bytes"]),
-             ",".join(r["tags"]), ",".join(r["names"])]
-            for r in rows
-        ],
-        ["step", "time (UTC)", "tensors", "logical", "new (stored)", "tags", "names"],
-    )
+    head = ["step", "time (UTC)", "tensors", "logical", "new (stored)", "tags", "names"]
+    cells = [
+        [r["step"], r["time"], r["tensors"], human_bytes(r["logical_bytes"]), human_bytes(r["new_bytes"]),
+         ",".join(r["tags"]), ",".join(r["names"])]
+        for r in rows
+    ]
+    if pending:
+        head.append("where")
+        for r, c in zip(rows, cells):
+            c.append("tier only (pending)" if r["pending"] else "store")
+    table(cells, head)
     return 0
 
 

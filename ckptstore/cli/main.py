@@ -17,7 +17,7 @@ from .. import __version__
 from ..errors import CkptStoreError, HostNotResolvedError, RepositoryNotFoundError, StoreURLError
 from ..tier_admin import NotATierError
 from . import commands
-from .cache import add_cache_commands, add_tier_options
+from .cache import add_cache_commands, add_flush_command, add_tier_options
 
 
 def _storage_option(s: str):
@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     _gc_commands(sub)
     _transfer_commands(sub)
     add_cache_commands(sub)
+    add_flush_command(sub, _common)
     return p
 
 
