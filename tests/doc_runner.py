@@ -44,6 +44,23 @@ def _tail(text: str, n: int = 4000) -> str:
     return text if len(text) <= n else "...\n" + text[-n:]
 
 
+def run_group(cmd: list[str], cwd: Path, env: dict, timeout: float) -> tuple[int | None, str]:
+    """Run ``cmd`` in a process group of its own: ``(exit status, output)``.
+
+    On timeout the whole group is killed (torchrun's ranks, a shell's
+    children) and the status is None.
+    """
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, out
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return None, out
+
+
 class Interpreter:
     """One ``doc_worker.py --serve`` process: a session's namespace, kept across blocks."""
 
@@ -226,15 +243,12 @@ class PageRun:
         self.ran.append((b.where, "sh"))
 
     def _subprocess(self, where: str, cmd: Command) -> None:
-        env = dict(self.env, **cmd.overlay)
         words = [shlex.quote(w) for w in cmd.argv]
-        try:
-            r = subprocess.run(["bash", "-c", " ".join(words)], cwd=self.folder, env=env, capture_output=True,
-                               text=True, timeout=BLOCK_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            self._fail(where, f"`{cmd.text}` did not finish within {BLOCK_TIMEOUT:.0f} s")
-        if r.returncode != 0:
-            self._fail(where, f"`{cmd.text}` failed (exit status {r.returncode})", r.stdout + r.stderr)
+        rc, out = run_group(["bash", "-c", " ".join(words)], self.folder, dict(self.env, **cmd.overlay), BLOCK_TIMEOUT)
+        if rc is None:
+            self._fail(where, f"`{cmd.text}` did not finish within {BLOCK_TIMEOUT:.0f} s (killed)", out)
+        if rc != 0:
+            self._fail(where, f"`{cmd.text}` failed (exit status {rc})", out)
 
     def _server(self, b: Block) -> None:
         cmds = shell_commands(b)
@@ -274,21 +288,17 @@ class PageRun:
         spec.write_text(json.dumps([{"path": self.path, "line": b.line, "code": self._code(b)} for b in blocks]))
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}", "--master-addr=127.0.0.1",
                f"--master-port={free_port()}", WORKER, "--script", str(spec), "--results", str(results)]
-        where = f"{self.page}:{blocks[0].line}"
-        try:
-            r = subprocess.run(cmd, cwd=self.folder, env=self.env, capture_output=True, text=True,
-                               timeout=BLOCK_TIMEOUT * 2)
-        except subprocess.TimeoutExpired as e:
-            self._fail(where, f"session {session} ({n} ranks) did not finish", str(e.stdout or "") + str(e.stderr or ""))
+        where, label = f"{self.page}:{blocks[0].line}", f"session {session} ({n} ranks under torchrun)"
+        rc, out = run_group(cmd, self.folder, self.env, BLOCK_TIMEOUT * 2)
         for rank in range(n):
             f = results / f"rank-{rank}.json"
             res = json.loads(f.read_text()) if f.exists() else None
             if res is not None and not res["ok"]:
-                self._fail(f"{self.page}:{res['line']}", f"python block failed on rank {rank} of {n} (session {session})",
-                           res["error"])
-        if r.returncode != 0 or any(not (results / f"rank-{k}.json").exists() for k in range(n)):
-            self._fail(where, f"session {session} ({n} ranks under torchrun) failed (exit status {r.returncode})",
-                       r.stdout + r.stderr)
+                self._fail(f"{self.page}:{res['line']}", f"python block failed on rank {rank} of {label}", res["error"])
+        if rc is None:
+            self._fail(where, f"{label} did not finish within {BLOCK_TIMEOUT * 2:.0f} s (killed)", out)
+        if rc != 0 or any(not (results / f"rank-{k}.json").exists() for k in range(n)):
+            self._fail(where, f"{label} failed (exit status {rc})", out)
 
     def _synopsis(self, b: Block) -> None:
         from ckptstore.cli.docgen import subcommands

@@ -108,6 +108,18 @@ def test_a_failing_block_is_named_by_page_and_line(tmp_path):
     assert "line 7" in str(ei.value) and "KeyError: 'the doc drifted'" in str(ei.value)
 
 
+def test_a_rank_that_fails_is_named_with_its_line(tmp_path):
+    folder = tmp_path / "page"
+    folder.mkdir()
+    text = ("<!-- run: session=job ranks=2 -->\n```python\nimport os\n```\n\n"
+            "<!-- run: session=job ranks=2 -->\n```python\nrank = int(os.environ['RANK'])\n"
+            "if rank == 1:\n    raise ValueError('rank one drifted')\n```\n")
+    with PageRun("docs/p.md", folder, page_env(), text=text) as run:
+        with pytest.raises(BlockFailed, match=r"^docs/p\.md:8: python block failed on rank 1 of session job") as ei:
+            run.run()
+    assert "line 10" in str(ei.value) and "ValueError: rank one drifted" in str(ei.value)
+
+
 def test_a_failing_command_and_a_wrong_synopsis_are_named(tmp_path):
     folder = tmp_path / "page"
     folder.mkdir()
