@@ -8,7 +8,9 @@ fit::
 
     <!-- run: session=fsdp ranks=2 -->       python: session "fsdp", all of its blocks
                                             as one script under torchrun with 2 ranks
-    <!-- run: session=quickstart,fsdp -->   python: runs in both sessions
+    <!-- run: session=main,fsdp -->         python: runs in both sessions ("main" is the
+                                            page's own interpreter, where unmarked blocks
+                                            and the ckptstore commands run)
     <!-- run: server -->                    sh: one command that serves on 127.0.0.1:PORT;
                                             started on a free port (every 127.0.0.1:PORT
                                             of the page follows), stopped after the page
