@@ -405,7 +405,7 @@ class CkptStoreCheckpointIO(CheckpointIO):
             else:
                 # Lightning's file is written while the step is committed (both
                 # only read the tensors): the save costs the slower of the two.
-                local = _Background(self._torch_io.save_checkpoint, checkpoint, path)
+                local = _Background(lambda: self._torch_io.save_checkpoint(checkpoint, path, storage_options=None))
         try:
             with self.session() as repo:
                 step = self.save_step(checkpoint, path, repo)
@@ -477,14 +477,14 @@ class CkptStoreCheckpointIO(CheckpointIO):
 
 # ---------------------------------------------------------------- helpers
 class _Background:
-    """``fn(*args)`` on a thread of its own; :meth:`result` waits and raises what it raised."""
+    """``fn()`` on a thread of its own; :meth:`result` waits and raises what it raised."""
 
-    def __init__(self, fn, *args):
+    def __init__(self, fn):
         self._error: BaseException | None = None
 
         def run():
             try:
-                fn(*args)
+                fn()
             except BaseException as e:  # handed to the caller by result()
                 self._error = e
 
