@@ -80,42 +80,6 @@ def add_cache_commands(sub) -> None:
     c.set_defaults(func=cmd_cache_prune)
 
 
-def add_flush_command(sub, common) -> None:
-    """``flush URL --cache-dir DIR``: commit the steps saved with write-back that a tier still holds."""
-    sp = sub.add_parser(
-        "flush",
-        help="commit the steps a node-local tier holds from write-back saves",
-        description="Steps saved with write_back=True are durable in the node-local tier first and committed "
-        "in the object store in the background; a process that died leaves them there. This uploads and "
-        "commits them, in step order (a step another live process is committing is left to it), and waits. "
-        "Exit 1 if one cannot be committed (it stays in the tier).",
-    )
-    common(sp)
-    sp.add_argument("--cache-dir", metavar="DIR", required=True, help="the tier directory the steps were saved to")
-    sp.set_defaults(func=cmd_flush)
-
-
-def cmd_flush(args) -> int:
-    from .. import open as open_repo
-    from .commands import _storage_options
-
-    with open_repo(args.url, storage_options=_storage_options(args), cache_dir=args.cache_dir, write_back=True) as repo:
-        before = repo.pending_steps()
-        repo.flush()  # a failure is one line, exit 1 (cli.main)
-        committed = [s for s in before if s in set(repo.steps())]
-        left = repo.pending_steps()
-    if args.json:
-        emit_json({"url": repo.url, "committed": committed, "pending": left})
-        return 0
-    if not before:
-        print(f"{repo.url}: no pending step in {args.cache_dir}")
-    else:
-        print(f"{repo.url}: committed step{'s' if len(committed) != 1 else ''} {', '.join(map(str, committed))}")
-    if left:
-        print(f"still pending (another process is committing them): {', '.join(map(str, left))}")
-    return 0
-
-
 def _dir(sp) -> None:
     sp.add_argument("cache_dir", metavar="DIR", help="the tier directory (the cache_dir given to ckptstore.open)")
     sp.add_argument("--json", action="store_true", help="machine-readable output")

@@ -361,3 +361,21 @@ def cmd_diff(args) -> int:
     for k, x in v["changed"].items():
         print(f"~ value {k}: {x['from']!r} -> {x['to']!r}")
     return 0
+
+
+def cmd_flush(args) -> int:
+    with open_repo(args.url, storage_options=_storage_options(args), cache_dir=args.cache_dir, write_back=True) as repo:
+        before = repo.pending_steps()
+        repo.flush()  # a failure is one line, exit 1 (cli.main)
+        committed = [s for s in before if s in set(repo.steps())]
+        left = repo.pending_steps()
+    if args.json:
+        emit_json({"url": repo.url, "committed": committed, "pending": left})
+        return 0
+    if not before:
+        print(f"{repo.url}: no pending step in {args.cache_dir}")
+    else:
+        print(f"{repo.url}: committed step{'s' if len(committed) != 1 else ''} {', '.join(map(str, committed))}")
+    if left:
+        print(f"still pending (another process is committing them): {', '.join(map(str, left))}")
+    return 0

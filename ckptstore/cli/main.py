@@ -17,7 +17,7 @@ from .. import __version__
 from ..errors import CkptStoreError, HostNotResolvedError, RepositoryNotFoundError, StoreURLError
 from ..tier_admin import NotATierError
 from . import commands
-from .cache import add_cache_commands, add_flush_command, add_tier_options
+from .cache import add_cache_commands, add_tier_options
 
 
 def _storage_option(s: str):
@@ -37,6 +37,21 @@ def build_parser() -> argparse.ArgumentParser:
     add_cache_commands(sub)
     add_flush_command(sub, _common)
     return p
+
+
+def add_flush_command(sub, common) -> None:
+    """``flush URL --cache-dir DIR``: commit the steps saved with write-back that a tier still holds."""
+    sp = sub.add_parser(
+        "flush",
+        help="commit the steps a node-local tier holds from write-back saves",
+        description="Steps saved with write_back=True are durable in the node-local tier first and committed "
+        "in the object store in the background; a process that died leaves them there. This uploads and "
+        "commits them, in step order (a step another live process is committing is left to it), and waits. "
+        "Exit 1 if one cannot be committed (it stays in the tier).",
+    )
+    common(sp)
+    sp.add_argument("--cache-dir", metavar="DIR", required=True, help="the tier directory the steps were saved to")
+    sp.set_defaults(func=commands.cmd_flush)
 
 
 def _common(sp, url: bool = True) -> None:
