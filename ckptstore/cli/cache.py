@@ -10,7 +10,12 @@ from .. import tier_admin
 from ._format import emit_json, human_bytes, iso, table
 
 TIER_HELP = ("node-local tier directory (docs/tier.md): chunks are read from it first, hash-checked, and chunks read "
-             "from the object store are kept there")
+             "from the object store are kept there; a step saved with write-back that only the tier holds yet "
+             "(pending) is read from it")
+TIER_LS_HELP = ("node-local tier directory (docs/tier.md): steps saved with write-back that only the tier holds yet "
+                "are listed too, marked pending")
+TIER_STEP_HELP = ("node-local tier directory (docs/tier.md): a step saved with write-back that only the tier holds "
+                  "yet (pending) is read from it; committed steps' metadata comes from the object store")
 TIER_META_HELP = ("node-local tier directory (docs/tier.md); this command reads only metadata, which the tier does "
                   "not hold: accepted so that one set of flags serves every read command")
 SIZE_HELP = "most bytes the tier may hold (e.g. 200GB, 1.5TiB; default: no limit but the free-space floor)"

@@ -17,7 +17,7 @@ from .. import __version__
 from ..errors import CkptStoreError, HostNotResolvedError, RepositoryNotFoundError, StoreURLError
 from ..tier_admin import NotATierError
 from . import commands
-from .cache import add_cache_commands, add_tier_options
+from .cache import TIER_LS_HELP, TIER_STEP_HELP, add_cache_commands, add_tier_options
 
 
 def _storage_option(s: str):
@@ -74,13 +74,13 @@ def _read_commands(sub) -> None:
         "names the integrations gave them (lightning:last.ckpt, deepspeed:global_step1000).",
     )
     _common(sp)
-    add_tier_options(sp, metadata_only=True)
+    add_tier_options(sp, help_text=TIER_LS_HELP)
     sp.set_defaults(func=commands.cmd_ls)
 
     sp = sub.add_parser("show", help="tensors and metadata of one step")
     _common(sp)
     sp.add_argument("step", type=int, metavar="STEP")
-    add_tier_options(sp, metadata_only=True)
+    add_tier_options(sp, help_text=TIER_STEP_HELP)
     sp.set_defaults(func=commands.cmd_show)
 
     sp = sub.add_parser("stats", help="stored bytes, dedup and compression ratios")
@@ -183,7 +183,7 @@ def _transfer_commands(sub) -> None:
     _common(sp)
     sp.add_argument("a", type=int, metavar="STEP_A")
     sp.add_argument("b", type=int, metavar="STEP_B")
-    add_tier_options(sp, metadata_only=True)
+    add_tier_options(sp, help_text=TIER_STEP_HELP)
     sp.set_defaults(func=commands.cmd_diff)
 
     sp = sub.add_parser("demo", help="train a small model, checkpoint it into an embedded S3 server, restore it")
