@@ -909,6 +909,10 @@ class CkptStoreReader(StorageReader):
             self._repo = _open(self.url, storage_options=self.storage_options, **self.options)
         return self._repo
 
+    def read_stats(self) -> dict:
+        """Stored chunk bytes this rank has read, by source: ``{"tier", "peer", "store"}``."""
+        return self._get_repo().read_stats()
+
     def _resolve_step(self) -> int:
         step = self.step
         if step is None:

@@ -317,7 +317,10 @@ class _Job:
         try:
             if tier is not None:
                 try:
-                    tier.store.read_range_into(pack_key(req.pack), req.start, mv, progress)
+                    copy = tier.pack_source(req.pack)
+                    if copy is None:
+                        raise ObjectNotFoundError(f"pack {req.pack}: no copy in the tier")
+                    copy.read_range_into(pack_key(req.pack), req.start, mv, progress)
                 except (ObjectNotFoundError, ValueError, StorageError, OSError) as ex:
                     # The tier's copy is gone (evicted by another process) or short: the store has it.
                     if not isinstance(ex, ObjectNotFoundError):

@@ -95,14 +95,14 @@ class PackWriter:
             except Exception:  # noqa: BLE001 - the copy is abandoned either way
                 pass
             self._copy = None
-        self.mirror.disable_writes(e)
+        self.mirror.copy_failed(e)
 
     def _finish_copies(self) -> None:
         for pid, expected, fut in self._copies:
             try:
                 size = fut.result()
             except OSError as e:
-                self.mirror.disable_writes(e)
+                self.mirror.copy_failed(e)
                 self.mirror.discard_pack(pid)
                 continue
             if size != expected:

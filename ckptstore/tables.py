@@ -44,8 +44,12 @@ class ChunkTables:
 
     def _source(self, segment_id: str) -> ObjectStore:
         """The node-local tier when it holds the segment (a write-back step's), else the store."""
-        if self.tier is not None and os.path.isfile(os.path.join(self.tier.root, segment_key(segment_id))):
-            return self.tier.store
+        if self.tier is not None:
+            key = segment_key(segment_id)
+            if os.path.isfile(os.path.join(self.tier.root, key)):
+                return self.tier.store
+            if os.path.isfile(os.path.join(self.tier.root, "wb", key)):
+                return self.tier.pending.durable  # a pending write-back step's
         return self.store
 
     # ------------------------------------------------------------ headers

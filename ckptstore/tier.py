@@ -8,8 +8,11 @@ shares one tier, concurrently and across restarts (``docs/tier.md``)::
       repos/<key>/                 one repository: key = BLAKE3 of its canonical URL (32 hex digits)
         repo.json                  {"url": ...} (for people and `ckptstore cache ls`)
         packs/<id[:2]>/<id>.pack   whole packs a save wrote (write-through), byte for byte the store's
-        segments/<id[:2]>/<id>.seg chunk tables of steps saved with write-back
         chunks/<h[:2]>/<h>         chunks read from the store, in their stored (compressed) form
+        segments/<id[:2]>/<id>.seg chunk tables of committed write-back steps
+        wb/packs/..., wb/segments/...  the packs and chunk tables of pending write-back steps:
+                                   out of eviction's and prune's reach; moved to packs/ and
+                                   segments/ (one rename each) once the step is committed
         pending/<step:020d>.json   a step saved with write-back, not yet committed in the store
         pending/<step:020d>.claim  the process uploading it (host, pid)
         .tmp/                      files being written; published by rename or an exclusive link
@@ -19,8 +22,11 @@ named by its random id, a chunk by its hash, so what one process publishes
 any other reads, and a file is never rewritten in place. Nothing here is
 trusted: every chunk read from the tier is decoded and checked against its
 hash by the fetcher like any other, and one that fails (a damaged or
-truncated file) is a miss: the file is removed and the chunk comes from the
-object store (:meth:`Tier.discard_pack`, :meth:`Tier.discard_chunk`).
+truncated file) is a miss, and the chunk comes from the object store: a
+bad chunk file is removed (:meth:`Tier.discard_chunk`), a truncated pack
+copy too (:meth:`Tier.discard_pack`); a pack copy with a bad chunk stays,
+and the chunk read from the store is kept as a chunk file, which reads
+look at first.
 
 Bounded: the tier keeps under ``cache_size`` bytes and leaves ``free_floor``
 of its file system free; past either, the least recently used files (reads
@@ -46,6 +52,10 @@ from .storage.local import LocalStore
 log = logging.getLogger(__name__)
 
 TIER_MARK = "ckptstore.tier 1"
+#: Errors that turn a handle's tier writes off (no space, read-only, not allowed); others lose one copy.
+SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)
+#: Temporary files older than this (seconds) are a dead process's, removed by the next handle that writes.
+STALE_TMP = 3600.0
 #: Default share of the tier's file system always left free.
 FREE_FLOOR = 0.05
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgtp]?i?b?)?\s*$", re.IGNORECASE)
@@ -110,7 +120,7 @@ class Tier:
         self._pending: PendingSteps | None = None
 
     # ------------------------------------------------------------ setup
-    def _prepare(self) -> None:
+    def prepare(self) -> None:
         """Create the tier's folders and marks (on the first write only)."""
         if self._prepared:
             return
@@ -122,10 +132,20 @@ class Tier:
         if not os.path.exists(info):
             _publish_bytes(self.root, info, json.dumps({"url": self.url}).encode())
         self._prepared = True
+        remove_stale_tmp(self.root)
+
+
 
     @property
     def writable(self) -> bool:
         return self._writable
+
+    def copy_failed(self, e: BaseException) -> None:
+        """A copy into the tier failed: out of space turns writes off; anything else loses that copy only."""
+        if isinstance(e, OSError) and e.errno in SPACE_ERRNOS:
+            self.disable_writes(e)
+        else:
+            log.warning("ckptstore: node-local tier %s: a copy was abandoned: %s", self.cache_dir, e)
 
     def disable_writes(self, why: BaseException | str) -> None:
         """Stop writing to the tier for this handle (a full disk); reads go on."""
@@ -147,8 +167,19 @@ class Tier:
     def chunk_path(self, h: str) -> str:
         return os.path.join(self.root, "chunks", h[:2], h)
 
+    def wb_pack_path(self, pack_id: str) -> str:
+        return os.path.join(self.root, "wb", "packs", pack_id[:2], f"{pack_id}.pack")
+
     def has_pack(self, pack_id: str) -> bool:
-        return os.path.isfile(self.pack_path(pack_id))
+        return os.path.isfile(self.pack_path(pack_id)) or os.path.isfile(self.wb_pack_path(pack_id))
+
+    def pack_source(self, pack_id: str) -> LocalStore | None:
+        """The store whose ``packs/`` key holds this pack's copy: the cache, a pending step's, or None."""
+        if os.path.isfile(self.pack_path(pack_id)):
+            return self.store
+        if os.path.isfile(self.wb_pack_path(pack_id)):
+            return self.pending.durable
+        return None
 
     def has_chunk(self, h: str) -> bool:
         return os.path.isfile(self.chunk_path(h))
@@ -177,7 +208,7 @@ class Tier:
         if not self._writable or self.has_chunk(h):
             return
         try:
-            self._prepare()
+            self.prepare()
             path = self.chunk_path(h)
             os.makedirs(os.path.dirname(path), exist_ok=True)
             tmp = os.path.join(self.store.tmp_dir(), f"{h[:16]}.{uuid.uuid4().hex[:8]}")
@@ -190,7 +221,7 @@ class Tier:
             finally:
                 os.unlink(tmp)
         except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
+            if e.errno in SPACE_ERRNOS:
                 self.disable_writes(e)
                 return
             log.warning("ckptstore: node-local tier: could not keep chunk %s: %s", h[:16], e)
@@ -199,7 +230,7 @@ class Tier:
 
     def pack_store(self) -> LocalStore:
         """The store a save writes its packs through to (under ``packs/``, like the repository's keys)."""
-        self._prepare()
+        self.prepare()
         return self.store
 
     def added(self, nbytes: int) -> None:
@@ -222,7 +253,7 @@ class Tier:
         return 256 << 20
 
     def discard_pack(self, pack_id: str) -> None:
-        """Remove a pack file that failed a check (another process may have done it already)."""
+        """Remove a cached pack copy that failed a check (never a pending step's: it is the only copy)."""
         self._unlink(self.pack_path(pack_id))
 
     def discard_chunk(self, h: str) -> None:
@@ -250,7 +281,7 @@ class Tier:
 
 # ---------------------------------------------------------------- write-back: pending steps
 PENDING_FORMAT = "ckptstore.tier.pending"
-_PENDING_NAME = re.compile(r"^([0-9]{20})\.json$")
+PENDING_NAME = re.compile(r"^([0-9]{20})\.json$")
 
 
 class PendingSteps:
@@ -266,23 +297,25 @@ class PendingSteps:
     def __init__(self, tier: "Tier"):
         self.tier = tier
         self.dir = os.path.join(tier.root, "pending")
-        self.durable = LocalStore(tier.root, fsync=True)
+        #: Where a write-back save writes its packs and segment (``wb/``), fsynced.
+        self.durable = LocalStore(os.path.join(tier.root, "wb"), fsync=True)
+        self._records = LocalStore(tier.root, fsync=True)
 
     def path(self, step: int) -> str:
         return os.path.join(self.dir, f"{step:020d}.json")
 
     def write(self, step: int, record: dict) -> None:
-        self.tier._prepare()
+        self.tier.prepare()
         os.makedirs(self.dir, exist_ok=True)
         data = json.dumps({"format": PENDING_FORMAT, "version": 1, **record}).encode()
-        self.durable.put(f"pending/{step:020d}.json", data)  # fsynced temp file, renamed, directory fsynced
+        self._records.put(f"pending/{step:020d}.json", data)  # fsynced temp file, renamed, directory fsynced
 
     def steps(self) -> list[int]:
         try:
             names = os.listdir(self.dir)
         except FileNotFoundError:
             return []
-        return sorted(int(m.group(1)) for m in map(_PENDING_NAME.match, names) if m)
+        return sorted(int(m.group(1)) for m in map(PENDING_NAME.match, names) if m)
 
     def read(self, step: int) -> dict | None:
         try:
@@ -300,6 +333,23 @@ class PendingSteps:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
+
+    def settle(self, keys) -> int:
+        """Move a committed step's files from ``wb/`` into the cache (``packs/``, ``segments/``); bytes moved."""
+        moved = 0
+        for key in keys:
+            src = os.path.join(self.durable.root, key)
+            dst = os.path.join(self.tier.root, key)
+            try:
+                size = os.path.getsize(src)
+                os.makedirs(os.path.dirname(dst), exist_ok=True)
+                os.replace(src, dst)
+                moved += size
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                log.warning("ckptstore: node-local tier: could not move %s into the cache: %s", key, e)
+        return moved
 
     def packs(self) -> set[str]:
         """Ids of packs and segments some pending step still needs (never evicted)."""
@@ -379,7 +429,8 @@ def tier_files(cache_dir: str):
     except FileNotFoundError:
         return
     for key in keys:
-        for kind, sub in (("pack", "packs"), ("segment", "segments"), ("chunk", "chunks")):
+        for kind, sub in (("pack", "packs"), ("segment", "segments"), ("chunk", "chunks"),
+                          ("pack", os.path.join("wb", "packs")), ("segment", os.path.join("wb", "segments"))):
             top = os.path.join(repos, key, sub)
             try:
                 shards = os.listdir(top)
@@ -407,7 +458,7 @@ def evict(cache_dir: str, cache_size: int | None, free_floor: float = FREE_FLOOR
     """
     files = sorted(tier_files(cache_dir), key=lambda f: f[2])
     used = sum(f[1] for f in files)
-    protected = _pending_ids(cache_dir)
+    protected = pending_ids(cache_dir)
     try:
         st = os.statvfs(cache_dir)
         free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
@@ -422,7 +473,7 @@ def evict(cache_dir: str, cache_size: int | None, free_floor: float = FREE_FLOOR
     for path, size, _, _, kind in files:
         if freed >= need:
             break
-        if kind != "chunk" and os.path.basename(path).split(".")[0] in protected:
+        if is_pending_file(path) or kind != "chunk" and os.path.basename(path).split(".")[0] in protected:
             continue  # a pending step needs it until it is in the store
         try:
             os.unlink(path)
@@ -441,7 +492,37 @@ def evict(cache_dir: str, cache_size: int | None, free_floor: float = FREE_FLOOR
     return freed, used - freed
 
 
-def _pending_ids(cache_dir: str) -> set[str]:
+def remove_stale_tmp(root: str, age: float = STALE_TMP) -> int:
+    """Remove temporary files a dead process left (older than ``age`` seconds) in a repository's folders."""
+    import time
+
+    removed = 0
+    now = time.time()
+    for folder in (os.path.join(root, ".tmp"), os.path.join(root, "wb", ".tmp")):
+        try:
+            entries = list(os.scandir(folder))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for e in entries:
+            try:
+                if e.is_file(follow_symlinks=False) and now - e.stat(follow_symlinks=False).st_mtime > age:
+                    os.unlink(e.path)
+                    removed += 1
+            except OSError:
+                continue
+    return removed
+
+
+def is_pending_file(path: str) -> bool:
+    """Whether a tier file is a pending write-back step's (under ``wb/``): never evicted or pruned.
+
+    A write-back save writes there from its first byte, before its pending
+    record exists, so no eviction can take a pack it is still writing.
+    """
+    return f"{os.sep}wb{os.sep}" in path
+
+
+def pending_ids(cache_dir: str) -> set[str]:
     out: set[str] = set()
     repos = os.path.join(cache_dir, "repos")
     try:
@@ -455,7 +536,7 @@ def _pending_ids(cache_dir: str) -> set[str]:
         except (FileNotFoundError, NotADirectoryError):
             continue
         for name in names:
-            if _PENDING_NAME.match(name):
+            if PENDING_NAME.match(name):
                 try:
                     with open(os.path.join(folder, name), "rb") as f:
                         doc = json.loads(f.read())
@@ -510,4 +591,5 @@ def _publish_bytes(folder: str, path: str, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-__all__ = ["Tier", "parse_size", "repo_key", "evict", "usage", "tier_files", "is_tier"]
+__all__ = ["Tier", "PendingSteps", "parse_size", "repo_key", "evict", "usage", "tier_files", "is_tier", "pending_ids",
+           "is_pending_file", "PENDING_NAME"]

@@ -22,7 +22,7 @@ import json
 import os
 
 from .errors import CkptStoreError
-from .tier import _PENDING_NAME, FREE_FLOOR, _pending_ids, is_tier, parse_size, repo_key, tier_files
+from .tier import FREE_FLOOR, PENDING_NAME, is_pending_file, is_tier, parse_size, pending_ids, repo_key, tier_files
 from .units import human_bytes
 
 
@@ -75,7 +75,7 @@ class TierScan:
     pending_ids: frozenset = frozenset()
 
     def is_pending(self, f: TierFile) -> bool:
-        return f.kind != "chunk" and os.path.basename(f.path).split(".")[0] in self.pending_ids
+        return is_pending_file(f.path) or f.kind != "chunk" and os.path.basename(f.path).split(".")[0] in self.pending_ids
 
     @property
     def bytes(self) -> int:
@@ -115,7 +115,7 @@ def scan(cache_dir) -> TierScan:
         n, b = _tmp_usage(os.path.join(repos_dir, key, ".tmp"))
         tmp_files += n
         tmp_bytes += b
-    return TierScan(cache_dir, tuple(files), tuple(repos), tmp_files, tmp_bytes, frozenset(_pending_ids(cache_dir)))
+    return TierScan(cache_dir, tuple(files), tuple(repos), tmp_files, tmp_bytes, frozenset(pending_ids(cache_dir)))
 
 
 def stats(cache_dir, free_floor: float = FREE_FLOOR) -> dict:
@@ -220,10 +220,10 @@ class PrunePlan:
         committed locally meanwhile), and a file whose modification time
         moved (read or rewritten since the scan) is left alone.
         """
-        protected = _pending_ids(self.cache_dir)
+        protected = pending_ids(self.cache_dir)
         removed = freed = gone = skipped = 0
         for f in self.files:
-            if f.kind != "chunk" and os.path.basename(f.path).split(".")[0] in protected:
+            if is_pending_file(f.path) or f.kind != "chunk" and os.path.basename(f.path).split(".")[0] in protected:
                 skipped += 1
                 continue
             try:
@@ -320,7 +320,7 @@ def _pending_steps(folder: str) -> tuple[int, ...]:
         names = os.listdir(folder)
     except (FileNotFoundError, NotADirectoryError):
         return ()
-    return tuple(sorted(int(m.group(1)) for m in map(_PENDING_NAME.match, names) if m))
+    return tuple(sorted(int(m.group(1)) for m in map(PENDING_NAME.match, names) if m))
 
 
 def _tmp_usage(folder: str) -> tuple[int, int]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from .catalog import Catalog
 from .errors import CkptStoreError, FormatError, MissingDataError
+from .fetch import ChunkFetcher
 from .layout import step_of_manifest_key
 from .manifest import ChunkRef
 
@@ -165,7 +166,11 @@ def verify(cat: Catalog, step: int | None = None, read_data: bool = False, progr
                 problems.append(Problem("chunk", str(err), step=s, tensor=key, pack=r.pack, offset=r.offset))
             count()
 
-        cat.fetcher.fetch(items, deliver, lambda i: "", on_error=on_error)
+        fetcher = cat.fetcher
+        if fetcher.tier is not None:
+            # The object store is what is verified, not this node's copies of it.
+            fetcher = ChunkFetcher(cat.store, cat.runtime, cat.options, cat.relocations)
+        fetcher.fetch(items, deliver, lambda i: "", on_error=on_error)
         chunks_checked = total
     return VerifyReport(
         url=cat.url,

@@ -81,6 +81,7 @@ class WriteBack:
     # ------------------------------------------------------------ saving
     def reserve(self) -> None:
         """Wait for room for one more pending step (raises an earlier write-back failure)."""
+        self.tier.prepare()  # the tier's marks, before the save's first file
         with self._cv:
             while len(self._queue) + self._reserved >= self.max_pending and self._error is None:
                 self._cv.wait()
@@ -202,7 +203,9 @@ class WriteBack:
         job.commit.commit(job.man)  # the base-age check, then the exclusive create
         job.commit.end()
         self.records.remove(job.step)
-        self.tier.added(sum(job.packs.values()))  # now ordinary copies, counted against the budget
+        # now ordinary copies: into the cache, counted against the budget
+        moved = self.records.settle([pack_key(p) for p in job.packs] + [segment_key(s) for s in job.segments])
+        self.tier.added(moved)
 
     def _upload(self, key: str, size: int) -> None:
         cat = self.cat
@@ -211,7 +214,7 @@ class WriteBack:
                 return  # uploaded before a crash or by another process
         except ObjectNotFoundError:
             pass
-        path = os.path.join(self.tier.root, key)
+        path = os.path.join(self.store.root, key)  # the tier's wb/ folder
         o = cat.options
         buf = bytearray(o.part_size)
         up = ParallelUploader(cat.store, key, o.part_size, cat.runtime.io, window=4,
@@ -267,6 +270,7 @@ class WriteBack:
             raise KeyError(f"{self.cat.url}: step {step} is not pending in {self.tier.cache_dir}")
         rec = self.records.read(step) or {}
         self.records.remove(step)
+        self.records.settle([pack_key(p) for p in rec.get("packs", {})] + [segment_key(s) for s in rec.get("segments", {})])
         self.cat.drop_lease(rec.get("lease"))
         self.cat.forget(step)
         with self._cv:

@@ -235,3 +235,56 @@ def test_parse_size_and_bad_options(tmp_path):
     with pytest.raises(ValueError, match="free_floor"):
         Tier(tmp_path / "t", "file:///x", free_floor=1.5)
     assert not (tmp_path / "t").exists(), "opening a tier writes nothing"
+
+
+def test_verify_with_read_data_checks_the_store_not_the_tier(tmp_path):
+    url, cache = str(tmp_path / "repo"), tmp_path / "tier"
+    with ckptstore.open(url, cache_dir=cache, **SMALL) as repo:
+        repo.save(_state(7), step=1)
+        (pack,) = repo.manifest(1).packs
+    store_copy = os.path.join(url, "packs", pack[:2], f"{pack}.pack")
+    _damage(store_copy, os.path.getsize(store_copy) // 2)
+    with ckptstore.open(url, cache_dir=cache) as tiered:
+        assert_tree_equal(tiered.load(1), _state(7))  # the tier's good copy serves loads
+        report = tiered.verify(read_data=True)
+    assert not report.ok and any(p.pack == pack for p in report.problems), "the store's damage is found"
+
+
+def test_an_error_other_than_a_full_disk_loses_one_copy_only(tmp_path, caplog):
+    url, cache = str(tmp_path / "repo"), tmp_path / "tier"
+    repo = ckptstore.open(url, cache_dir=cache, **SMALL)
+    store = repo.tier.pack_store()
+    real = store.create_multipart
+    calls = {"n": 0}
+
+    def flaky(key, part_size):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(key, part_size)
+
+    store.create_multipart = flaky
+    with caplog.at_level(logging.WARNING, logger="ckptstore"):
+        repo.save(_state(8), step=1)  # its copy is lost
+    assert repo.tier.writable and _pack_copies(cache) == []
+    repo.save(_state(9), step=2)  # the next one is kept
+    assert len(_pack_copies(cache)) == 1
+    repo.close()
+
+
+def test_a_dead_process_temporary_files_are_removed(tmp_path):
+    import time
+
+    url, cache = str(tmp_path / "repo"), tmp_path / "tier"
+    with ckptstore.open(url, cache_dir=cache, **SMALL) as repo:
+        repo.save(_state(10), step=1)
+        tmp = os.path.join(repo.tier.root, ".tmp")
+    old = os.path.join(tmp, "left-by-a-kill.mpu")
+    fresh = os.path.join(tmp, "being-written-now")
+    for p in (old, fresh):
+        with open(p, "wb") as f:
+            f.write(b"x" * 1000)
+    os.utime(old, (time.time() - 2 * 3600,) * 2)
+    with ckptstore.open(url, cache_dir=cache, **SMALL) as repo:
+        repo.save(_state(11), step=2)  # the first write of a handle sweeps the tier's .tmp
+    assert not os.path.exists(old) and os.path.exists(fresh)

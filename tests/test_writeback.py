@@ -238,3 +238,27 @@ def test_ckptstore_flush_commits_what_a_dead_process_left(tmp_path, capsys):
     assert "no pending step" in capsys.readouterr().out
     with ckptstore.open(url) as plain:
         assert_tree_equal(plain.load(7), build_state(31))
+
+
+def test_eviction_and_prune_never_take_a_write_back_save_s_files(tmp_path):
+    from ckptstore import tier_admin
+    from ckptstore.tier import evict
+
+    cache = tmp_path / "tier"
+    repo, gate = _gated(tmp_path, cache_size=1)  # a budget nothing fits in: everything evictable goes
+    real_write = repo.write_back.records.write
+
+    def write(step, record):
+        # the save has written its packs and segment, its pending record is next: the window
+        evict(str(cache), 0)
+        tier_admin.plan_prune(tier_admin.scan(str(cache)), everything=True).execute()
+        real_write(step, record)
+
+    repo.write_back.records.write = write
+    sd = _state(12)
+    repo.save(sd, step=1)
+    gate.open.set()
+    repo.flush()
+    repo.close()
+    with ckptstore.open(str(tmp_path / "repo")) as plain:
+        assert_tree_equal(plain.load(1), sd)
