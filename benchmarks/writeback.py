@@ -52,6 +52,17 @@ def _open(url: str, server=None, **kw):
     return ckptstore.open(url, storage_options=so, **kw)
 
 
+def _warm(repo) -> None:
+    """A training job's handle is open across saves: its client is connected before a save (untimed)."""
+    repo.latest()
+
+
+def _settle() -> None:
+    """Write out every dirty page first (untimed): the server's volume files share this disk, and a
+    save's fsync must not pay for the previous operation's write-back."""
+    os.sync()
+
+
 def one_round(sd: dict, srv, pinning: Pinning, tmp: str, r: int) -> dict:
     out: dict = {}
     # Every row runs on the client's CPUs (the lower half; the server has
@@ -60,6 +71,7 @@ def one_round(sd: dict, srv, pinning: Pinning, tmp: str, r: int) -> dict:
     with pinning.client():
         local = os.path.join(tmp, f"local-{r}")
         with _open(local) as repo:
+            _settle()
             with Timer() as tm:
                 info = repo.save(sd, step=1)
             out["local"] = tm.seconds
@@ -68,6 +80,8 @@ def one_round(sd: dict, srv, pinning: Pinning, tmp: str, r: int) -> dict:
         # direct to SeaweedFS
         url = f"s3://{BUCKET}/direct-{r}"
         with _open(url, srv) as repo:
+            _warm(repo)
+            _settle()
             with Timer(srv.pid) as tm:
                 repo.save(sd, step=1)
         out["direct"] = tm.seconds
@@ -76,6 +90,8 @@ def one_round(sd: dict, srv, pinning: Pinning, tmp: str, r: int) -> dict:
         cache = os.path.join(tmp, f"tier-{r}")
         repo = _open(url, srv, cache_dir=cache, write_back=True)
         try:
+            _warm(repo)
+            _settle()
             with Timer(srv.pid) as tm:
                 info = repo.save(sd, step=1)
                 blocked = time.perf_counter() - tm.t0
@@ -86,6 +102,7 @@ def one_round(sd: dict, srv, pinning: Pinning, tmp: str, r: int) -> dict:
         finally:
             repo.close()
         shutil.rmtree(cache, ignore_errors=True)
+        _settle()
         tm = raw_put(srv, out["wb_stored"], 8)
         out["raw_put"] = tm.seconds
     # every step reads back bit for bit, from the store alone
