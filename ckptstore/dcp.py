@@ -37,12 +37,15 @@ through ``CkptStoreReader``.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures as cf
 import dataclasses
 import io
+import json
 import math
 import os
 import re
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -87,6 +90,7 @@ from .exchange import (
     takes_bytes,
 )
 from .layout import check_step as _check_step
+from .layout import manifest_key as _manifest_key
 from .layout import pack_key
 from .manifest import Manifest, PackUsage, SegmentRef, TensorEntry, merge_ranges
 from .repository import Repository
@@ -410,7 +414,9 @@ class CkptStoreWriter(StorageWriter):
         # dedup base here, and commits in finish().
         self._commit = StepCommit(repo, step, self.base)
         try:
-            base_step = self._commit.begin()
+            # Write-back: a step pending on this node is taken; the dedup base is
+            # a committed step (other nodes cannot read this node's pending ones).
+            base_step = self._commit.begin(pending=repo.write_back is not None, pending_base=False)
         except StepExistsError:
             self._commit = None
             raise StepExistsError(
@@ -450,8 +456,18 @@ class CkptStoreWriter(StorageWriter):
                 boxes.append((item.index.fqn, (0,), (1 << 62,)))
             else:
                 boxes.append((item.index.fqn, tuple(item.tensor_data.chunk.offsets), tuple(item.tensor_data.chunk.sizes)))
-        writer = ChunkWriter(repo, dedup_share(repo, base_step, boxes))
+        wb = repo.write_back
+        if wb is not None:
+            wb.reserve()  # at most write_back_steps pending on this node
+        target = wb.store if wb is not None else None  # write-back: into this node's tier
+        try:
+            writer = ChunkWriter(repo, dedup_share(repo, base_step, boxes), store=target)
+        except BaseException:
+            if wb is not None:
+                wb.unreserve()
+            raise
         pending = []
+        handed_over = False
         try:
             for item in plan.items:
                 part = parts.get((item.index.fqn, tuple(item.index.offset))) if parts and item.index.offset else None
@@ -472,10 +488,17 @@ class CkptStoreWriter(StorageWriter):
             packs = writer.finish()
             builder = TableBuilder()
             runs = [builder.extend(refs) for _, _, _, refs in pending]
-            segment = write_segment(repo, builder) if pending else None
+            segment = write_segment(repo, builder, store=target) if pending else None
+            if wb is not None and pending:
+                # This rank's local commit: uploaded, then marked done in the store, in the background.
+                wb.hand_over_rank(self.step, rank, packs, segment)
+                handed_over = True
         except BaseException:
             writer.abort()
             raise
+        finally:
+            if wb is not None and not handed_over:
+                wb.unreserve()
         stats = writer.stats(packs)
         if segment is not None:
             stats["segment_bytes"] = segment.size
@@ -524,9 +547,18 @@ class CkptStoreWriter(StorageWriter):
                 for p in missing:
                     sizes[p] = repo.store.head(pack_key(p)).size
                 man = dataclasses.replace(man, packs=sizes)
-            commit.commit(man)
+            if repo.write_back is not None:
+                # Committed by this node's background thread once every rank's uploads are in
+                # (their markers in the store): no collective is left running.
+                ranks = sorted({wr.storage_data.rank for rr in results for wr in rr
+                                if isinstance(wr.storage_data, _ItemResult) and wr.storage_data.info is not None})
+                repo.write_back.hand_over_commit(commit, man, ranks)
+                commit = None
+            else:
+                commit.commit(man)
         finally:
-            commit.end()
+            if commit is not None:
+                commit.end()
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -538,8 +570,18 @@ class CkptStoreWriter(StorageWriter):
     # -- helpers ------------------------------------------------------------
     def _get_repo(self) -> Repository:
         if self._repo is None:
-            self._repo = _open(self.url, storage_options=self.storage_options, **self.options)
+            if self.options.get("write_back"):
+                self._repo = _write_back_handle(self.url, self.storage_options, self.options)
+            else:
+                self._repo = _open(self.url, storage_options=self.storage_options, **self.options)
         return self._repo
+
+    def flush(self) -> None:
+        """Wait for this process's write-back work on this repository (its uploads; on the coordinator,
+        the commits, once every rank's uploads are in). Not a collective."""
+        repo = self._get_repo()
+        if repo.write_back is not None:
+            repo.write_back.flush()
 
     def _close(self, drop_lease: bool = True) -> None:
         if self._commit is not None:  # a save that never reached finish()
@@ -547,7 +589,8 @@ class CkptStoreWriter(StorageWriter):
                 self._commit.end()
             self._commit = None
         if self._repo is not None:
-            self._repo.close()
+            if self._repo.write_back is None:  # a write-back handle is shared, and outlives this writer
+                self._repo.close()
             self._repo = None
 
     def close(self) -> None:
@@ -561,6 +604,36 @@ class CkptStoreWriter(StorageWriter):
         try:
             self._close(drop_lease=False)
         except Exception:
+            pass
+
+
+#: Write-back handles of this process, shared by every CkptStoreWriter with the same
+#: repository and options: their background uploads and commits outlive each writer.
+_WRITE_BACK_HANDLES: dict[str, Repository] = {}
+_WRITE_BACK_LOCK = threading.Lock()
+
+
+def _write_back_handle(url: str, storage_options, options: dict) -> Repository:
+    key = json.dumps([url, storage_options, sorted((k, repr(v)) for k, v in options.items())], default=repr)
+    with _WRITE_BACK_LOCK:
+        repo = _WRITE_BACK_HANDLES.get(key)
+        if repo is None:
+            repo = _open(url, storage_options=storage_options, **options)
+            _WRITE_BACK_HANDLES[key] = repo
+            if len(_WRITE_BACK_HANDLES) == 1:
+                atexit.register(_close_write_back_handles)
+        return repo
+
+
+def _close_write_back_handles() -> None:
+    """At exit: finish the uploads and commits that can finish (the rest stays pending in the tier)."""
+    with _WRITE_BACK_LOCK:
+        handles = list(_WRITE_BACK_HANDLES.values())
+        _WRITE_BACK_HANDLES.clear()
+    for repo in handles:
+        try:
+            repo.close()
+        except Exception:  # noqa: BLE001 - at exit: the tier keeps what did not finish
             pass
 
 
@@ -914,11 +987,20 @@ class CkptStoreReader(StorageReader):
         return self._get_repo().read_stats()
 
     def _resolve_step(self) -> int:
+        repo = self._get_repo()
         step = self.step
         if step is None:
-            step = self._get_repo().latest()
+            step = repo.latest()  # committed: the step every rank sees
             if step is None:
-                raise StepNotFoundError(f"{self._get_repo().url}: the repository has no committed step")
+                raise StepNotFoundError(f"{repo.url}: the repository has no committed step")
+        elif step in repo.pending_steps() and not repo.store.exists(_manifest_key(step)):
+            # A write-back step not yet committed lives on this node's disk only:
+            # the other ranks' nodes cannot read it, so no rank restores it.
+            raise StepNotFoundError(
+                f"{repo.url}: step {step} was saved with write-back and is not committed in the store yet "
+                "(only this node's tier holds it; other ranks cannot read it): flush it first "
+                f"(repo.flush(), or `ckptstore flush {repo.url} --cache-dir {repo.tier.cache_dir}`)"
+            )
         return step
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:

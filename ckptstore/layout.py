@@ -8,6 +8,7 @@ parsed here, by one set of rules (``docs/format.md``)::
     manifests/<step:020d>.json                 one per committed step, written last
     refs/tags/<name>                           tag -> step (mutable)
     refs/names/<namespace>/<quoted name>       a framework's checkpoint name -> step (mutable)
+    uploads/<step:020d>/<rank>.json            a DCP rank's write-back uploads are in (read by rank 0's commit)
     leases/<uuid>.json                         savers in flight (read by GC)
     tombstones/<step:020d>-<id>.json           deleted steps, kept for the grace period
     relocations/<id[:2]>/<id>.json             where a repacked pack's chunks went
@@ -44,6 +45,8 @@ LEASE_PREFIX = "leases/"
 TOMBSTONE_PREFIX = "tombstones/"
 RELOCATION_PREFIX = "relocations/"
 SEGMENT_PREFIX = "segments/"
+UPLOAD_PREFIX = "uploads/"
+UPLOAD_FORMAT = "ckptstore.upload"
 
 CONFIG_FORMAT = "ckptstore.config"
 TOMBSTONE_FORMAT = "ckptstore.tombstone"
@@ -76,6 +79,7 @@ _MANIFEST_NAME = re.compile(r"^([0-9]{20})\.json$")
 _PACK_NAME = re.compile(r"^([0-9a-f]{2})/([0-9a-f]{32})\.pack$")
 _RELOCATION_NAME = re.compile(r"^([0-9a-f]{2})/([0-9a-f]{32})\.json$")
 _SEGMENT_NAME = re.compile(r"^([0-9a-f]{2})/([0-9a-f]{32})\.seg$")
+_UPLOAD_NAME = re.compile(r"^([0-9]{20})/([0-9]{1,9})\.json$")
 
 
 # ---------------------------------------------------------------- steps and names
@@ -140,6 +144,21 @@ def tag_key(name: str) -> str:
 def name_key(ns: str, name: str) -> str:
     """``refs/names/<ns>/<name>``, the name percent-encoded (only ``[A-Za-z0-9-._=]`` kept as is)."""
     return f"{NAME_PREFIX}{check_namespace(ns)}/{urllib.parse.quote(check_name(name), safe=_NAME_SAFE)}"
+
+
+def upload_key(step: int, rank: int) -> str:
+    """Where DCP rank ``rank`` of a write-back save of ``step`` says its packs and segment are uploaded."""
+    return f"{UPLOAD_PREFIX}{check_step(step):020d}/{int(rank)}.json"
+
+
+def upload_prefix(step: int) -> str:
+    return f"{UPLOAD_PREFIX}{check_step(step):020d}/"
+
+
+def upload_of_key(key: str) -> tuple[int, int] | None:
+    """(step, rank) of an ``uploads/`` key, else None."""
+    m = _UPLOAD_NAME.match(key[len(UPLOAD_PREFIX):]) if key.startswith(UPLOAD_PREFIX) else None
+    return (int(m.group(1)), int(m.group(2))) if m else None
 
 
 def lease_key() -> str:

@@ -199,14 +199,16 @@ class StepCommit:
         self.lease: str | None = None
         self.t0: float | None = None
 
-    def begin(self, base_read_at: float | None = None, pending: bool = False) -> int | None:
+    def begin(self, base_read_at: float | None = None, pending: bool = False, pending_base: bool | None = None) -> int | None:
         """Claim the step (not committed yet), write the lease; returns the dedup base step.
 
         ``base_read_at`` (the clock's monotonic time) is for a writer that
         read what it reuses earlier, under a lease of its own held since
         then (``cp``): the base-age check counts from there. ``pending``:
         a write-back save, which also refuses a step pending in the tier and
-        may take a pending step as its dedup base.
+        (unless ``pending_base=False``: a DCP save, whose other ranks cannot
+        read this node's pending steps) may take a pending step as its
+        dedup base.
         """
         cat = self.cat
         if cat.store.exists(manifest_key(self.step)) or (pending and self.step in cat.pending_steps()):
@@ -216,7 +218,7 @@ class StepCommit:
         self.lease = cat.write_lease(self.step)
         self.t0 = cat.clock.monotonic() if base_read_at is None else base_read_at
         if self.base == "latest":
-            self.base_step = cat.latest(pending=pending)
+            self.base_step = cat.latest(pending=pending if pending_base is None else pending_base)
         else:
             self.base_step = None if self.base is None else check_step(self.base)
         return self.base_step

@@ -282,6 +282,7 @@ class Tier:
 # ---------------------------------------------------------------- write-back: pending steps
 PENDING_FORMAT = "ckptstore.tier.pending"
 PENDING_NAME = re.compile(r"^([0-9]{20})\.json$")
+RANK_RECORD_NAME = re.compile(r"^([0-9]{20})\.rank([0-9]{1,9})\.json$")
 
 
 class PendingSteps:
@@ -301,14 +302,32 @@ class PendingSteps:
         self.durable = LocalStore(os.path.join(tier.root, "wb"), fsync=True)
         self._records = LocalStore(tier.root, fsync=True)
 
-    def path(self, step: int) -> str:
-        return os.path.join(self.dir, f"{step:020d}.json")
+    @staticmethod
+    def name(step: int, rank: int | None = None) -> str:
+        """A record's name: ``<step:020d>`` (a step's), or ``<step:020d>.rank<r>`` (one DCP rank's uploads)."""
+        return f"{step:020d}" if rank is None else f"{step:020d}.rank{int(rank)}"
 
-    def write(self, step: int, record: dict) -> None:
+    @classmethod
+    def _n(cls, which) -> str:
+        return cls.name(which) if isinstance(which, int) else which
+
+    def path(self, which) -> str:
+        return os.path.join(self.dir, f"{self._n(which)}.json")
+
+    def write(self, which, record: dict) -> None:
         self.tier.prepare()
         os.makedirs(self.dir, exist_ok=True)
         data = json.dumps({"format": PENDING_FORMAT, "version": 1, **record}).encode()
-        self._records.put(f"pending/{step:020d}.json", data)  # fsynced temp file, renamed, directory fsynced
+        self._records.put(f"pending/{self._n(which)}.json", data)  # fsynced temp file, renamed, directory fsynced
+
+    def names(self) -> list[str]:
+        """Every record's name, in step order (a step's record after its ranks')."""
+        try:
+            files = os.listdir(self.dir)
+        except FileNotFoundError:
+            return []
+        out = [f[: -len(".json")] for f in files if PENDING_NAME.match(f) or RANK_RECORD_NAME.match(f)]
+        return sorted(out, key=lambda n: (n[:20], n[20:] == ""))
 
     def steps(self) -> list[int]:
         try:
@@ -317,18 +336,18 @@ class PendingSteps:
             return []
         return sorted(int(m.group(1)) for m in map(PENDING_NAME.match, names) if m)
 
-    def read(self, step: int) -> dict | None:
+    def read(self, which) -> dict | None:
         try:
-            with open(self.path(step), "rb") as f:
+            with open(self.path(which), "rb") as f:
                 doc = json.loads(f.read())
         except (OSError, ValueError):
             return None
-        if not isinstance(doc, dict) or doc.get("format") != PENDING_FORMAT or doc.get("step") != step:
+        if not isinstance(doc, dict) or doc.get("format") != PENDING_FORMAT or doc.get("step") != int(self._n(which)[:20]):
             return None
         return doc
 
-    def remove(self, step: int) -> None:
-        for path in (self.path(step), self._claim_path(step)):
+    def remove(self, which) -> None:
+        for path in (self.path(which), self._claim_path(which)):
             try:
                 os.unlink(path)
             except FileNotFoundError:
@@ -354,20 +373,20 @@ class PendingSteps:
     def packs(self) -> set[str]:
         """Ids of packs and segments some pending step still needs (never evicted)."""
         out: set[str] = set()
-        for step in self.steps():
-            rec = self.read(step)
+        for name in self.names():
+            rec = self.read(name)
             if rec:
                 out.update(rec.get("packs", {}))
                 out.update(rec.get("segments", {}))
         return out
 
     # -- claims
-    def _claim_path(self, step: int) -> str:
-        return os.path.join(self.dir, f"{step:020d}.claim")
+    def _claim_path(self, which) -> str:
+        return os.path.join(self.dir, f"{self._n(which)}.claim")
 
-    def claim(self, step: int) -> bool:
-        """Take step ``step`` for this process; False if a live process holds it."""
-        path = self._claim_path(step)
+    def claim(self, which) -> bool:
+        """Take a record for this process; False if a live process holds it."""
+        path = self._claim_path(which)
         me = {"host": socket.gethostname(), "pid": os.getpid()}
         for _ in range(2):
             tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
@@ -390,8 +409,8 @@ class PendingSteps:
                 os.unlink(tmp)
         return False
 
-    def release(self, step: int) -> None:
-        path = self._claim_path(step)
+    def release(self, which) -> None:
+        path = self._claim_path(which)
         if self._holder(path) == {"host": socket.gethostname(), "pid": os.getpid()}:
             try:
                 os.unlink(path)
@@ -536,7 +555,7 @@ def pending_ids(cache_dir: str) -> set[str]:
         except (FileNotFoundError, NotADirectoryError):
             continue
         for name in names:
-            if PENDING_NAME.match(name):
+            if PENDING_NAME.match(name) or RANK_RECORD_NAME.match(name):
                 try:
                     with open(os.path.join(folder, name), "rb") as f:
                         doc = json.loads(f.read())

@@ -23,19 +23,22 @@ save, and ``flush`` tries again.
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import os
 import signal
 import threading
+import time
 from dataclasses import dataclass
 
 from . import manifest as _m
 from .catalog import Catalog
 from .errors import CkptStoreError, ObjectNotFoundError, PackVanishedError, StorageError
-from .layout import manifest_key, pack_key, segment_key
+from .layout import UPLOAD_FORMAT, manifest_key, pack_key, segment_key, upload_key, upload_of_key, upload_prefix
 from .manifest import Manifest, SegmentRef
 from .save import StepCommit
 from .storage.upload import ParallelUploader
+from .tier import PendingSteps
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +52,21 @@ class WriteBackError(CkptStoreError):
 
 @dataclass
 class _Pending:
+    """One queued job: ``kind`` "save" (upload, then commit), "rank" (a DCP rank's uploads, then its
+    marker) or "commit" (a DCP coordinator: every rank's marker, then the commit)."""
+
     step: int
-    commit: StepCommit
-    man: Manifest
+    commit: StepCommit | None
+    man: Manifest | None
     packs: dict[str, int]
     segments: dict[str, int]
+    kind: str = "save"
+    rank: int | None = None
+    ranks: tuple[int, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return PendingSteps.name(self.step, self.rank if self.kind == "rank" else None)
 
 
 class WriteBack:
@@ -76,6 +89,7 @@ class WriteBack:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._closing = False  # a commit waiting for other ranks' uploads gives up at once (left pending)
         self.recover()
 
     # ------------------------------------------------------------ saving
@@ -83,7 +97,7 @@ class WriteBack:
         """Wait for room for one more pending step (raises an earlier write-back failure)."""
         self.tier.prepare()  # the tier's marks, before the save's first file
         with self._cv:
-            while len(self._queue) + self._reserved >= self.max_pending and self._error is None:
+            while len({j.step for j in self._queue}) + self._reserved >= self.max_pending and self._error is None:
                 self._cv.wait()
             self._raise_error()
             self._reserved += 1
@@ -120,25 +134,62 @@ class WriteBack:
             self._cv.notify_all()
         return body
 
+    def hand_over_rank(self, step: int, rank: int, packs: dict[str, int], seg: SegmentRef | None) -> None:
+        """A DCP rank's packs and segment are in the tier: record them and queue their upload and marker."""
+        segments = {seg.id: seg.size} if seg is not None else {}
+        name = PendingSteps.name(step, rank)
+        self.records.write(name, {"url": self.cat.url, "step": step, "kind": "rank", "rank": rank,
+                                  "packs": packs, "segments": segments})
+        self.records.claim(name)
+        self._queue_job(_Pending(step, None, None, dict(packs), segments, kind="rank", rank=rank), reserved=True)
+
+    def hand_over_commit(self, commit: StepCommit, man: Manifest, ranks) -> bytes:
+        """A DCP coordinator's step: record it and queue its commit, once every rank's uploads are in."""
+        cat = self.cat
+        body = _m.to_json(man)
+        commit.check_manifest_size(man, body)
+        started = cat.clock.time() - (cat.clock.monotonic() - commit.t0)
+        ranks = tuple(sorted(set(int(r) for r in ranks)))
+        self.records.write(man.step, {"url": cat.url, "step": man.step, "kind": "commit", "ranks": list(ranks),
+                                      "started": started, "lease": commit.lease, "base": commit.base_step,
+                                      "packs": {}, "segments": {}, "manifest": body.decode("utf-8")})
+        self.records.claim(man.step)
+        cat.remember(man)
+        self._queue_job(_Pending(man.step, commit, man, {}, {}, kind="commit", ranks=ranks), reserved=False)
+        return body
+
+    def _queue_job(self, job: _Pending, reserved: bool) -> None:
+        with self._cv:
+            if reserved:
+                self._reserved -= 1
+            self._queue.append(job)
+            self._start()
+            self._cv.notify_all()
+
     # ------------------------------------------------------------ recovery
     def recover(self) -> list[int]:
         """Queue the pending steps of this repository no live process is uploading; their steps."""
         cat = self.cat
         taken = []
         with self._cv:
-            queued = {j.step for j in self._queue}
-        for step in self.records.steps():
-            if step in queued:
+            queued = {j.name for j in self._queue}
+        for name in self.records.names():
+            if name in queued:
                 continue
-            rec = self.records.read(step)
-            if rec is None or rec.get("url") != cat.url or not self.records.claim(step):
+            rec = self.records.read(name)
+            if rec is None or rec.get("url") != cat.url or not self.records.claim(name):
+                continue
+            step, kind = rec["step"], rec.get("kind", "save")
+            packs, segments = dict(rec.get("packs", {})), dict(rec.get("segments", {}))
+            if kind == "rank":
+                taken.append(_Pending(step, None, None, packs, segments, kind="rank", rank=int(rec.get("rank", -1))))
                 continue
             try:
                 man = _m.from_json(rec["manifest"].encode("utf-8"), expect_step=step)
             except (KeyError, AttributeError, CkptStoreError) as e:
-                log.warning("ckptstore: write-back: pending record of step %d in %s is unreadable: %s",
-                            step, self.tier.cache_dir, e)
-                self.records.release(step)
+                log.warning("ckptstore: write-back: pending record %s in %s is unreadable: %s",
+                            name, self.tier.cache_dir, e)
+                self.records.release(name)
                 continue
             commit = StepCommit(cat, step, rec.get("base"))
             commit.base_step = rec.get("base")
@@ -146,13 +197,15 @@ class WriteBack:
             # The base-age check counts from when the lease was written (wall time, across processes).
             commit.t0 = cat.clock.monotonic() - max(0.0, cat.clock.time() - float(rec.get("started", 0.0)))
             cat.remember(man)
-            taken.append(_Pending(step, commit, man, dict(rec.get("packs", {})), dict(rec.get("segments", {}))))
+            taken.append(_Pending(step, commit, man, packs, segments, kind=kind,
+                                  ranks=tuple(int(r) for r in rec.get("ranks", ()))))
         if taken:
+            order = {n: i for i, n in enumerate(self.records.names())}
             with self._cv:
-                self._queue.extend(sorted(taken, key=lambda j: j.step))
+                self._queue.extend(sorted(taken, key=lambda j: order.get(j.name, 0)))
                 self._start()
                 self._cv.notify_all()
-        return [j.step for j in taken]
+        return sorted({j.step for j in taken})
 
     # ------------------------------------------------------------ the uploader
     def _start(self) -> None:
@@ -179,7 +232,7 @@ class WriteBack:
                 with self._cv:
                     self._error = e
                     for j in self._queue:
-                        self.records.release(j.step)
+                        self.records.release(j.name)
                     self._queue.clear()
                     self._busy = False
                     self._thread = None
@@ -190,6 +243,12 @@ class WriteBack:
                 self._cv.notify_all()
 
     def _commit(self, job: _Pending) -> None:
+        if job.kind == "rank":
+            self._rank_uploads(job)
+            return
+        if job.kind == "commit":
+            self._dcp_commit(job)
+            return
         base = job.commit.base_step
         if base is not None and not self.cat.store.exists(manifest_key(base)):
             raise WriteBackError(
@@ -206,6 +265,48 @@ class WriteBack:
         # now ordinary copies: into the cache, counted against the budget
         moved = self.records.settle([pack_key(p) for p in job.packs] + [segment_key(s) for s in job.segments])
         self.tier.added(moved)
+
+    def _rank_uploads(self, job: _Pending) -> None:
+        """A DCP rank: its files up, their sizes checked, then the marker rank 0's commit waits for."""
+        for pid, size in job.packs.items():
+            self._upload(pack_key(pid), size)
+        for sid, size in job.segments.items():
+            self._upload(segment_key(sid), size)
+        marker = {"format": UPLOAD_FORMAT, "version": 1, "step": job.step, "rank": job.rank,
+                  "packs": job.packs, "segments": job.segments}
+        self.cat.store.put(upload_key(job.step, job.rank), json.dumps(marker).encode())
+        self.records.remove(job.name)
+        moved = self.records.settle([pack_key(p) for p in job.packs] + [segment_key(s) for s in job.segments])
+        self.tier.added(moved)
+
+    def _dcp_commit(self, job: _Pending) -> None:
+        """A DCP coordinator: wait until every rank's marker is in the store, then commit the step."""
+        cat = self.cat
+        want = set(job.ranks)
+        delay = 0.05
+        while True:
+            have = {r for s, r in (upload_of_key(o.key) or (None, None) for o in cat.store.list(upload_prefix(job.step)))
+                    if s == job.step}
+            if want <= have:
+                break
+            job.commit.check_base_age()  # a rank that never uploads: refused as stale, as any slow save
+            if self._closing:
+                raise WriteBackError(
+                    f"{cat.url}: step {job.step} waits for the uploads of rank(s) {sorted(want - have)}; "
+                    "left pending in the tier for the next handle or `ckptstore flush`"
+                )
+            time.sleep(delay)
+            delay = min(1.0, delay * 2)
+        base = job.commit.base_step
+        if base is not None and not cat.store.exists(manifest_key(base)):
+            raise WriteBackError(f"{cat.url}: step {job.step} reuses chunks of step {base}, which is not committed")
+        job.commit.commit(job.man)
+        job.commit.end()
+        self.records.remove(job.name)
+        try:
+            cat.store.delete_many([upload_key(job.step, r) for r in sorted(want)])
+        except Exception as e:  # noqa: BLE001 - markers of a committed step are GC's to reclaim
+            log.warning("ckptstore: write-back: could not delete step %d's upload markers: %s", job.step, e)
 
     def _upload(self, key: str, size: int) -> None:
         cat = self.cat
@@ -266,8 +367,15 @@ class WriteBack:
             if self._busy and self._queue and self._queue[0].step == step:
                 raise WriteBackError(f"{self.cat.url}: step {step} is being committed; flush() first")
             self._queue = collections.deque(j for j in self._queue if j.step != step)
-        if step not in self.records.steps():
+        names = [n for n in self.records.names() if n[:20] == PendingSteps.name(step)]
+        if not names:
             raise KeyError(f"{self.cat.url}: step {step} is not pending in {self.tier.cache_dir}")
+        for n in names:
+            if n != PendingSteps.name(step):
+                r = self.records.read(n) or {}
+                self.records.remove(n)
+                self.records.settle([pack_key(p) for p in r.get("packs", {})] +
+                                    [segment_key(x) for x in r.get("segments", {})])
         rec = self.records.read(step) or {}
         self.records.remove(step)
         self.records.settle([pack_key(p) for p in rec.get("packs", {})] + [segment_key(s) for s in rec.get("segments", {})])
@@ -290,7 +398,11 @@ class WriteBack:
         ) from e
 
     def close(self) -> None:
-        """Wait for the pending steps (a failure is logged: they stay in the tier for the next handle)."""
+        """Wait for the pending steps (a failure is logged: they stay in the tier for the next handle).
+
+        A DCP step still waiting for another rank's uploads is not waited for.
+        """
+        self._closing = True
         try:
             self.flush()
         except WriteBackError as e:

@@ -262,3 +262,71 @@ def test_eviction_and_prune_never_take_a_write_back_save_s_files(tmp_path):
     repo.close()
     with ckptstore.open(str(tmp_path / "repo")) as plain:
         assert_tree_equal(plain.load(1), sd)
+
+
+def _dcp_loaded(url):
+    """Step 1 read back with DCP from the store alone, as one process (no tier)."""
+    import torch.distributed.checkpoint as dcp
+
+    from ckptstore.dcp import CkptStoreReader
+
+    from .wb_workers import state
+
+    want = {**state(0, 1), **state(1, 1)}
+    got = {k: torch.empty_like(v) for k, v in want.items()}
+    dcp.load(got, storage_reader=CkptStoreReader(url, step=1))
+    return want, got
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("leave", [False, True], ids=["flushed", "ranks-died"])
+def test_dcp_write_back_commits_once_every_rank_uploaded(tmp_path, leave):
+    import json
+
+    import torch.multiprocessing as mp
+
+    from . import wb_workers as W
+    from .hf_lightning_workers import free_port
+
+    url, tmp = str(tmp_path / "repo"), str(tmp_path)
+    mp.spawn(W.dcp_write_back, args=(2, free_port(), url, tmp, leave), nprocs=2, join=True)
+    res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for r in res:
+        assert r["committed_after_save"] == [], "dcp.save returned before the store had the step"
+    assert res[0]["pending_here"] == [1], "the coordinator's node holds the step's pending commit"
+    if not leave:
+        for r in res:
+            assert r["committed_after_flush"] == [1] and r["uploads_left"] == []
+    else:
+        with ckptstore.open(url) as plain:
+            assert plain.steps() == []
+        # the nodes come back: each one's next write-back handle finishes what its process left
+        for node in (1, 0):
+            repo = ckptstore.open(url, cache_dir=tmp_path / f"node{node}", write_back=True)
+            repo.flush()
+            repo.close()
+        with ckptstore.open(url) as plain:
+            assert plain.steps() == [1] and list(plain.store.list("uploads/")) == []
+    want, got = _dcp_loaded(url)
+    assert_tree_equal(got, want)
+
+
+def test_the_dcp_reader_does_not_restore_a_step_pending_on_one_node(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from ckptstore.dcp import CkptStoreReader
+
+    repo, gate = _gated(tmp_path)
+    sd = _state(13)
+    repo.save(sd, step=1)
+    gate.reached.wait(30)
+    got = {k: torch.empty_like(v) for k, v in sd.items() if isinstance(v, torch.Tensor)}
+    with pytest.raises(CheckpointException, match="not committed in the store yet"):  # DCP wraps the refusal
+        dcp.load(got, storage_reader=CkptStoreReader(str(tmp_path / "repo"), step=1, cache_dir=tmp_path / "tier"))
+    gate.open.set()
+    repo.flush()
+    dcp.load(got, storage_reader=CkptStoreReader(str(tmp_path / "repo"), step=1, cache_dir=tmp_path / "tier"))
+    assert_tree_equal(got, {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)})
+    repo.close()
