@@ -20,6 +20,7 @@ from .errors import FormatError, ObjectExistsError, ObjectNotFoundError, StepNot
 from .layout import (
     MAX_RELOCATION_HOPS,
     PACK_PREFIX,
+    UPLOAD_PREFIX,
     pack_key,
     parse_relocation,
     relocation_key,
@@ -139,6 +140,9 @@ class GCPlan:
     stats: dict = field(default_factory=dict)
     #: Tag name -> step as planning saw them; execute keeps a step whose tags changed since.
     tags: dict[str, int] = field(default_factory=dict)
+    #: ``uploads/`` markers (a DCP rank's write-back uploads) older than the grace period:
+    #: their step was committed (and they were left) or can no longer commit.
+    stale_markers: tuple[str, ...] = ()
     repo: Any = field(default=None, repr=False, compare=False)
     #: The clock GC judges ages by, when planning and again when executing.
     clock: Any = field(default=None, repr=False, compare=False)
@@ -165,6 +169,7 @@ class GCPlan:
             "abort_uploads": [{"key": u.key, "upload_id": u.upload_id, "initiated": u.initiated} for u in self.abort_uploads],
             "expired_tombstones": list(self.expired_tombstones),
             "stale_leases": list(self.stale_leases),
+            "stale_markers": list(self.stale_markers),
             "live_leases": list(self.live_leases),
             "bytes_to_free": self.bytes_to_free,
             "stats": self.stats,
@@ -535,6 +540,7 @@ def plan_gc(
     # age rule; keeping the newest step keeps their likely dedup base.
     live_leases = tuple(k for k, t in state.leases.items() if state.age(t) <= g)
     stale_leases = tuple(k for k, t in state.leases.items() if state.age(t) > g)
+    stale_markers = tuple(o.key for o in repo.store.list(UPLOAD_PREFIX) if state.age(o.mtime) > g)
 
     # Steps deleted by this run will be tombstoned; while live leases exist
     # their packs stay protected (execute re-checks).
@@ -622,6 +628,7 @@ def plan_gc(
         abort_uploads=tuple(uploads),
         expired_tombstones=expired,
         stale_leases=stale_leases,
+        stale_markers=stale_markers,
         live_leases=live_leases,
         stats=stats,
         tags=dict(tags),
@@ -775,6 +782,8 @@ def _execute(plan: GCPlan, cat: Catalog, progress) -> GCResult:
     for key in plan.expired_tombstones:
         store.delete(key)
     for key in plan.stale_leases:
+        store.delete(key)
+    for key in plan.stale_markers:
         store.delete(key)
     state = _read_state(cat, clock.time(), clock)
     needed = _referenced(cat.relocations.view(), _users(cat, state, g), state.packs, state.relocations)

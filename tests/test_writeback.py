@@ -330,3 +330,19 @@ def test_the_dcp_reader_does_not_restore_a_step_pending_on_one_node(tmp_path):
     dcp.load(got, storage_reader=CkptStoreReader(str(tmp_path / "repo"), step=1, cache_dir=tmp_path / "tier"))
     assert_tree_equal(got, {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)})
     repo.close()
+
+
+def test_gc_reclaims_upload_markers_past_the_grace_period(tmp_path):
+    from ckptstore.layout import upload_key
+
+    clock = ManualClock()
+    repo = ckptstore.open(str(tmp_path / "repo"), clock=clock, grace=100.0, **SMALL)
+    repo.save(_state(14), step=1)
+    repo.store.put(upload_key(7, 1), b'{"format": "ckptstore.upload"}')  # a DCP step that never committed
+    assert repo.plan_gc().stale_markers == ()  # young: its commit may still be waiting for it
+    clock.advance(100.0 + repo.store.mtime_resolution + 1.0)
+    plan = repo.plan_gc()
+    assert plan.stale_markers == (upload_key(7, 1),)
+    plan.execute()
+    assert list(repo.store.list("uploads/")) == [] and repo.steps() == [1]
+    repo.close()
