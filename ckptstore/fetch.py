@@ -271,42 +271,9 @@ class _Job:
         started: list[cf.Future] = []
         cpu = self.f.runtime.cpu
         keep = self.f.tier if tier is None and self.f.tier is not None and self.f.tier.writable else None
-        source = "tier" if tier is not None else "store"
-
-        def bad(i: int, e: Exception) -> None:
-            if tier is None:
-                self.fail(i, e)
-                return
-            # A damaged chunk in the tier's copy of a pack: read from the store,
-            # which keeps a chunk file for it, read before the pack from now on.
-            missed([i])
 
         def decode(i: int) -> None:
-            r = refs[i]
-            stored = mv[r.offset - req.start : r.offset - req.start + r.stored_len]
-            where = f"{self.where(i)}chunk {r.hash[:16]} in pack {r.pack} at offset {r.offset}"
-            dest = self.into(i) if self.into is not None else None
-            if dest is not None:
-                try:
-                    room = memoryview(dest).nbytes
-                    if room != r.raw_len:
-                        raise IntegrityError(f"{where}: holds {r.raw_len} bytes, its place in the tensor {room}")
-                    _codec.decode_verified_into(r.codec, stored, dest, r.hash, where)
-                except IntegrityError as e:
-                    bad(i, e)
-                    return
-            else:
-                try:
-                    raw = _codec.decode_verified(r.codec, stored, r.raw_len, r.hash, where)
-                except IntegrityError as e:
-                    bad(i, e)
-                    return
-                self.deliver(i, memoryview(raw), stored)
-            self.f.count(source, r.stored_len)
-            if keep is not None:
-                keep.put_chunk(r.hash, stored)  # verified: kept for the next read on this node
-            if self.done is not None:
-                self.done(i)
+            self.decode_one(i, req, mv, tier, missed, keep)
 
         def arrived(got: int) -> None:
             while pending and refs[pending[0]].offset + refs[pending[0]].stored_len - req.start <= got:
@@ -365,6 +332,41 @@ class _Job:
             if pool is not None:
                 pool.put(buf)
         return gone
+
+    def decode_one(self, i: int, req: _plan.RangeRequest, mv: memoryview, tier: Tier | None, missed,
+                   keep: Tier | None) -> None:
+        """Decode and check chunk ``i`` of a range read into ``mv``; deliver it or decode it in place.
+
+        From the tier (``tier``), a chunk that fails its check is handed to
+        ``missed`` (read from the store, which keeps a chunk file for it,
+        looked at before the pack from then on); from the store, it fails.
+        A verified chunk from the store is kept in the tier (``keep``).
+        """
+        r = self.refs[i]
+        stored = mv[r.offset - req.start : r.offset - req.start + r.stored_len]
+        where = f"{self.where(i)}chunk {r.hash[:16]} in pack {r.pack} at offset {r.offset}"
+        dest = self.into(i) if self.into is not None else None
+        try:
+            if dest is not None:
+                room = memoryview(dest).nbytes
+                if room != r.raw_len:
+                    raise IntegrityError(f"{where}: holds {r.raw_len} bytes, its place in the tensor {room}")
+                _codec.decode_verified_into(r.codec, stored, dest, r.hash, where)
+            else:
+                raw = _codec.decode_verified(r.codec, stored, r.raw_len, r.hash, where)
+        except IntegrityError as e:
+            if tier is None:
+                self.fail(i, e)
+            else:
+                missed([i])
+            return
+        if dest is None:
+            self.deliver(i, memoryview(raw), stored)
+        self.f.count("tier" if tier is not None else "store", r.stored_len)
+        if keep is not None:
+            keep.put_chunk(r.hash, stored)  # verified: kept for the next read on this node
+        if self.done is not None:
+            self.done(i)
 
     def relocated(self, req: _plan.RangeRequest, items: list[int], hops: int) -> None:
         """A pack is gone: follow its relocation record (written by repack) for ``items``, if any."""
