@@ -22,7 +22,10 @@ group of ranks sharing one ``cache_dir``. The state dict is
    (``CountingStore``: pack bytes and metadata bytes, per rank).
 2. **One node's tier wiped** (same 4 ranks): node 1's ``cache_dir`` removed,
    then one restore with the tiers; node 1's ranks read their share from
-   the object store. A second restore shows what the first kept.
+   the object store. A second restore shows what the first kept. Then the
+   step is saved again with ``replicas=1`` (other tiers, another prefix),
+   ``writer.flush()`` waits for the copies, node 1's tier is removed, and
+   one restore reads node 1's share from node 0's copies.
 3. **Resharded restart 4 -> 2 ranks on one node holding everything** (a
    new 2-rank job): a ``cache_dir`` holding both nodes' tier files (hard
    links of the files as phase 1 left them, before the wipe: byte for byte
@@ -188,7 +191,7 @@ class Rank:
         self.log(f"  .. warm-up: one untimed restore of each system, {time.perf_counter() - t0:.1f} s")
 
     def restore(self, phase: str, system: str, round_: int | None = None, cache_dir: str | None = None,
-                quiet: bool = False) -> dict:
+                quiet: bool = False, url: str | None = None) -> dict:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import FileSystemReader
 
@@ -200,7 +203,7 @@ class Rank:
                 dcp.load(self.dst, storage_reader=FileSystemReader(cfg["fs_path"]))
                 return {}
             opts = {"cache_dir": cache_dir} if system != "ckpt-store" else {}
-            reader = counting_reader(cfg["url"], step=1, storage_options=cfg["storage_options"], **opts)
+            reader = counting_reader(url or cfg["url"], step=1, storage_options=cfg["storage_options"], **opts)
             dcp.load(self.dst, storage_reader=reader)
             stats = reader_stats(reader)
             reader.close()
@@ -264,6 +267,17 @@ def worker_nodes(rank: int, world: int, port: int, cfg: dict) -> None:
             r.log("node 1's tier removed (a node that comes back with an empty disk)")
         r.restore("wiped", "ckpt-tier", 0, cache_dir=mine)
         r.restore("wiped", "ckpt-tier", 1, cache_dir=mine)
+        # 2b: the same step saved with replicas=1 (own tiers, another prefix), node 1's tier wiped again
+        rep_dir, rep_url = mine + "-rep", cfg["url"] + "-replicas"
+        w = CkptStoreWriter(rep_url, step=1, storage_options=so, cache_dir=rep_dir, pack_size=PACK_SIZE, replicas=1)
+        r.timed("save", "ckpt-replicas", lambda: dcp.save(sd, storage_writer=w) and None)
+        r.timed("flush", "ckpt-replicas", lambda: w.flush())
+        w.close()
+        r.dist.barrier()
+        if rank == 0:
+            shutil.rmtree(node_dir(cfg, 1) + "-rep")
+            r.log("node 1's tier of the replicas=1 save removed")
+        r.restore("wiped-rep", "ckpt-tier", 0, cache_dir=rep_dir, url=rep_url)
         if rank == 0:
             with open(cfg["out_nodes"], "w") as f:
                 json.dump({"rows": r.rows, "tensors": len(r.shapes)}, f, default=str)
@@ -315,7 +329,7 @@ def _sum(row: dict, key: str, ranks=None) -> int:
 def summarize(rows: list[dict]) -> list[dict]:
     """One line per (phase, system): median, min and max seconds over rounds, bytes from the store."""
     out = []
-    keys = list(dict.fromkeys((r["phase"], r["system"]) for r in rows if r["phase"] != "wiped"))
+    keys = list(dict.fromkeys((r["phase"], r["system"]) for r in rows if r["phase"] not in ("wiped", "wiped-rep")))
     for phase, system in keys:
         mine = [r for r in rows if (r["phase"], r["system"]) == (phase, system)]
         secs = [r["seconds"] for r in mine]
@@ -366,6 +380,12 @@ def targets(rows: list[dict], summary: list[dict], tensors: int, chunk_size: int
             again = _sum(wiped[1], "store_pack_bytes")
             lines.append(f"info    the restore after that: object-store pack bytes {again} (what the first "
                          "one read was kept in node 1's tier)")
+    for r in rows:
+        if r["phase"] == "wiped-rep":
+            got = _sum(r, "store_pack_bytes")
+            peer = sum(p.get("read_stats", {}).get("peer", 0) for p in r["ranks"])
+            line(got == 0, f"node 1's tier wiped, replicas=1: object-store pack bytes {got} (target 0); "
+                 f"{human(peer)} read from the peer's copies")
     return lines
 
 
@@ -389,9 +409,9 @@ def wiped_table(rows: list[dict]) -> str:
     head = ["restore", "seconds"] + [f"rank {i} store pack bytes" for i in range(2 * NODE_RANKS)]
     lines = []
     for r in rows:
-        if r["phase"] == "wiped":
-            lines.append([f"wiped #{r['round'] + 1}", f"{r['seconds']:.2f}"]
-                         + [human(p.get("store_pack_bytes", 0)) for p in r["ranks"]])
+        if r["phase"] in ("wiped", "wiped-rep"):
+            name = f"wiped #{r['round'] + 1}" if r["phase"] == "wiped" else "wiped, replicas=1"
+            lines.append([name, f"{r['seconds']:.2f}"] + [human(p.get("store_pack_bytes", 0)) for p in r["ranks"]])
     return format_table(head, lines, left=1)
 
 
@@ -447,10 +467,11 @@ def main(argv=None) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
     total = time.perf_counter() - started
     rows = nodes["rows"] + reshard["rows"]
-    summary = summarize([r for r in rows if r["phase"] != "save"])
+    summary = summarize([r for r in rows if r["phase"] not in ("save", "flush")])
     chunk = RepoOptions.from_kwargs(True).chunk_size
     checks = targets(rows, summary, nodes["tensors"], chunk)
     saves = {r["system"]: r["seconds"] for r in rows if r["phase"] == "save"}
+    flushes = {r["system"]: r["seconds"] for r in rows if r["phase"] == "flush"}
 
     print()
     print(f"Produced by: {command}")
@@ -459,7 +480,8 @@ def main(argv=None) -> int:
           f"{server_cpus}; packs of {human(PACK_SIZE)}, chunks of {human(chunk)}")
     print(f"  saves (once each, no target): dcp-fs {saves.get('dcp-fs', 0):.2f} s; ckptstore to SeaweedFS with "
           f"write-through to the tier {saves.get('ckpt-tier', 0):.2f} s, then without a tier (another prefix) "
-          f"{saves.get('ckpt-store', 0):.2f} s")
+          f"{saves.get('ckpt-store', 0):.2f} s; with replicas=1 (another prefix) {saves.get('ckpt-replicas', 0):.2f} s, "
+          f"then writer.flush() (replicas done) {flushes.get('ckpt-replicas', 0):.2f} s")
     print("  seconds: max over ranks, clock started after a barrier; medians over rounds (rotating order); "
           "'store pack bytes': packs read from SeaweedFS, all ranks, worst round; 'metadata/rank': other "
           "objects (manifest, segments, config), worst rank; 'from tier': chunk bytes the tier delivered. "

@@ -95,6 +95,7 @@ from .layout import pack_key
 from .manifest import Manifest, PackUsage, SegmentRef, TensorEntry, merge_ranges
 from .repository import Repository
 from .repository import open as _open
+from .replicas import ReplicaError, Replicator, peer_fill, replica_group
 from .save import ChunkWriter, StepCommit, dedup_share, pack_usage, write_segment
 from .tensors import castable
 from .tree import decode_value, encode_value, leaf_values, tensor_paths
@@ -346,6 +347,18 @@ class CkptStoreWriter(StorageWriter):
         Spread replicated items (held by several ranks, written once) over
         the ranks holding them by bytes, after DCP's dedup picked one
         (default True; see :func:`balance_save_plans`).
+    replicas:
+        1: after each save, copy every rank's new packs into another node's
+        tier in the background (needs ``cache_dir``; nodes are told apart
+        by their tiers; ``docs/tier.md``, "Peer replicas"). 0 (default): no
+        copies. :meth:`flush` waits for them on every rank.
+    process_group:
+        The group ``dcp.save`` runs on (default: the default group): the
+        replicas' own gloo group is made of its members, and :meth:`flush`
+        is a collective over it.
+    replica_timeout:
+        Seconds a replica transfer may wait for its peer before the
+        replicas stop (with a warning; the saves go on); None: 30 minutes.
     **options:
         Repository tunables (``chunk_size``, ``pack_size``, ``workers``...).
     """
@@ -359,12 +372,28 @@ class CkptStoreWriter(StorageWriter):
         base: int | str | None = "latest",
         *,
         balance_replicated: bool = True,
+        replicas: int = 0,
+        process_group=None,
+        replica_timeout: float | None = None,
         **options,
     ):
         super().__init__()
         self._default_step = None if step is None else _check_step(step)
         self.url, id_step = split_checkpoint_id(url)
         self.step = _pick_step(self.url, id_step, self._default_step, "CkptStoreWriter")
+        if isinstance(replicas, bool) or replicas not in (0, 1):
+            raise ValueError(f"CkptStoreWriter: replicas must be 0 or 1 (copies on another node's tier), got {replicas!r}")
+        if replicas and options.get("cache_dir") is None:
+            raise ValueError("CkptStoreWriter: replicas=1 copies packs between nodes' tiers: it needs cache_dir=")
+        if replica_timeout is not None and not replica_timeout > 0:
+            raise ValueError(f"replica_timeout must be a positive number of seconds or None, got {replica_timeout!r}")
+        self.replicas = int(replicas)
+        self.process_group = process_group
+        self.replica_timeout = replica_timeout
+        self._replicator: Replicator | None = None
+        self._replica_group = None
+        self._packs_written: dict[str, int] = {}
+        self._collective = False  # took part in a save with collectives: flush() is a collective
         self.balance_replicated = bool(balance_replicated)
         self.storage_options = storage_options
         self.user_metadata = dict(metadata or {})
@@ -391,6 +420,11 @@ class CkptStoreWriter(StorageWriter):
         if rank is None:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self.rank = int(rank)
+        self._collective = (bool(kwargs.get("use_collectives", True)) and dist.is_available()
+                            and dist.is_initialized() and dist.get_world_size(self._group()) > 1)
+
+    def _group(self):
+        return self.process_group if self.process_group is not None else dist.group.WORLD
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         if not plan.usable or not self.balance_replicated:
@@ -437,13 +471,40 @@ class CkptStoreWriter(StorageWriter):
         base_step = info.base_step if info is not None else None
         parts = (info.parts if info is not None else None) or {}
         fut: Future = Future()
+        self._packs_written = {}
         try:
             fut.set_result(self._write_items(plan, planner, rank, base_step, parts))
         except BaseException as e:
+            self._replicate({})  # every rank queues every save's replicas: the transfers stay in step
             raise RankWriteError(
                 f"rank {rank}: writing step {self.step} of {self.url} failed: {type(e).__name__}: {e}"
             ) from e
+        self._replicate(self._packs_written)
         return fut
+
+    def _replicate(self, packs: dict[str, int]) -> None:
+        """Queue this save's packs for the peer node's tier (``replicas=1``; every rank, every save)."""
+        if not self.replicas:
+            return
+        repo = self._get_repo()
+        rep = self._replicator
+        if rep is not None and rep.tier.root != repo.tier.root:  # another repository: another replicator
+            rep.close()
+            rep = self._replicator = None
+        if rep is None:
+            if not self._collective:
+                if not getattr(self, "_warned_replicas", False):
+                    self._warned_replicas = True
+                    warnings.warn(f"CkptStoreWriter({self.url!r}): replicas=1 needs a save with collectives over "
+                                  "more than one rank; no copies are made", stacklevel=3)
+                return
+            if self._replica_group is None:
+                self._replica_group = replica_group(self._group(), self.replica_timeout)
+            rep = self._replicator = Replicator(repo.tier, self._replica_group, repo.url, self.replica_timeout)
+            if rep.nodes < 2:
+                warnings.warn(f"{repo.url}: replicas=1, but every rank of the save shares one tier (one node): "
+                              "no copies are made", stacklevel=3)
+        rep.submit(self._require_step(), packs)
 
     def _write_items(self, plan: SavePlan, planner: SavePlanner, rank: int, base_step, parts) -> list[WriteResult]:
         repo = self._get_repo()
@@ -499,6 +560,7 @@ class CkptStoreWriter(StorageWriter):
         finally:
             if wb is not None and not handed_over:
                 wb.unreserve()
+        self._packs_written = dict(packs)
         stats = writer.stats(packs)
         if segment is not None:
             stats["segment_bytes"] = segment.size
@@ -577,13 +639,35 @@ class CkptStoreWriter(StorageWriter):
         return self._repo
 
     def flush(self) -> None:
-        """Wait for this process's write-back work on this repository (its uploads; on the coordinator,
-        the commits, once every rank's uploads are in). Not a collective."""
+        """Wait for this writer's background work: write-back uploads (on the coordinator, the
+        commits, once every rank's uploads are in) and replicas.
+
+        After a save with collectives over several ranks, a collective like
+        ``dcp.save``, on every rank of the save's group: it returns once
+        every rank's work is done, and raises on every rank (naming the
+        ranks and what failed) if any rank's failed. Otherwise this
+        process's work only.
+        """
+        failure: BaseException | None = None
         repo = self._get_repo()
-        if repo.write_back is not None:
-            repo.write_back.flush()
+        try:
+            if repo.write_back is not None:
+                repo.write_back.flush()
+        except Exception as e:  # noqa: BLE001 - reported to every rank below
+            failure = e
+        if self._replicator is not None:
+            err = self._replicator.flush()
+            if err is not None and failure is None:
+                failure = ReplicaError(f"{repo.url}: replicas stopped on rank {self.rank}: {err}")
+        if self._collective:
+            group = self._group()
+            xg = Exchanger(group, dist.get_rank(group), None, repo.url, activity="flush", error=CkptStoreError)
+            xg.status(failure, "(CkptStoreWriter.flush)")
+        elif failure is not None:
+            raise failure
 
     def _close(self, drop_lease: bool = True) -> None:
+        """Between saves (``reset``) and at close; the replicas outlive resets."""
         if self._commit is not None:  # a save that never reached finish()
             if drop_lease:
                 self._commit.end()
@@ -594,8 +678,12 @@ class CkptStoreWriter(StorageWriter):
             self._repo = None
 
     def close(self) -> None:
-        """Release threads and connections (also done on garbage collection)."""
+        """Release threads and connections (also done on garbage collection); waits for this
+        rank's replicas of earlier saves (not a collective)."""
         self._close()
+        if self._replicator is not None:
+            self._replicator.close()
+            self._replicator = None
 
     def __del__(self):
         # No requests from a finalizer (it may run on any thread, even one
@@ -816,6 +904,8 @@ class _Offer:
     global_rank: int
     group_rank: int
     group_size: int
+    exchange: bool = True  # exchange_replicated is on
+    tier: bool = False  # a node-local tier, peer reads on
 
 
 @dataclass(frozen=True)
@@ -834,11 +924,18 @@ class _ReadPlan:
     rank: int
     step: int
     exchange: Exchange | None  # None: every item is read directly (no collective in read_data)
+    peer: bool = False  # every rank has a tier: fill each node's from the others' first (collective)
 
 
 def _box(item) -> tuple:
     """The shard-local box ``((start, stop, 1), ...)`` a read item reads."""
     return tuple((o, o + n, 1) for o, n in zip(item.storage_offsets, item.lengths))
+
+
+def _piece_box(item, p: Piece) -> tuple:
+    """The shard-local box of rows ``p.lo:p.hi`` of a read item's box."""
+    box = _box(item)
+    return ((box[0][0] + p.lo, box[0][0] + p.hi, 1),) + box[1:] if box else box
 
 
 def _region_key(item) -> tuple:
@@ -921,6 +1018,13 @@ class CkptStoreReader(StorageReader):
         rank); on smaller groups point to point, received straight into the
         destinations. The coordinator's settings of these three apply to
         every rank.
+    peer_reads:
+        With a ``cache_dir`` on every rank and the ranks on more than one
+        node (tier), take from other nodes' tiers the packs this node's
+        tier lacks before reading (each chunk hash-checked when read), so
+        the object store serves only what no tier holds (default True;
+        ``docs/tier.md``, "Peer replicas"). One small all-gather per load
+        when no node lacks anything.
 
     Destination tensors may have another floating dtype than the stored
     one: values are cast like DCP's ``FileSystemReader`` casts them.
@@ -939,12 +1043,17 @@ class CkptStoreReader(StorageReader):
         exchange_round_bytes: int = 512 * MiB,
         exchange_piece_bytes: int = 8 * MiB,
         exchange_all_gather_ranks: int = 16,
+        peer_reads: bool = True,
         **options,
     ):
         super().__init__()
         self._default_step = None if step is None else _check_step(step)
         self.url, id_step = split_checkpoint_id(url)
         self.step = _pick_step(self.url, id_step, self._default_step, "CkptStoreReader")
+        self.peer_reads = bool(peer_reads)
+        #: This rank's figures of its last peer fill (packs and bytes received from and sent to
+        #: other nodes' tiers), or None when there was none.
+        self.last_peer_stats: dict | None = None
         self.storage_options = storage_options
         self.options = options
         self.item_workers = item_workers
@@ -1020,13 +1129,15 @@ class CkptStoreReader(StorageReader):
         return self.process_group if self.process_group is not None else dist.group.WORLD
 
     def _offer(self) -> _Offer | None:
-        if not (self.exchange_replicated and self._use_collectives and dist.is_available() and dist.is_initialized()):
+        peer = self.peer_reads and self._get_repo().tier is not None
+        if not ((self.exchange_replicated or peer) and self._use_collectives and dist.is_available()
+                and dist.is_initialized()):
             return None
         group = self._group()
         group_rank = dist.get_rank(group)
         if group_rank < 0:
             return None  # this process is not in the group
-        return _Offer(dist.get_rank(), group_rank, dist.get_world_size(group))
+        return _Offer(dist.get_rank(), group_rank, dist.get_world_size(group), self.exchange_replicated, peer)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return dataclasses.replace(plan, storage_data=_ReadStep(self.rank, self._ckpt.step, self._offer()))
@@ -1043,14 +1154,16 @@ class CkptStoreReader(StorageReader):
                 "committed while the load started. Load again, or pass step= so every rank reads the same step"
             )
         step = next(iter(found.values()), self._ckpt.step if self._ckpt is not None else None)
-        exchanges = self._plan_exchange(plans)
+        offers = self._group_offers(plans)
+        peer = offers is not None and all(o.tier for o in offers)
+        exchanges = self._plan_exchange(plans) if offers is not None and all(o.exchange for o in offers) else None
         return [
-            dataclasses.replace(p, storage_data=_ReadPlan(i, step, None if exchanges is None else exchanges[i]))
+            dataclasses.replace(p, storage_data=_ReadPlan(i, step, None if exchanges is None else exchanges[i], peer))
             for i, p in enumerate(plans)
         ]
 
-    def _plan_exchange(self, plans: list[LoadPlan]) -> list[Exchange | None] | None:
-        """The coordinator's exchange plan, or None when the ranks read everything themselves."""
+    def _group_offers(self, plans: list[LoadPlan]) -> list[_Offer] | None:
+        """Every rank's offer when all of them can take part in collectives over the reader's group."""
         if len(plans) < 2 or self._ckpt is None:
             return None
         offers = [p.storage_data.offer if isinstance(p.storage_data, _ReadStep) else None for p in plans]
@@ -1068,11 +1181,16 @@ class CkptStoreReader(StorageReader):
             problem = "the ranks DCP planned are not the members of the reader's process group"
         if problem is not None:
             warnings.warn(
-                f"{self._get_repo().url}: replicated items are read on every rank that wants them (no exchange): "
-                f"{problem}. A load on a sub-group needs CkptStoreReader(..., process_group=<the same group>)",
-                stacklevel=2,
+                f"{self._get_repo().url}: replicated items are read on every rank that wants them (no exchange, "
+                f"no reads from peers' tiers): {problem}. A load on a sub-group needs "
+                "CkptStoreReader(..., process_group=<the same group>)",
+                stacklevel=3,
             )
             return None
+        return offers
+
+    def _plan_exchange(self, plans: list[LoadPlan]) -> list[Exchange | None] | None:
+        """The coordinator's exchange plan, or None when the ranks read everything themselves."""
         # Which ranks read each region; nothing more to do when none is read twice (FSDP).
         keyed: list[list[tuple[tuple, Any]]] = []
         count: dict[tuple, int] = {}
@@ -1172,6 +1290,9 @@ class CkptStoreReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         sd = plan.storage_data
         ex = sd.exchange if isinstance(sd, _ReadPlan) else None
+        self.last_peer_stats = None
+        if isinstance(sd, _ReadPlan) and sd.peer:
+            self._peer_fill(plan, ex)
         if ex is None:
             self._read_direct(plan, planner)
         else:
@@ -1179,6 +1300,50 @@ class CkptStoreReader(StorageReader):
         fut: Future = Future()
         fut.set_result(None)
         return fut
+
+    def _peer_fill(self, plan: LoadPlan, ex: Exchange | None) -> None:
+        """Fill this node's tier from the other nodes' tiers with what this rank will read (collective)."""
+        ckpt = self._ckpt
+        group = self._group()
+        where = f"{ckpt.repo.url}: step {ckpt.step}"
+        xg = Exchanger(group, dist.get_rank(group), self.exchange_timeout, where, activity="peer fill")
+        refs: list = []
+        failure = None
+        try:
+            exchanged: set = set()
+            owned: list[Piece] = []
+            if ex is not None:
+                exchanged = {p.key for m in ex.messages for p in m.pieces}
+                exchanged.update(p.key for g in ex.gathers for ps in g.parts for p in ps)
+                owned = [p for m in ex.messages if m.src == xg.rank for p in m.pieces]
+                owned += [p for g in ex.gathers for p in g.parts[xg.rank]]
+            boxes, first = [], {}
+            for item in plan.items:
+                if item.type != LoadItemType.TENSOR:
+                    continue
+                key = _region_key(item)
+                if key in exchanged:
+                    first.setdefault(key, item)
+                else:
+                    boxes.append((item, _box(item)))
+            boxes += [(first[p.key], _piece_box(first[p.key], p)) for p in owned if p.key in first]
+            jobs = []
+            for item, box in boxes:
+                fqn = item.storage_index.fqn
+                entry = ckpt.manifest.tensors.get(fqn)
+                if entry is not None:
+                    jobs.append((entry, ckpt.shard_at(fqn, item.storage_index.offset), box))
+            ckpt.resolve([(e.key, i) for e, i, _ in jobs])
+            for e, i, box in jobs:
+                (shard,) = ckpt.shards(e.key, [i])
+                refs += ckpt.box_refs(e, shard, box)
+        except Exception as e:  # reported to every rank before any transfer
+            failure = e
+        repo = self._get_repo()
+        stats = peer_fill(xg, repo.tier, refs, self.exchange_round_bytes, failure)
+        with repo.fetcher._lock:
+            repo.fetcher.peer_packs.update(stats.pop("packs"))
+        self.last_peer_stats = stats
 
     def _read_direct(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         direct, _ = self._prepare(plan, planner, set())
@@ -1235,10 +1400,6 @@ class CkptStoreReader(StorageReader):
         def piece_view(t: torch.Tensor, p: Piece) -> torch.Tensor:
             return t[p.lo : p.hi] if t.dim() else t
 
-        def piece_box(item, p: Piece) -> tuple:
-            box = _box(item)
-            return ((box[0][0] + p.lo, box[0][0] + p.hi, 1),) + box[1:] if box else box
-
         def slot(buf: torch.Tensor, base: int, p: Piece) -> torch.Tensor:
             """Piece ``p`` in a flat byte buffer, as a tensor of its stored dtype and shape."""
             _, entry, _, target = regions[p.key][0]
@@ -1256,7 +1417,7 @@ class CkptStoreReader(StorageReader):
                 for p in gather.parts[me]:
                     item, entry, index, _ = regions[p.key][0]
                     src = slot(share, 0, p)
-                    jobs.append((entry, index, piece_box(item, p), src))
+                    jobs.append((entry, index, _piece_box(item, p), src))
                     after.append((src, [piece_view(t, p) for *_, t in regions[p.key]]))
                     stats["owned_bytes"] += p.nbytes
                     stats["sent_bytes"] += (xg.size - 1) * p.nbytes
@@ -1268,7 +1429,7 @@ class CkptStoreReader(StorageReader):
                 for p in m.pieces:
                     item, entry, index, target = regions[p.key][0]
                     stored = _m.DTYPES[entry.dtype]
-                    box = piece_box(item, p)
+                    box = _piece_box(item, p)
                     dest = piece_view(target, p)
                     if buf is not None:
                         src = slot(buf, 0, p)

@@ -342,8 +342,11 @@ class Exchanger:
     will never come.
     """
 
-    def __init__(self, group, rank: int, timeout: float | None, where: str):
+    def __init__(self, group, rank: int, timeout: float | None, where: str, activity: str = "load",
+                 error: type[CkptStoreError] = RankReadError):
         self.group = group
+        self.activity = activity  # what failed, in messages: "load", "peer fill", "replication"...
+        self.error = error  # raised on every rank when one failed
         self.rank = rank
         self.size = dist.get_world_size(group)
         self.timeout = timeout
@@ -366,12 +369,12 @@ class Exchanger:
                 ok = work.wait(timeout=datetime.timedelta(seconds=left))
         except Exception as e:
             said = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            raise RankReadError(
+            raise self.error(
                 f"{self.where}: rank {self.rank}: {what} failed or did not complete within {bound}: "
                 f"{type(e).__name__}: {said}"
             ) from e
         if ok is False:
-            raise RankReadError(f"{self.where}: rank {self.rank}: {what} did not complete within {bound}")
+            raise self.error(f"{self.where}: rank {self.rank}: {what} did not complete within {bound}")
 
     def status(self, failure: BaseException | None, stage: str, flag: int = 0) -> int:
         """Every rank's ok/failed (and the largest ``flag``); raises on every rank if any failed."""
@@ -399,9 +402,9 @@ class Exchanger:
                 n = (int(b[1]) << 8) | int(b[2])
                 said[r] = bytes(b[3 : 3 + n].tolist()).decode("utf-8", "replace")
         detail = "; ".join(f"rank {r}: {msg}" for r, msg in sorted(said.items()))
-        err = RankReadError(
-            f"{self.where}: the load failed on rank(s) {sorted(said)} {stage}, so no rank waits for "
-            f"replicated data from them ({detail})"
+        err = self.error(
+            f"{self.where}: the {self.activity} failed on rank(s) {sorted(said)} {stage}, so no rank waits for "
+            f"data from them ({detail})"
         )
         if failure is not None:
             raise err from failure

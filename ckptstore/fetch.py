@@ -14,8 +14,8 @@ stored bytes), GC's repack and ``verify --read-data``. It
    straight into that memory (no scratch copy) and checks the hash there;
 4. follows relocation records when a pack is gone (repacked by GC);
 5. with a node-local tier (:mod:`ckptstore.tier`), takes each chunk from
-   the tier first (a pack a save wrote through, or a chunk kept from an
-   earlier read), checked like any other: one that fails is removed from
+   the tier first (a pack a save wrote through or a peer sent, or a chunk
+   kept from an earlier read), checked like any other: one that fails is removed from
    the tier and read from the store, which is also where every chunk the
    tier lacks comes from (and is then kept in the tier).
 
@@ -69,6 +69,9 @@ class ChunkFetcher:
         self._lock = threading.Lock()
         #: Stored (compressed) chunk bytes delivered, by where they came from.
         self.read_bytes = {"tier": 0, "peer": 0, "store": 0}
+        #: Packs a peer node's tier sent into this node's tier for a load (:mod:`ckptstore.replicas`):
+        #: their chunks count as read from a peer.
+        self.peer_packs: set[str] = set()
 
     def count(self, source: str, nbytes: int) -> None:
         with self._lock:
@@ -362,7 +365,8 @@ class _Job:
             return
         if dest is None:
             self.deliver(i, memoryview(raw), stored)
-        self.f.count("tier" if tier is not None else "store", r.stored_len)
+        self.f.count(("peer" if req.pack in self.f.peer_packs else "tier") if tier is not None else "store",
+                     r.stored_len)
         if keep is not None:
             keep.put_chunk(r.hash, stored)  # verified: kept for the next read on this node
         if self.done is not None:

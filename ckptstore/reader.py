@@ -272,6 +272,11 @@ class Checkpoint:
             target = out if full_out else out[tuple(slice(a, b) for a, b, _ in outbox)]
             self.read_shard(e, shard, local, target)
 
+    def box_refs(self, e: TensorEntry, shard: Shard, local) -> list:
+        """The chunks a read of box ``local`` of one shard fetches (what :meth:`read_shard` reads)."""
+        runs = _plan.byte_runs(shard.sizes, _m.itemsize(e.dtype), local)
+        return [shard.chunks[i] for i in _plan.chunks_for_runs(shard.chunk_starts(), shard.nbytes, runs)]
+
     def read_shard(self, e: TensorEntry, shard: Shard, local, target: torch.Tensor) -> None:
         """Read box ``local`` of one shard into ``target`` (shape of the box).
 

@@ -5,6 +5,7 @@ shares one tier, concurrently and across restarts (``docs/tier.md``)::
 
     <cache_dir>/
       TIER                         "ckptstore.tier 1": what this folder is
+      NODE                         a random id naming this tier to its peers (ckptstore.replicas)
       repos/<key>/                 one repository: key = BLAKE3 of its canonical URL (32 hex digits)
         repo.json                  {"url": ...} (for people and `ckptstore cache ls`)
         packs/<id[:2]>/<id>.pack   whole packs a save wrote (write-through), byte for byte the store's
@@ -202,6 +203,46 @@ class Tier:
     def mark_pack_read(self, pack_id: str) -> None:
         _touch(self.pack_path(pack_id))
 
+    def pack_paths(self, pack_id: str) -> tuple[str, ...]:
+        """Where this tier may hold a pack's copy, in the order to try: cached, a pending step's,
+        cached again (a pending pack moves there, one rename, once its step commits)."""
+        return (self.pack_path(pack_id), self.wb_pack_path(pack_id), self.pack_path(pack_id))
+
+    def pack_size(self, pack_id: str) -> int:
+        """Bytes of this tier's copy of a pack, 0 when it has none."""
+        for path in (self.pack_path(pack_id), self.wb_pack_path(pack_id)):
+            try:
+                return os.stat(path).st_size
+            except OSError:
+                continue
+        return 0
+
+    # ------------------------------------------------------------ identity
+    def node_id(self) -> str:
+        """This tier's identity: a random id kept in ``<cache_dir>/NODE``, the same for every process
+        sharing the directory, a new one for a directory that was wiped. Ranks with the same id
+        are on one node as far as peer replicas are concerned."""
+        path = os.path.join(self.cache_dir, "NODE")
+        for _ in range(3):
+            try:
+                with open(path, "rb") as f:
+                    text = f.read(64).decode("ascii", "replace").strip()
+                if re.fullmatch(r"[0-9a-f]{32}", text):
+                    return text
+            except FileNotFoundError:
+                pass
+            os.makedirs(self.cache_dir, exist_ok=True)
+            tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(uuid.uuid4().hex.encode() + b"\n")
+            try:
+                os.link(tmp, path)  # exclusive: the first process to publish names the node
+            except FileExistsError:
+                pass
+            finally:
+                os.unlink(tmp)
+        raise OSError(f"node-local tier {self.cache_dir}: NODE holds no valid id")
+
     # ------------------------------------------------------------ writes
     def put_chunk(self, h: str, stored) -> None:
         """Keep a chunk read from the store (stored form), unless present; never raises for the tier's sake."""
@@ -227,6 +268,29 @@ class Tier:
             log.warning("ckptstore: node-local tier: could not keep chunk %s: %s", h[:16], e)
             return
         self.added(len(stored))
+
+    def publish_pack(self, pack_id: str, data) -> bool:
+        """Keep a whole pack received from a peer (checked chunk by chunk when read); False if not kept."""
+        if not self._writable or self.has_pack(pack_id):
+            return self.has_pack(pack_id)
+        try:
+            self.prepare()
+            path = self.pack_path(pack_id)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = os.path.join(self.store.tmp_dir(), f"{pack_id[:16]}.{uuid.uuid4().hex[:8]}")
+            with open(tmp, "wb") as f:
+                f.write(data)
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                pass
+            finally:
+                os.unlink(tmp)
+        except OSError as e:
+            self.copy_failed(e)
+            return False
+        self.added(memoryview(data).nbytes)
+        return True
 
     def pack_store(self) -> LocalStore:
         """The store a save writes its packs through to (under ``packs/``, like the repository's keys)."""

@@ -35,6 +35,7 @@ LAYERS: list[list[str]] = [
     ["loading"],  # below the package, which exports load_module
     [""],  # the package itself: ckptstore/__init__.py
     ["exchange"],
+    ["replicas"],
     ["dcp"],
     ["integrations"],
     ["testing"],
