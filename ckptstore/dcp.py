@@ -519,8 +519,11 @@ class CkptStoreWriter(StorageWriter):
                 boxes.append((item.index.fqn, tuple(item.tensor_data.chunk.offsets), tuple(item.tensor_data.chunk.sizes)))
         wb = repo.write_back
         if wb is not None:
-            wb.reserve()  # at most write_back_steps pending on this node
+            # at most write_back_steps pending on this node, and within its cache_size
+            wb.reserve(sum(_write_bytes(item) for item in plan.items), f"rank {rank}'s share of step {self.step}")
         target = wb.store if wb is not None else None  # write-back: into this node's tier
+        if repo.tier is not None:
+            repo.tier.note_step(self.step)  # a save under way: older steps' packs are evicted first
         try:
             writer = ChunkWriter(repo, dedup_share(repo, base_step, boxes), store=target)
         except BaseException:
@@ -561,6 +564,8 @@ class CkptStoreWriter(StorageWriter):
             if wb is not None and not handed_over:
                 wb.unreserve()
         self._packs_written = dict(packs)
+        if repo.tier is not None:
+            repo.tier.note_step(self.step, packs)  # eviction takes the newest steps' packs last
         stats = writer.stats(packs)
         if segment is not None:
             stats["segment_bytes"] = segment.size

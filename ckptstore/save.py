@@ -465,7 +465,10 @@ def save_step(cat: Catalog, tree, tensors: dict[str, torch.Tensor], step: int, m
 def _save_step(cat: Catalog, tree, tensors, step: int, metadata: dict, base, report, wb) -> StepInfo:
     t0 = time.perf_counter()
     if wb is not None:
-        wb.reserve()  # at most write_back_steps pending: wait for the oldest
+        # at most write_back_steps pending, and within cache_size: wait for the oldest
+        wb.reserve(sum(t.numel() * t.element_size() for t in tensors.values()), f"step {step}")
+    if cat.tier is not None:
+        cat.tier.note_step(step)  # a save under way: older steps' packs are evicted before the newest
     commit = StepCommit(cat, step, base)
     handed_over = False
     target = wb.store if wb is not None else None  # write-back: packs and segment go to the tier
@@ -519,6 +522,8 @@ def _save_step(cat: Catalog, tree, tensors, step: int, metadata: dict, base, rep
             handed_over = True
         else:
             body = commit.commit(commit.pack_sizes(man, packs))
+        if cat.tier is not None:
+            cat.tier.note_step(commit.step, packs)  # eviction takes the newest steps' packs last
     finally:
         if not handed_over:
             commit.end()

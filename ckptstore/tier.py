@@ -16,6 +16,8 @@ shares one tier, concurrently and across restarts (``docs/tier.md``)::
                                    segments/ (one rename each) once the step is committed
         pending/<step:020d>.json   a step saved with write-back, not yet committed in the store
         pending/<step:020d>.claim  the process uploading it (host, pid)
+        recent/<step:020d>.<r>.json  the packs a save through this tier wrote: eviction takes the
+                                   packs of the newest RECENT_STEPS steps last
         .tmp/                      files being written; published by rename or an exclusive link
 
 It is keyed by repository and content, never by rank or process: a pack is
@@ -59,6 +61,9 @@ SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)
 STALE_TMP = 3600.0
 #: Default share of the tier's file system always left free.
 FREE_FLOOR = 0.05
+#: Eviction takes the packs of this many newest saved steps (per repository) last.
+RECENT_STEPS = 2
+RECENT_NAME = re.compile(r"^([0-9]{20})\.[0-9a-f]{8}\.json$")
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgtp]?i?b?)?\s*$", re.IGNORECASE)
 _UNIT = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "p": 10**15}
 
@@ -334,6 +339,29 @@ class Tier:
         with self._lock:
             self.stats["discarded"] += 1
 
+    def note_step(self, step: int, packs=()) -> None:
+        """Record that a save of ``step`` writes (empty ``packs``: is starting to) or wrote ``packs``
+        into this tier: eviction takes the packs of the newest steps last, and an older step's first
+        (a save under way counts as a step). Records of older steps are removed. Never raises."""
+        if not self._writable:
+            return
+        folder = os.path.join(self.root, "recent")
+        try:
+            os.makedirs(folder, exist_ok=True)
+            _publish_bytes(folder, os.path.join(folder, f"{step:020d}.{uuid.uuid4().hex[:8]}.json"),
+                           json.dumps(sorted(packs)).encode())
+            names = [n for n in os.listdir(folder) if RECENT_NAME.match(n)]
+            steps = sorted({n[:20] for n in names})
+            old = set(steps[: -2 * RECENT_STEPS])
+            for n in names:
+                if n[:20] in old:
+                    try:
+                        os.unlink(os.path.join(folder, n))
+                    except FileNotFoundError:
+                        pass
+        except OSError as e:
+            log.debug("ckptstore: node-local tier: could not record step %d's packs: %s", step, e)
+
     # ------------------------------------------------------------ budget
     def enforce_budget(self) -> int:
         """Remove least recently used files until under ``cache_size`` and above the free floor; bytes freed."""
@@ -539,7 +567,10 @@ def evict(cache_dir: str, cache_size: int | None, free_floor: float = FREE_FLOOR
     Over ``cache_size`` (or under the free-space floor) it frees down to
     ``target`` of the limit, so that it does not run again at once.
     """
-    files = sorted(tier_files(cache_dir), key=lambda f: f[2])
+    recent = recent_packs(cache_dir)
+    # least recently used first, the packs of each repository's newest saved steps last
+    files = sorted(tier_files(cache_dir),
+                   key=lambda f: (f[4] == "pack" and os.path.basename(f[0]).split(".")[0] in recent, f[2]))
     used = sum(f[1] for f in files)
     protected = pending_ids(cache_dir)
     try:
@@ -573,6 +604,31 @@ def evict(cache_dir: str, cache_size: int | None, free_floor: float = FREE_FLOOR
             else:
                 stats["evicted"] += 1
     return freed, used - freed
+
+
+def recent_packs(cache_dir: str, steps: int = RECENT_STEPS) -> set[str]:
+    """The packs the newest ``steps`` saved steps of each repository wrote into the tier."""
+    out: set[str] = set()
+    repos = os.path.join(cache_dir, "repos")
+    try:
+        keys = os.listdir(repos)
+    except OSError:
+        return out
+    for key in keys:
+        folder = os.path.join(repos, key, "recent")
+        try:
+            names = [n for n in os.listdir(folder) if RECENT_NAME.match(n)]
+        except OSError:
+            continue
+        newest = set(sorted({n[:20] for n in names})[-steps:])
+        for n in names:
+            if n[:20] in newest:
+                try:
+                    with open(os.path.join(folder, n), "rb") as f:
+                        out.update(p for p in json.loads(f.read()) if isinstance(p, str))
+                except (OSError, ValueError):
+                    continue
+    return out
 
 
 def remove_stale_tmp(root: str, age: float = STALE_TMP) -> int:

@@ -38,7 +38,8 @@ from .layout import UPLOAD_FORMAT, manifest_key, pack_key, segment_key, upload_k
 from .manifest import Manifest, SegmentRef
 from .save import StepCommit
 from .storage.upload import ParallelUploader
-from .tier import PendingSteps
+from .tier import PendingSteps, tier_files
+from .units import human_bytes as _human
 
 log = logging.getLogger(__name__)
 
@@ -93,14 +94,37 @@ class WriteBack:
         self.recover()
 
     # ------------------------------------------------------------ saving
-    def reserve(self) -> None:
-        """Wait for room for one more pending step (raises an earlier write-back failure)."""
+    def reserve(self, need: int = 0, what: str = "the save") -> None:
+        """Wait for room for one more pending step (raises an earlier write-back failure).
+
+        ``need``: most bytes the save may add to the tier (its raw size).
+        With a ``cache_size``, a save waits while the pending steps' files
+        and ``need`` do not fit in it and uploads are under way (each one
+        committed frees its files for eviction); one that can never fit
+        (``need`` over ``cache_size``) fails before writing anything.
+        """
+        cap = self.tier.cache_size
+        if cap is not None and need > cap:
+            raise WriteBackError(
+                f"{self.cat.url}: {what} needs up to {_human(need)} in the node-local tier {self.tier.cache_dir} "
+                f"while pending, more than its cache_size of {_human(cap)}: it can never fit. Nothing was written; "
+                "raise cache_size, or save it without write_back"
+            )
         self.tier.prepare()  # the tier's marks, before the save's first file
         with self._cv:
-            while len({j.step for j in self._queue}) + self._reserved >= self.max_pending and self._error is None:
-                self._cv.wait()
+            while self._error is None:
+                if len({j.step for j in self._queue}) + self._reserved >= self.max_pending:
+                    self._cv.wait()
+                elif cap is not None and need and self._queue and self.pending_bytes() + need > cap:
+                    self._cv.wait()  # an upload that finishes frees its files for eviction
+                else:
+                    break
             self._raise_error()
             self._reserved += 1
+
+    def pending_bytes(self) -> int:
+        """Bytes of pending steps' files in the tier (``wb/``: never evicted)."""
+        return sum(f[1] for f in tier_files(self.tier.cache_dir) if f"{os.sep}wb{os.sep}" in f[0])
 
     def unreserve(self) -> None:
         with self._cv:

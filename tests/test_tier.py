@@ -288,3 +288,37 @@ def test_a_dead_process_temporary_files_are_removed(tmp_path):
     with ckptstore.open(url, cache_dir=cache, **SMALL) as repo:
         repo.save(_state(11), step=2)  # the first write of a handle sweeps the tier's .tmp
     assert not os.path.exists(old) and os.path.exists(fresh)
+
+
+def test_eviction_takes_steps_older_than_the_newest_two_first_even_when_read_recently(tmp_path):
+    url, cache = str(tmp_path / "repo"), tmp_path / "tier"
+    opts = {**SMALL, "pack_size": 64 << 10}
+    with ckptstore.open(url, **opts) as probe:  # the stored size of one step, measured
+        probe.save(_state(1, n=3), step=1)
+        one = sum(probe.manifest(1).packs.values())
+    import shutil
+
+    shutil.rmtree(url)
+    budget = int(2.5 * one)  # two steps and a half
+    with ckptstore.open(url, cache_dir=cache, cache_size=budget, **opts) as repo:
+        repo.save(_state(1, n=3), step=1)
+        repo.save(_state(2, n=3), step=2)
+        assert_tree_equal(repo.load(1), _state(1, n=3))  # step 1's packs are now the most recently used
+        repo.save(_state(3, n=3), step=3)  # over budget: something goes
+        held = {os.path.basename(p).split(".")[0] for p, _, _, _, kind in tier_files(str(cache)) if kind == "pack"}
+        packs = {s: set(repo.manifest(s).packs) for s in (1, 2, 3)}
+        assert repo.tier.stats["evicted"] > 0
+        assert packs[2] | packs[3] <= held, "the newest two steps' packs were evicted before an older step's"
+        assert not packs[1] <= held
+
+
+def test_no_pack_id_is_recorded_twice_and_old_records_go(tmp_path):
+    tier = Tier(tmp_path / "t", "file:///x")
+    tier.prepare()
+    for step in range(10):
+        tier.note_step(step)
+        tier.note_step(step, [f"p{step}"])
+    from ckptstore.tier import recent_packs
+
+    assert recent_packs(str(tmp_path / "t")) == {"p8", "p9"}
+    assert len(os.listdir(os.path.join(tier.root, "recent"))) <= 8

@@ -245,7 +245,7 @@ def test_eviction_and_prune_never_take_a_write_back_save_s_files(tmp_path):
     from ckptstore.tier import evict
 
     cache = tmp_path / "tier"
-    repo, gate = _gated(tmp_path, cache_size=1)  # a budget nothing fits in: everything evictable goes
+    repo, gate = _gated(tmp_path, cache_size=1 << 20)  # the save fits; the evictions below take everything they may
     real_write = repo.write_back.records.write
 
     def write(step, record):
@@ -345,4 +345,35 @@ def test_gc_reclaims_upload_markers_past_the_grace_period(tmp_path):
     assert plan.stale_markers == (upload_key(7, 1),)
     plan.execute()
     assert list(repo.store.list("uploads/")) == [] and repo.steps() == [1]
+    repo.close()
+
+
+def test_a_save_that_does_not_fit_waits_for_uploads_and_one_that_never_can_fails_naming_sizes(tmp_path):
+    raw = 4 * 64 * 256 * 4  # _state's tensors
+    repo, gate = _gated(tmp_path, write_back_steps=4, cache_size=int(1.5 * raw))
+    repo.save(_state(1), step=1)
+    gate.reached.wait(30)
+    entered, seen = threading.Event(), {}
+    real = repo.write_back.reserve
+
+    def spy(need=0, what=""):
+        entered.set()
+        real(need, what)
+        seen["committed when it went on"] = repo.steps()
+
+    repo.write_back.reserve = spy
+    second = threading.Thread(target=repo.save, args=(_state(2),), kwargs={"step": 2})
+    second.start()
+    assert entered.wait(30)
+    gate.open.set()
+    second.join(60)
+    assert not second.is_alive()
+    assert seen["committed when it went on"] == [1], "step 2 did not fit beside pending step 1: it must wait"
+    repo.write_back.reserve = real
+    repo.flush()
+    with pytest.raises(WriteBackError, match=r"step 3 needs up to 4\.0 MiB .* more than its cache_size of 384\.0 KiB"):
+        repo.save({"w": torch.randn(1024, 1024)}, step=3)
+    assert repo.steps(pending=True) == [1, 2] and repo.pending_steps() == []
+    for s in (1, 2):
+        assert_tree_equal(repo.load(s), _state(s))
     repo.close()
