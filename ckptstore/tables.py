@@ -42,15 +42,39 @@ class ChunkTables:
             HEADER_CACHE_BYTES, lambda h: 200 + 32 * len(h.digests) + 48 * len(h.packs)
         )
 
-    def _source(self, segment_id: str) -> ObjectStore:
-        """The node-local tier when it holds the segment (a write-back step's), else the store."""
+    def _sources(self, segment_id: str) -> list[ObjectStore]:
+        """Where to read a segment, nearest first: the node-local tier's copies (a write-back
+        step's), then the store. A tier copy can move (a pending one is renamed into the cache
+        when its step commits) or be evicted between this look and the read; a read that finds
+        it gone, short or failing its check goes on to the next source."""
+        out: list[ObjectStore] = []
         if self.tier is not None:
             key = segment_key(segment_id)
-            if os.path.isfile(os.path.join(self.tier.root, key)):
-                return self.tier.store
             if os.path.isfile(os.path.join(self.tier.root, "wb", key)):
-                return self.tier.pending.durable  # a pending write-back step's
-        return self.store
+                out += [self.tier.pending.durable, self.tier.store]  # pending, or just committed
+            elif os.path.isfile(os.path.join(self.tier.root, key)):
+                out.append(self.tier.store)
+        out.append(self.store)
+        return out
+
+    def _read_from(self, segment_id: str, ranges, parse, where: str):
+        """``parse(datas)`` of ``ranges`` of a segment, from the first source that has them whole and valid."""
+        sources = self._sources(segment_id)
+        for src in sources:
+            last = src is sources[-1]
+            try:
+                datas = src.get_ranges(segment_key(segment_id), ranges) if ranges else []
+                return parse(datas)
+            except ObjectNotFoundError:
+                if last:
+                    raise MissingDataError(f"{where} is missing; the step cannot be restored") from None
+            except ValueError as e:
+                if last:
+                    raise FormatError(f"{where} is shorter than the manifest says: {e}") from None
+            except (FormatError, OSError):
+                if last:
+                    raise
+        raise AssertionError("unreachable")
 
     # ------------------------------------------------------------ headers
     def header(self, man: Manifest, seg: SegmentRef) -> _ct.SegmentHeader:
@@ -58,15 +82,14 @@ class ChunkTables:
         if h is not None:
             return h
         where = f"{self.store.url}: step {man.step}: chunk-table segment {seg.id}"
-        try:
-            (raw,) = self._source(seg.id).get_ranges(segment_key(seg.id), [(0, seg.header)])
-        except ObjectNotFoundError:
-            raise MissingDataError(f"{where} is missing; the step cannot be restored") from None
-        except ValueError as e:
-            raise FormatError(f"{where} is shorter than the manifest says: {e}") from None
-        h = _ct.parse_header(bytes(raw), seg.digest, where)
-        if h.nrecords != seg.records:
-            raise FormatError(f"{where}: holds {h.nrecords} records, the manifest says {seg.records}")
+
+        def parse(datas) -> _ct.SegmentHeader:
+            h = _ct.parse_header(bytes(datas[0]), seg.digest, where)
+            if h.nrecords != seg.records:
+                raise FormatError(f"{where}: holds {h.nrecords} records, the manifest says {seg.records}")
+            return h
+
+        h = self._read_from(seg.id, [(0, seg.header)], parse, where)
         self._headers.put(seg.id, h)
         return h
 
@@ -158,19 +181,18 @@ class ChunkTables:
             else:
                 runs.append([b, b])
         ranges = [(header.block_range(a)[0], header.block_range(b)[1]) for a, b in runs]
-        try:
-            datas = self._source(sref.id).get_ranges(segment_key(sref.id), ranges) if ranges else []
-        except ObjectNotFoundError:
-            raise MissingDataError(f"{where} is missing; the step cannot be restored") from None
-        except ValueError as e:
-            raise FormatError(f"{where} is shorter than the manifest says: {e}") from None
-        recs: dict[int, np.ndarray] = {}
-        for (a, b), data in zip(runs, datas):
-            mv = memoryview(data)
-            base = header.block_range(a)[0]
-            for blk in range(a, b + 1):
-                lo, hi = header.block_range(blk)
-                recs[blk] = _ct.parse_block(header, blk, bytes(mv[lo - base : hi - base]), where)
+
+        def parse(datas) -> dict[int, np.ndarray]:
+            recs: dict[int, np.ndarray] = {}
+            for (a, b), data in zip(runs, datas):
+                mv = memoryview(data)
+                base = header.block_range(a)[0]
+                for blk in range(a, b + 1):
+                    lo, hi = header.block_range(blk)
+                    recs[blk] = _ct.parse_block(header, blk, bytes(mv[lo - base : hi - base]), where)
+            return recs
+
+        recs = self._read_from(sref.id, ranges, parse, where)
         br = header.block_records
         out = {}
         for key, i, first, count in items:

@@ -363,6 +363,18 @@ class Tier:
             log.debug("ckptstore: node-local tier: could not record step %d's packs: %s", step, e)
 
     # ------------------------------------------------------------ budget
+    def make_room(self, nbytes: int) -> int:
+        """Before a write-back save of up to ``nbytes``: evict cached files until the tier and the save
+        fit in ``cache_size`` (pending files stay); bytes freed. A save's files are counted only once
+        its step is committed (they live under ``wb/`` until then), so room is made first."""
+        if self.cache_size is None:
+            return 0
+        freed, used = evict(self.cache_dir, max(0, self.cache_size - nbytes), self.free_floor, target=1.0,
+                            stats=self.stats, lock=self._lock)
+        with self._lock:
+            self._usage = used
+        return freed
+
     def enforce_budget(self) -> int:
         """Remove least recently used files until under ``cache_size`` and above the free floor; bytes freed."""
         freed, used = evict(self.cache_dir, self.cache_size, self.free_floor, stats=self.stats, lock=self._lock)

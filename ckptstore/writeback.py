@@ -121,6 +121,8 @@ class WriteBack:
                     break
             self._raise_error()
             self._reserved += 1
+        if need:
+            self.tier.make_room(need)  # the save's files count only once committed: room first
 
     def pending_bytes(self) -> int:
         """Bytes of pending steps' files in the tier (``wb/``: never evicted)."""

@@ -8,6 +8,7 @@ import logging
 import os
 import threading
 
+import pytest
 import torch
 
 import ckptstore
@@ -122,3 +123,36 @@ def test_a_full_disk_while_a_read_keeps_chunks_still_loads(tmp_path, monkeypatch
     with ckptstore.open(url, cache_dir=cache, **SMALL) as fresh:  # space again: a new handle keeps chunks
         assert_tree_equal(fresh.load(1), sd)
     assert _chunk_files(cache)
+
+
+@pytest.mark.parametrize("how", ["evicted", "moved-on-commit", "damaged"])
+def test_a_tier_segment_gone_or_damaged_between_the_look_and_the_read_is_read_from_the_store(tmp_path, monkeypatch, how):
+    """Found by the 2-process soak: a chunk-table segment the tier held was evicted (or renamed out of
+    wb/ as its step committed) after the reader looked and before it read: the store has it."""
+    from ckptstore import tables
+    from ckptstore.layout import segment_key
+
+    url, cache = str(tmp_path / "repo"), tmp_path / "tier"
+    sd = {"w": torch.randn(256, 256), "v": torch.randn(64)}
+    with ckptstore.open(url, cache_dir=cache, write_back=True) as repo:
+        repo.save(sd, step=1)
+        repo.flush()  # committed: its segment is in the tier's segments/
+    real = tables.ChunkTables._sources
+
+    def sources_then_race(self, segment_id):
+        out = real(self, segment_id)
+        path = os.path.join(self.tier.root, segment_key(segment_id))
+        if how == "evicted":
+            if os.path.exists(path):
+                os.unlink(path)
+        elif how == "moved-on-commit":  # as if it were still pending when looked at, then committed
+            out = [self.tier.pending.durable] + out
+        else:
+            with open(path, "r+b") as f:
+                f.seek(40)
+                f.write(b"\xff" * 64)
+        return out
+
+    monkeypatch.setattr(tables.ChunkTables, "_sources", sources_then_race)
+    with ckptstore.open(url, cache_dir=cache) as again:
+        assert_tree_equal(again.load(1), sd)

@@ -377,3 +377,21 @@ def test_a_save_that_does_not_fit_waits_for_uploads_and_one_that_never_can_fails
     for s in (1, 2):
         assert_tree_equal(repo.load(s), _state(s))
     repo.close()
+
+
+def test_write_back_saves_keep_the_tier_within_its_budget(tmp_path):
+    """Found by benchmarks/tier_soak.py: a write-back save's files are counted only once its step is
+    committed, so room is made before it writes (they used to come on top of a full cache)."""
+    from ckptstore.tier import tier_files
+
+    cap, pack = 6 << 20, 1 << 20
+    repo = ckptstore.open(str(tmp_path / "repo"), cache_dir=tmp_path / "tier", cache_size=cap, write_back=True,
+                          chunk_size=64 << 10, pack_size=pack)
+    for s in range(1, 7):
+        g = torch.Generator().manual_seed(s)
+        repo.save({f"t{i}": torch.randn(512, 256, generator=g) for i in range(8)}, step=s)  # 4 MiB, all new
+        held = sum(f[1] for f in tier_files(str(tmp_path / "tier")))
+        assert held <= cap + pack, f"step {s}: the tier holds {held} bytes when save() returns"
+        repo.flush()
+    assert repo.tier.stats["evicted"] > 0
+    repo.close()
