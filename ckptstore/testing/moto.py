@@ -7,9 +7,11 @@ environment is never changed.
 
 from __future__ import annotations
 
+import http.client
 import logging
 import socket
 import threading
+import urllib.error
 import urllib.request
 
 HOST = "127.0.0.1"
@@ -158,6 +160,14 @@ class MotoServer:
 
     def reset(self) -> None:
         """Drop every bucket and object (moto's ``/moto-api/reset``)."""
-        req = urllib.request.Request(f"{self.endpoint}/moto-api/reset", data=b"", method="POST")
-        with self._http.open(req, timeout=30) as resp:
-            resp.read()
+        # Idempotent: retried when the server drops the connection (seen once on a loaded machine:
+        # RemoteDisconnected with no response).
+        for attempt in range(3):
+            req = urllib.request.Request(f"{self.endpoint}/moto-api/reset", data=b"", method="POST")
+            try:
+                with self._http.open(req, timeout=30) as resp:
+                    resp.read()
+                return
+            except (ConnectionError, http.client.HTTPException, urllib.error.URLError):
+                if attempt == 2:
+                    raise
