@@ -54,7 +54,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from ckptstore import manifest as _m
 from ckptstore.chunktable import TableBuilder
 from ckptstore.clock import ManualClock
-from ckptstore.dcp import _ItemResult, _RankInfo, build_manifest
+from ckptstore.dcp.metadata import _ItemResult, _RankInfo, build_manifest
 from ckptstore.layout import PACK_PREFIX, pack_id_of_key, pack_key
 from ckptstore.manifest import ChunkRef
 from ckptstore.repository import Repository

@@ -8,14 +8,17 @@ from .errors import (
     IntegrityError,
     MissingDataError,
     RepositoryNotFoundError,
+    StaleBaseError,
     StepExistsError,
     StepNotFoundError,
     StorageError,
     StoreURLError,
     UnsupportedVersionError,
 )
+from .gc import GCPlan, RetentionPolicy
 from .loading import load_module
 from .repository import Checkpoint, Repository, StepInfo, TensorMeta, open
+from .storage.retry import RetryPolicy
 
 __version__ = "0.1.0"
 
@@ -26,6 +29,10 @@ __all__ = [
     "Checkpoint",
     "StepInfo",
     "TensorMeta",
+    "GCPlan",
+    "RetentionPolicy",
+    "RetryPolicy",
+    "StaleBaseError",
     "CkptStoreError",
     "FormatError",
     "IntegrityError",

@@ -1,8 +1,7 @@
 """Chunk hashing and compression: bytes in, bytes out, no I/O.
 
-Hash: BLAKE3-256 of the chunk's raw bytes, hex encoded. Measured on the
-project's 2-core machine (``benchmarks/hash_codec.py``): blake3 4.2 GiB/s,
-sha256 1.6 GiB/s on one core; both release the GIL.
+Hash: BLAKE3-256 of the chunk's raw bytes, hex encoded; it releases the
+GIL (why BLAKE3, measured against SHA-256: ``docs/performance.md``, "Hashing").
 
 Codecs (names are part of the on-store format):
 

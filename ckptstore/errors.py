@@ -94,8 +94,8 @@ class PackVanishedError(ObjectNotFoundError):
     """A pack this save uploaded is gone before the commit (collected by GC?)."""
 
 
-class MissingStepError(CkptStoreError, LookupError):
-    """A step named for copying is not committed in the source."""
+#: The former name of :class:`StepNotFoundError` for a step named for copying (one error now).
+MissingStepError = StepNotFoundError
 
 
 class ManifestTooLargeError(CkptStoreError, ValueError):

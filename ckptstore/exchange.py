@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import datetime
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from .errors import CkptStoreError
 
-__all__ = ["ReadRegion", "RankReadError", "plan_exchange", "Exchanger", "Exchange", "Message", "Gather", "Piece"]
+__all__ = ["ReadRegion", "RankReadError", "plan_exchange", "Exchanger", "Exchange", "Message", "Gather", "Piece", "Round"]
 
 MiB = 1 << 20
 
@@ -157,6 +158,26 @@ def plan_exchange(
     solo_bytes = max(1, min_piece // 8) if solo_bytes is None else solo_bytes
     bundle_bytes = 2 * min_piece if bundle_bytes is None else bundle_bytes
     n = len(wants)
+    regions, wanting, load, replicated = _wanted(wants)
+    if not replicated:
+        return [None] * n
+    share_max = max(_ALIGN, round_bytes // n)  # one rank's contribution to one all-gather
+    pieces = _cut(regions, wanting, replicated, n, min_piece, share_max)
+    owner = _assign(pieces, regions, wanting, load)
+    cut = _Bundler(pieces, solo_bytes, bundle_bytes)
+    nrounds, gathers, full = _everyone_rounds(pieces, owner, wanting, n, share_max, n >= gather_min_ranks, cut)
+    order = _subset_order(pieces, owner, wanting, n, cut)
+    per_rank, rounds = _messages(pieces, n, full, order, nrounds, round_bytes)
+    return [Exchange(rounds, tuple(msgs), tuple(gathers)) for msgs in per_rank]
+
+
+#: A piece while planning: (region key, first row, end row, bytes).
+_PieceSpec = tuple[tuple, int, int, int]
+
+
+def _wanted(wants: list[list[ReadRegion]]):
+    """Each region once, the ranks wanting it, each rank's own load (regions only it wants, in
+    fetched bytes) and the keys of the regions several ranks want."""
     regions: dict[tuple, ReadRegion] = {}
     wanting: dict[tuple, list[int]] = {}
     for r, regs in enumerate(wants):
@@ -165,7 +186,7 @@ def plan_exchange(
             ranks = wanting.setdefault(g.key, [])
             if not ranks or ranks[-1] != r:
                 ranks.append(r)
-    load = [0.0] * n
+    load = [0.0] * len(wants)
     replicated = []
     for key, ranks in wanting.items():
         g = regions[key]
@@ -173,14 +194,14 @@ def plan_exchange(
             replicated.append(key)
         else:
             load[ranks[0]] += g.nbytes * g.fetch
-    if not replicated:
-        return [None] * n
+    return regions, wanting, load, replicated
 
+
+def _cut(regions: dict, wanting: dict, replicated: list, n: int, min_piece: int, share_max: int) -> list[_PieceSpec]:
+    """The replicated regions cut along dim 0, at chunk boundaries where rows line up with chunks."""
     total = sum(regions[k].nbytes for k in replicated)
     piece_max = max(min_piece, -(-total // (4 * n)))
-    share_max = max(_ALIGN, round_bytes // n)  # one rank's contribution to one all-gather
-    gather = n >= gather_min_ranks
-    pieces: list[tuple[tuple, int, int, int]] = []  # key, lo, hi, nbytes
+    pieces: list[_PieceSpec] = []
     for key in replicated:
         g = regions[key]
         cap = min(piece_max, share_max) if len(wanting[key]) == n else piece_max
@@ -195,28 +216,38 @@ def plan_exchange(
         bounds.append(g.rows)
         for lo, hi in zip(bounds, bounds[1:]):
             pieces.append((key, lo, hi, (hi - lo) * g.row_bytes))
+    return pieces
 
-    # Largest first, each to the least loaded rank that wants it.
+
+def _assign(pieces: list[_PieceSpec], regions: dict, wanting: dict, load: list[float]) -> list[int]:
+    """Each piece's owner: largest first, to the least loaded rank that wants it."""
     owner = [0] * len(pieces)
     for i in sorted(range(len(pieces)), key=lambda i: (-pieces[i][3] * regions[pieces[i][0]].fetch, i)):
         key, _, _, nb = pieces[i]
         o = min(wanting[key], key=lambda r: (load[r], r))
         owner[i] = o
         load[o] += nb * regions[key].fetch
+    return owner
 
-    def piece(i: int, offset: int) -> Piece:
-        key, lo, hi, nb = pieces[i]
+
+class _Bundler:
+    """Pieces as messages: ``solo`` bytes or more alone, smaller ones packed up to ``bundle`` bytes."""
+
+    def __init__(self, pieces: list[_PieceSpec], solo: int, bundle: int):
+        self.pieces, self.solo, self.bundle = pieces, solo, bundle
+
+    def piece(self, i: int, offset: int) -> Piece:
+        key, lo, hi, nb = self.pieces[i]
         return Piece(key, lo, hi, offset, nb)
 
-    def bundled(idx: list[int]) -> list[tuple[list[tuple[int, int]], int]]:
-        """Pieces as messages: ``solo_bytes`` or more alone, smaller ones packed up to ``bundle_bytes``."""
+    def __call__(self, idx: list[int]) -> list[tuple[list[tuple[int, int]], int]]:
         out, bundle, size = [], [], 0
         for i in idx:
-            nb = pieces[i][3]
-            if nb >= solo_bytes:
+            nb = self.pieces[i][3]
+            if nb >= self.solo:
                 out.append(([(i, 0)], nb))
                 continue
-            if bundle and size + nb > bundle_bytes:
+            if bundle and size + nb > self.bundle:
                 out.append((bundle, size))
                 bundle, size = [], 0
             bundle.append((i, size))
@@ -225,8 +256,12 @@ def plan_exchange(
             out.append((bundle, size))
         return out
 
-    # Pieces every rank wants: each rank's own, in order, in shares of at most share_max; round g
-    # carries every rank's g-th share, so every rank sends and receives about as much as any other.
+
+def _everyone_rounds(pieces, owner, wanting, n: int, share_max: int, gather: bool, cut: _Bundler):
+    """Pieces every rank wants: each rank's own, in order, in shares of at most ``share_max``;
+    round g carries every rank's g-th share (one all-gather with ``gather``, else point-to-point
+    messages), so every rank sends and receives about as much as any other.
+    Returns (rounds, gathers, [(round, src, members, bytes)])."""
     shares: list[list[list[int]]] = [[] for _ in range(n)]
     used = [0] * n
     for i, (key, _, _, nb) in enumerate(pieces):
@@ -239,15 +274,15 @@ def plan_exchange(
         shares[o][-1].append(i)
         used[o] += _aligned(nb)
     nrounds = max(len(x) for x in shares)
-    gathers = []
-    full: list[tuple[int, int, list[tuple[int, int]], int]] = []  # round, src, (piece, offset), bytes
+    gathers: list[Gather] = []
+    full: list[tuple[int, int, list[tuple[int, int]], int]] = []
     for g in range(nrounds):
         if gather:
             parts = []
             for q in range(n):
                 ps, off = [], 0
                 for i in (shares[q][g] if g < len(shares[q]) else []):
-                    ps.append(piece(i, off))
+                    ps.append(cut.piece(i, off))
                     off += _aligned(pieces[i][3])
                 parts.append(tuple(ps))
             size = max((p.offset + _aligned(p.nbytes) for ps in parts for p in ps), default=0)
@@ -255,17 +290,20 @@ def plan_exchange(
         else:
             for q in range(n):
                 if g < len(shares[q]):
-                    full += [(g, q, members, nb) for members, nb in bundled(shares[q][g])]
+                    full += [(g, q, members, nb) for members, nb in cut(shares[q][g])]
+    return nrounds, gathers, full
 
-    # Pieces a subset wants: per (owner, wanting ranks), in region order, owners interleaved
-    # (the one that has sent least goes next), cut into rounds after the ones above.
+
+def _subset_order(pieces, owner, wanting, n: int, cut: _Bundler) -> list:
+    """Pieces a subset wants: per (owner, wanting ranks), in region order, owners interleaved
+    (the one that has sent least goes next). Returns [(src, ranks, members, bytes)]."""
     queues: dict[int, list[tuple[tuple[int, ...], list[tuple[int, int]], int]]] = {}
     groups: dict[tuple[int, tuple[int, ...]], list[int]] = {}
     for i, (key, _, _, _) in enumerate(pieces):
         if len(wanting[key]) != n:
             groups.setdefault((owner[i], tuple(wanting[key])), []).append(i)
     for (src, ranks), idx in groups.items():
-        queues.setdefault(src, []).extend((ranks, members, nb) for members, nb in bundled(idx))
+        queues.setdefault(src, []).extend((ranks, members, nb) for members, nb in cut(idx))
     sent = {src: 0 for src in queues}
     heads = {src: 0 for src in queues}
     order = []
@@ -277,18 +315,25 @@ def plan_exchange(
         heads[src] += 1
         if heads[src] == len(queues[src]):
             del heads[src]
+    return order
 
+
+def _messages(pieces, n: int, full: list, order: list, nrounds: int, round_bytes: int):
+    """Every rank's messages (the sender's copy names the receivers), the subset messages cut
+    into rounds after the full ones in which no rank holds more than ``round_bytes`` (a larger
+    message is a round of its own). Returns (per-rank messages, rounds)."""
+    cut = _Bundler(pieces, 0, 0)
     per_rank: list[list[Message]] = [[] for _ in range(n)]
-    everyone = tuple(range(n))
 
     def emit(mid: int, rnd: int, src: int, ranks: tuple[int, ...], members, nb: int) -> None:
-        ps = tuple(piece(i, off) for i, off in members)
+        ps = tuple(cut.piece(i, off) for i, off in members)
         dsts = tuple(r for r in ranks if r != src)
         per_rank[src].append(Message(mid, rnd, src, dsts, nb, ps))
         light = Message(mid, rnd, src, (), nb, ps)
         for r in dsts:
             per_rank[r].append(light)
 
+    everyone = tuple(range(n))
     for mid, (rnd, src, members, nb) in enumerate(full):
         emit(mid, rnd, src, everyone, members, nb)
     rnd = nrounds
@@ -300,9 +345,18 @@ def plan_exchange(
         for r in ranks:
             charge[r] = charge.get(r, 0) + nb
         emit(mid, rnd, src, ranks, members, nb)
-    rounds = rnd + 1 if order else nrounds
-    gathers_t = tuple(gathers)
-    return [Exchange(rounds, tuple(msgs), gathers_t) for msgs in per_rank]
+    return per_rank, (rnd + 1 if order else nrounds)
+
+
+@dataclass(slots=True)
+class Round:
+    """One round of an exchange on one rank, as :meth:`Exchanger.run` posts and completes it."""
+
+    sends: list  # (tensor, dst, tag)
+    recvs: list  # (tensor, src, tag)
+    copies: list  # (source, [destinations]): copied once the round's transfers are in
+    gather: tuple | None = None  # (this rank's share, the all-gather's output) in a gather round
+    keep: list = field(default_factory=list)  # buffers that must live until the round is done
 
 
 class RankReadError(CkptStoreError, RuntimeError):
@@ -429,6 +483,64 @@ class Exchanger:
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         for work, what in works:
             self._wait(work, f"the {what} {stage}", deadline)
+
+    # ------------------------------------------------------------ the round loop
+    def pick_device(self, failure: BaseException | None, all_cuda: bool) -> None:
+        """The transport: CPU buffers on a group with a CPU backend, CUDA buffers on an NCCL-only
+        group; a group with both uses CUDA when every rank's destinations are on CUDA (``all_cuda``),
+        which takes one status more (where a ``failure`` is reported)."""
+        if self.nccl_style:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        elif self.cuda_capable:
+            if self.status(failure, "before reading", 0 if all_cuda else 1) == 0:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+
+    def run(self, rounds: int, prepare: Callable[[int], Round], failure: BaseException | None = None) -> None:
+        """Run ``rounds`` rounds: ``prepare(r)`` reads this rank's pieces of round ``r`` and builds its
+        buffers while round ``r - 1``'s transfers are in flight; then one status (every rank learns of
+        any failure, ``failure`` included, before waiting for data), then round ``r``'s transfers.
+
+        Collectives happen only in :meth:`status` and the transfers after it; a failure anywhere
+        else is kept and reported at the next status, so every rank stops at the same point
+        instead of waiting for a peer that has given up. A transfer that never completes raises
+        at once (the group cannot be trusted any more).
+        """
+        pending: tuple | None = None
+        for r in range(rounds):
+            ready = None
+            if failure is None:
+                try:
+                    ready = prepare(r)
+                except Exception as e:
+                    failure = e
+            if pending is not None:
+                done, pending = pending, None
+                try:
+                    self._complete(*done, rounds)
+                except self.error:
+                    raise
+                except Exception as e:
+                    failure = failure or e
+            self.status(failure, f"in round {r + 1} of {rounds}")
+            try:
+                works = self.post(ready.sends, ready.recvs)
+                if ready.gather is not None:
+                    share, out = ready.gather
+                    works.append((dist.all_gather_into_tensor(out, share, group=self.group, async_op=True),
+                                  "all-gather of every rank's share"))
+            except Exception as e:
+                raise self.error(f"{self.where}: rank {self.rank}: starting the transfers of round {r + 1} failed: "
+                                 f"{type(e).__name__}: {e}") from e
+            pending = (works, ready, r)
+        if pending is not None:
+            self._complete(*pending, rounds)  # after the last status: a failure here is this rank's alone
+
+    def _complete(self, works, ready: Round, r: int, rounds: int) -> None:
+        self.wait_all(works, f"(round {r + 1} of {rounds})")
+        with torch.no_grad():
+            for src, dests in ready.copies:
+                for d in dests:
+                    d.copy_(src)
 
 
 _STATUS_TEXT = 480  # bytes of a failed rank's message that reach the other ranks

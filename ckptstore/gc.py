@@ -10,15 +10,16 @@ without a lock, is in ``docs/gc.md``.
 from __future__ import annotations
 
 import itertools
+import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable
 
 from . import pack as _pack
 from .catalog import Catalog
 from .clock import Clock
 from .errors import FormatError, ObjectExistsError, ObjectNotFoundError, StepNotFoundError
+from .gc_refs import _chunks_in, _protecting_tombstones, _read_state, _referenced, _State, _step_refs, _users
 from .layout import (
-    MAX_RELOCATION_HOPS,
     PACK_PREFIX,
     UPLOAD_PREFIX,
     pack_key,
@@ -28,10 +29,9 @@ from .layout import (
     safety_margin,
     segment_key,
 )
-from .manifest import ChunkRef, StepRefs, merge_ranges
+from .manifest import ChunkRef
 from .packs import PackWriter
 from .progress import callback as progress_callback
-from .relocations import RelocationView
 from .storage.base import MultipartInfo
 from .units import human_bytes, parse_duration
 
@@ -232,8 +232,8 @@ class GCPlan:
 
 #: Packs (and segments) GC clears and deletes together, in one
 #: ``delete_many``: on S3 four ``DeleteObjects`` requests of 1000 keys in
-#: flight (benchmarks/gc_deletes.py: 8.9x faster than a DeleteObject per
-#: key on a loopback SeaweedFS, 1.17x faster than 1000-key batches).
+#: flight (measured against one request per key and against single batches:
+#: ``docs/performance.md``, "GC over 1000 steps: deleting").
 DELETE_BATCH = 4000
 
 
@@ -277,205 +277,6 @@ class GCResult:
         return dict(self.__dict__)
 
 
-# ---------------------------------------------------------------------- state
-@dataclass
-class _State:
-    """What GC lists: steps (with their creation times), tombstones, leases, packs, segments.
-
-    No step's references are held here: they are read one step at a time
-    when needed (:func:`_step_refs`) and folded into a :class:`_Refs`, so
-    GC's memory is bounded by the repository's packs, not by steps times
-    packs, nor by chunks (2.0 steps are followed by their pack lists; 1.0
-    steps carry their chunk references).
-    """
-
-    now: float
-    steps: dict[int, float]  # step -> created
-    tombstones: dict[str, float]  # key -> mtime
-    leases: dict[str, float]  # key -> mtime
-    packs: dict[str, tuple[int, float]]  # id -> (size, mtime)
-    relocations: set[str]  # pack ids with a relocation record
-    segments: dict[str, tuple[int, float]] = field(default_factory=dict)  # id -> (size, mtime)
-    res: float = 0.0  # the store's mtime resolution
-    listed_at: float = 0.0  # when the manifests were listed
-
-    def age(self, mtime: float) -> float:
-        """Lower bound of an object's age (truncated mtimes never make it look older)."""
-        return self.now - mtime - self.res
-
-
-def _read_steps(cat: Catalog) -> dict[int, float]:
-    """Every committed step with its creation time (a few bytes of each manifest)."""
-    out = {}
-    for step in cat.steps():
-        try:
-            out[step] = cat.step_created(step)
-        except StepNotFoundError:
-            continue  # deleted meanwhile
-    return out
-
-
-def _step_refs(cat: Catalog, steps: Iterable[int], stats: dict | None = None) -> Iterator[StepRefs]:
-    """What each of ``steps`` references, read one at a time (steps deleted meanwhile are skipped)."""
-    intern: dict[str, str] = {}
-    for step in steps:
-        try:
-            r = cat.step_refs(step, intern)
-        except StepNotFoundError:
-            continue
-        if stats is not None:
-            for k in ("logical_bytes", "new_bytes", "stored_bytes"):
-                stats[k] = stats.get(k, 0) + int(r.stats.get(k, 0) or 0)
-        yield r
-
-
-def _read_state(cat: Catalog, now: float, clock: Clock | None = None) -> _State:
-    leases = cat.leases()
-    tombstones = cat.tombstone_keys()
-    packs = {pid: (o.size, o.mtime) for pid, o in cat.packs().items()}
-    segments = {sid: (o.size, o.mtime) for sid, o in cat.segments().items()}
-    relocs = cat.relocated_packs()
-    listed_at = (clock or cat.clock).time()  # manifests are listed last: deletions are timed from here (G3)
-    state = _State(now, _read_steps(cat), tombstones, leases, packs, relocs, segments, cat.store.mtime_resolution)
-    state.listed_at = listed_at
-    return state
-
-
-def _protecting_tombstones(cat: Catalog, state: _State, grace: float) -> list[StepRefs]:
-    """Tombstones that still protect their packs and segments.
-
-    A deleted step's objects stay referenced while the tombstone is younger
-    than the grace period and some lease that started before the deletion is
-    itself younger than the grace period: only such a saver can have read
-    the step as its dedup base (savers write their lease before reading it).
-    Only those tombstones are read.
-    """
-    margin = safety_margin(grace)
-    out = []
-    for key, tmtime in state.tombstones.items():
-        if state.age(tmtime) > grace:
-            continue
-        if any(
-            lmtime <= tmtime + margin + state.res and state.age(lmtime) <= grace
-            for lmtime in state.leases.values()
-        ):
-            refs = cat.tombstone_refs(key)
-            if refs is not None:
-                out.append(refs)
-    return out
-
-
-def _users(cat: Catalog, state: _State, grace: float) -> Iterator[StepRefs]:
-    """Every committed step of ``state`` and every protecting tombstone, one at a time."""
-    yield from _step_refs(cat, sorted(state.steps))
-    yield from _protecting_tombstones(cat, state, grace)
-
-
-@dataclass
-class _Refs:
-    """What a set of steps references.
-
-    packs: pack ids (following relocation records to where moved chunks are);
-    chunks: per pack, ``(offset, stored_len, hash)`` of the 1.0 steps' chunks;
-    ranges: per pack, the byte ranges 2.0 steps use (their union is exact);
-    counts: per pack, how many chunks it holds, where a 2.0 step recorded it;
-    segments: chunk-table segment ids.
-    """
-
-    packs: set[str] = field(default_factory=set)
-    chunks: dict[str, set[tuple[int, int, str]]] = field(default_factory=dict)
-    ranges: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)
-    counts: dict[str, int] = field(default_factory=dict)
-    segments: set[str] = field(default_factory=set)
-
-    def add_ranges(self, pid: str, ranges: tuple[tuple[int, int], ...]) -> None:
-        """Fold one step's ranges of a pack into the union (most steps repeat the last one's)."""
-        have = self.ranges.get(pid)
-        if have is None or have == ranges:
-            self.ranges[pid] = ranges
-        else:
-            self.ranges[pid] = merge_ranges(have + ranges)
-
-    def live_bytes(self, pid: str) -> int:
-        spans = list(self.ranges.get(pid, ()))
-        spans += [(off, off + sl) for off, sl, _ in self.chunks.get(pid, ())]
-        return sum(e - s for s, e in merge_ranges(spans))
-
-    def live_chunks(self, pid: str) -> int:
-        """Chunks in the pack's table (for its overhead): recorded, else the 1.0 chunks seen."""
-        return self.counts.get(pid) or len(self.chunks.get(pid, ()))
-
-
-def _referenced(view: RelocationView, steps: Iterable[StepRefs], existing: dict[str, Any], relocs: set[str]) -> _Refs:
-    """What these steps reference, following relocation records.
-
-    A 1.0 step is followed chunk by chunk (every hop's pack holds the chunk
-    until the next one exists). A 2.0 step is followed pack by pack, with
-    the byte ranges it recorded: a pack that is gone keeps every pack its
-    relocation record names, with the ranges the moved chunks occupy there
-    (a superset of what the step needs: safe, and bounded by packs).
-    """
-    out = _Refs()
-    for r in steps:
-        out.segments.update(r.segments)
-        if r.chunks is not None:
-            for c in r.chunks:
-                for hop in view.chain(c, existing, relocs):
-                    out.packs.add(hop.pack)
-                    out.chunks.setdefault(hop.pack, set()).add((hop.offset, hop.stored_len, hop.hash))
-            continue
-        for pid, u in r.use.items():
-            out.add_ranges(pid, u.ranges)
-            if u.chunks:
-                out.counts[pid] = max(out.counts.get(pid, 0), u.chunks)
-        for pid in r.packs:
-            _follow_pack(view, pid, existing, relocs, out)
-    return out
-
-
-def _follow_pack(view: RelocationView, pid: str, existing, relocs, out: _Refs, hops: int = 0) -> None:
-    """Mark ``pid``; if it is gone and was repacked, mark where its chunks went."""
-    out.packs.add(pid)
-    if pid in existing or pid not in relocs or hops >= MAX_RELOCATION_HOPS:
-        return
-    moved: dict[str, list[tuple[int, int]]] = {}
-    for c in (view.table(pid) or {}).values():
-        moved.setdefault(c.pack, []).append((c.offset, c.offset + c.stored_len))
-    for new, spans in moved.items():
-        out.add_ranges(new, merge_ranges(spans))
-        if new not in out.packs:
-            _follow_pack(view, new, existing, relocs, out, hops + 1)
-
-
-def _chunks_in(cat: Catalog, steps: Iterable[StepRefs], pids: set[str], view: RelocationView,
-               existing, relocs) -> dict[str, set[tuple[int, int, str]]]:
-    """Exactly which chunks of packs ``pids`` these steps use: their chunk
-    tables are read only for 2.0 steps that name one of those packs."""
-    out: dict[str, set[tuple[int, int, str]]] = {}
-
-    def add(c: ChunkRef) -> None:
-        for hop in view.chain(c, existing, relocs):
-            if hop.pack in pids:
-                out.setdefault(hop.pack, set()).add((hop.offset, hop.stored_len, hop.hash))
-
-    for r in steps:
-        if r.chunks is not None:
-            for c in r.chunks:
-                add(c)
-            continue
-        if not any(p in pids or p in relocs for p in r.packs):
-            continue
-        try:
-            man = cat.manifest(r.step)
-        except StepNotFoundError:
-            man = None
-        if man is None or man.created != r.created:
-            continue  # deleted (its tombstone's references were counted) or replaced
-        for c in cat.tables.iter_chunks(man):
-            add(c)
-    return out
-
-
 def plan_gc(
     cat: Catalog,
     keep_last: int | None = None,
@@ -503,17 +304,23 @@ def plan_gc(
     repack:
         Rewrite the live chunks of partly used packs when dead bytes in such
         packs exceed ``repack_threshold`` of the stored bytes.
-    now, clock:
-        The clock GC judges ages by: ``clock`` (a :class:`~ckptstore.clock.Clock`
-        or a function returning seconds since the epoch; default: the
-        repository's clock) is read when planning and again by
-        :meth:`GCPlan.execute` when it re-checks ages before deleting; ``now``
-        fixes the planning time only. Tests pass a clock running ahead to see
-        what GC does once the grace period has passed.
+    clock:
+        The clock GC judges ages by (a :class:`~ckptstore.clock.Clock` or a
+        function returning seconds since the epoch; default: the
+        repository's clock), read when planning and again by
+        :meth:`GCPlan.execute` when it re-checks ages before deleting. Tests
+        pass a clock running ahead to see what GC does once the grace period
+        has passed.
+    now:
+        Deprecated (a warning says so): fixes the planning time only; pass
+        ``clock`` instead.
     """
     repo = cat
     repo.require_repository()  # a mistyped URL is not an empty repository
     gclock = _gc_clock(cat, clock)
+    if now is not None:
+        warnings.warn("plan_gc(now=) is deprecated: pass clock= (a Clock or a function returning "
+                      "seconds since the epoch)", DeprecationWarning, stacklevel=2)
     now = gclock.time() if now is None else now
     repo_grace = repo.grace()
     g = repo_grace if grace is None else parse_duration(grace)
@@ -553,66 +360,19 @@ def plan_gc(
         state.packs, state.relocations,
     )
 
-    delete_packs, young, protected = [], [], []
-    for pid, (size, mtime) in sorted(state.packs.items()):
-        if pid in live.packs:
-            continue
-        if state.age(mtime) <= g:
-            young.append((pid, size))
-        elif pid in prot.packs:
-            protected.append((pid, size))
-        else:
-            delete_packs.append((pid, size))
+    delete_packs, young, protected = _classify_packs(state, live, prot, g)
     delete_segments = [
         (sid, size) for sid, (size, mtime) in sorted(state.segments.items())
         if sid not in live.segments and sid not in prot.segments and state.age(mtime) > g
     ]
-
-    uses = []
-    for pid in live.packs:
-        if pid not in state.packs:
-            continue
-        size, mtime = state.packs[pid]
-        uses.append(PackUse(pid, size, mtime, min(size, live.live_bytes(pid)), live.live_chunks(pid)))
-    stored = sum(s for s, _ in state.packs.values())
-    referenced = sum(u.live_bytes for u in uses)
-    partial = [u for u in uses if u.dead_bytes > _overhead(u.live_chunks)]
-    partial_dead = sum(u.dead_bytes for u in partial)
+    stats, partial = _space(state, live, kept_stats)
     repack_list: tuple[PackUse, ...] = ()
-    if repack and stored and partial_dead / stored > repack_threshold:
+    if repack and stats["stored_bytes"] and stats["partial_dead_share"] > repack_threshold:
         # Only packs old enough that no in-flight save is still writing or
         # committing against them in a way GC cannot see.
         repack_list = tuple(sorted((u for u in partial if state.age(u.mtime) > g), key=lambda u: u.pack))
-
-    uploads = []
-    # Uploads of packs, and uploads whose target is unreadable (a saver
-    # killed while creating its local upload marker).
-    for u in (u for u in repo.store.list_multipart("") if u.key.startswith(PACK_PREFIX) or not u.key):
-        if state.age(u.initiated) > g and not live_leases:
-            uploads.append(u)
-        elif state.age(u.initiated) > g and _older_than_all(u.initiated, state, g):
-            uploads.append(u)
-
+    uploads = _abandoned_uploads(repo, state, g, live_leases)
     expired = tuple(k for k, t in state.tombstones.items() if state.age(t) > g)
-    # Ratios from what each kept step recorded (bounded by steps, not chunks):
-    # logical bytes over the bytes they first stored; ckptstore stats counts exactly.
-    logical = kept_stats.get("logical_bytes", 0)
-    uraw = kept_stats.get("new_bytes", 0)
-    ustored = kept_stats.get("stored_bytes", 0)
-    stats = {
-        "steps": len(state.steps),
-        "packs": len(state.packs),
-        "segments": len(state.segments),
-        "stored_bytes": stored,
-        "segment_bytes": sum(s for s, _ in state.segments.values()),
-        "referenced_bytes": referenced,
-        "partial_packs": len(partial),
-        "partial_dead_bytes": partial_dead,
-        "partial_dead_share": (partial_dead / stored) if stored else 0.0,
-        "kept_logical_bytes": logical,
-        "dedup_ratio": (logical / uraw) if uraw else 1.0,
-        "compression_ratio": (uraw / ustored) if ustored else 1.0,
-    }
     return GCPlan(
         url=repo.url,
         created=now,
@@ -637,6 +397,65 @@ def plan_gc(
     )
 
 
+def _classify_packs(state: "_State", live, prot, g: float):
+    """Unreferenced packs: to delete, too young (within the grace period), or protected by a
+    tombstone or a live saver's likely base; ``(pid, size)`` each, sorted."""
+    delete, young, protected = [], [], []
+    for pid, (size, mtime) in sorted(state.packs.items()):
+        if pid in live.packs:
+            continue
+        if state.age(mtime) <= g:
+            young.append((pid, size))
+        elif pid in prot.packs:
+            protected.append((pid, size))
+        else:
+            delete.append((pid, size))
+    return delete, young, protected
+
+
+def _space(state: "_State", live, kept_stats: dict) -> tuple[dict, list]:
+    """The plan's figures, and the partly used packs (dead bytes past their overhead)."""
+    uses = []
+    for pid in live.packs:
+        if pid not in state.packs:
+            continue
+        size, mtime = state.packs[pid]
+        uses.append(PackUse(pid, size, mtime, min(size, live.live_bytes(pid)), live.live_chunks(pid)))
+    stored = sum(s for s, _ in state.packs.values())
+    partial = [u for u in uses if u.dead_bytes > _overhead(u.live_chunks)]
+    partial_dead = sum(u.dead_bytes for u in partial)
+    # Ratios from what each kept step recorded (bounded by steps, not chunks):
+    # logical bytes over the bytes they first stored; ckptstore stats counts exactly.
+    logical = kept_stats.get("logical_bytes", 0)
+    uraw = kept_stats.get("new_bytes", 0)
+    ustored = kept_stats.get("stored_bytes", 0)
+    stats = {
+        "steps": len(state.steps),
+        "packs": len(state.packs),
+        "segments": len(state.segments),
+        "stored_bytes": stored,
+        "segment_bytes": sum(s for s, _ in state.segments.values()),
+        "referenced_bytes": sum(u.live_bytes for u in uses),
+        "partial_packs": len(partial),
+        "partial_dead_bytes": partial_dead,
+        "partial_dead_share": (partial_dead / stored) if stored else 0.0,
+        "kept_logical_bytes": logical,
+        "dedup_ratio": (logical / uraw) if uraw else 1.0,
+        "compression_ratio": (uraw / ustored) if ustored else 1.0,
+    }
+    return stats, partial
+
+
+def _abandoned_uploads(repo: Catalog, state: "_State", g: float, live_leases) -> list:
+    """Unfinished multipart uploads of packs (or of an unreadable target: a saver killed while
+    creating its local upload marker) older than the grace period that no live saver can own."""
+    uploads = []
+    for u in (u for u in repo.store.list_multipart("") if u.key.startswith(PACK_PREFIX) or not u.key):
+        if state.age(u.initiated) > g and (not live_leases or _older_than_all(u.initiated, state, g)):
+            uploads.append(u)
+    return uploads
+
+
 def _older_than_all(t: float, state: "_State", g: float) -> bool:
     """An upload started before every live lease cannot belong to a live saver."""
     live = [lt for lt in state.leases.values() if state.age(lt) <= g]
@@ -649,148 +468,170 @@ def _overhead(nchunks: int) -> int:
 
 # ====================================================================== execute
 def _execute(plan: GCPlan, cat: Catalog, progress) -> GCResult:
-    res = GCResult()
-    store = cat.store
-    clock = plan.clock or cat.clock
-    g = plan.grace
+    return _Executor(plan, cat, progress).run()
 
-    # 1. Steps: re-check tags and the newest step, tombstone, then delete.
-    # A step is kept if a tag the policy keeps points at it now, or a tag
-    # points at it that did not at planning (the policy judged it untagged).
-    kept_tags = plan.policy.keep_tags
-    protected: dict[int, str] = {}
-    for name, s in cat.tags().items():
-        if plan.tags.get(name) != s:
-            protected.setdefault(s, "tagged since planning")
-        elif kept_tags is True or (kept_tags and name in kept_tags):
-            protected.setdefault(s, f"tag {name}")
-    latest = cat.latest()
-    for i, step in enumerate(plan.delete_steps):
-        if step in protected:
-            res.skipped_steps.append((step, protected[step]))
-            continue
-        if step == latest:
-            res.skipped_steps.append((step, "newest step"))
-            continue
-        try:
-            cat.delete(step)
-            res.deleted_steps.append(step)
-        except StepNotFoundError:
-            res.skipped_steps.append((step, "already gone"))
-        progress("steps", i + 1, len(plan.delete_steps))
 
-    # 2. Repack partly used packs: copy live chunks, record relocations.
-    relocated: dict[str, dict[str, ChunkRef]] = {}
-    if plan.repack:
-        relocated = _repack(cat, plan, res, progress)
+class _Executor:
+    """One run of :meth:`GCPlan.execute`, phase by phase (each a method):
 
-    # 3. Re-read everything just before deleting packs, and again whenever
-    #    half the safety margin has passed: a deletion must follow the
-    #    listing that cleared it by less than the margin (docs/gc.md, G3).
-    def reread():
-        st = _read_state(cat, clock.time(), clock)
-        view = cat.relocations.view()
-        return st, view, _referenced(view, _users(cat, st, g), st.packs, st.relocations)
+    1. :meth:`delete_steps`: re-check tags and the newest step, tombstone, delete;
+    2. repack partly used packs (:func:`_repack`): copy live chunks, record relocations;
+    3. :meth:`delete_packs`, then :meth:`delete_segments`: each batch cleared against the
+       latest listing (:meth:`clear_pack`, :meth:`clear_segment`), re-read whenever half
+       the safety margin has passed (:meth:`delete_batched`, docs/gc.md, G3);
+    4. :meth:`abort_uploads` of crashed savers;
+    5. :meth:`expire_bookkeeping`: tombstones, leases and upload markers past the grace
+       period, relocation records nobody needs.
+    """
 
-    def needs(st, view) -> dict[str, set[str]]:
-        # exactly which chunks of the repacked packs are used now
-        found = _chunks_in(cat, _users(cat, st, g), set(relocated), view, st.packs, st.relocations)
-        return {pid: {h for _, _, h in found.get(pid, ())} for pid in relocated}
+    def __init__(self, plan: GCPlan, cat: Catalog, progress):
+        self.plan = plan
+        self.cat = cat
+        self.store = cat.store
+        self.progress = progress
+        self.clock = plan.clock or cat.clock
+        self.g = plan.grace
+        self.margin = safety_margin(plan.grace)
+        self.res = GCResult()
+        self.relocated: dict[str, dict[str, ChunkRef]] = {}
+        self.moved_needs: dict[str, set[str]] = {}
+        self.state = self.view = self.refs = None
 
-    #    Deletions go out in batches (``store.delete_many``: 1000 keys a
-    #    request on S3, four requests in flight). Each batch is cleared
-    #    against the latest listing and sent at once; the listing is renewed
-    #    before a batch whenever half the margin has passed since it, and a
-    #    batch that took over a quarter of the margin makes the next ones
-    #    smaller, so every key's deletion stays within the margin of the
-    #    listing that cleared it.
-    margin = safety_margin(g)
-    state, view, refs = reread()
-    moved_needs = needs(state, view) if relocated else {}
+    def run(self) -> GCResult:
+        self.delete_steps()
+        if self.plan.repack:
+            self.relocated = _repack(self.cat, self.plan, self.res, self.progress)
+        self.delete_packs()
+        self.delete_segments()
+        self.abort_uploads()
+        self.expire_bookkeeping()
+        return self.res
 
-    def delete_batched(what, items, clear, key_of, done) -> None:
-        nonlocal state, view, refs, moved_needs
+    # ------------------------------------------------------------ 1. steps
+    def delete_steps(self) -> None:
+        """A step is kept if a tag the policy keeps points at it now, or a tag points at it that
+        did not at planning (the policy judged it untagged), or it is the newest step now."""
+        plan, res = self.plan, self.res
+        kept_tags = plan.policy.keep_tags
+        protected: dict[int, str] = {}
+        for name, s in self.cat.tags().items():
+            if plan.tags.get(name) != s:
+                protected.setdefault(s, "tagged since planning")
+            elif kept_tags is True or (kept_tags and name in kept_tags):
+                protected.setdefault(s, f"tag {name}")
+        latest = self.cat.latest()
+        for i, step in enumerate(plan.delete_steps):
+            if step in protected:
+                res.skipped_steps.append((step, protected[step]))
+                continue
+            if step == latest:
+                res.skipped_steps.append((step, "newest step"))
+                continue
+            try:
+                self.cat.delete(step)
+                res.deleted_steps.append(step)
+            except StepNotFoundError:
+                res.skipped_steps.append((step, "already gone"))
+            self.progress("steps", i + 1, len(plan.delete_steps))
+
+    # ------------------------------------------------------------ 3. listings and batches
+    def reread(self, needs: bool = True) -> None:
+        """A fresh listing, and what every step and protecting tombstone references in it (and,
+        with ``needs``, which chunks of the repacked packs are used now)."""
+        cat = self.cat
+        self.state = _read_state(cat, self.clock.time(), self.clock)
+        self.view = cat.relocations.view()
+        self.refs = _referenced(self.view, _users(cat, self.state, self.g), self.state.packs, self.state.relocations)
+        if self.relocated and needs:
+            found = _chunks_in(cat, _users(cat, self.state, self.g), set(self.relocated), self.view,
+                               self.state.packs, self.state.relocations)
+            self.moved_needs = {pid: {h for _, _, h in found.get(pid, ())} for pid in self.relocated}
+
+    def delete_batched(self, what: str, items: list, clear, key_of, done) -> None:
+        """Delete ``items`` in batches (``store.delete_many``: 1000 keys a request on S3, four in
+        flight), each cleared against the latest listing and sent at once; the listing is renewed
+        before a batch whenever half the margin has passed since it, and a batch that took over a
+        quarter of the margin makes the next ones smaller, so every key's deletion stays within
+        the margin of the listing that cleared it."""
         size, i = DELETE_BATCH, 0
         while i < len(items):
-            if clock.time() - state.listed_at > margin / 2:
-                state, view, refs = reread()
-                if relocated:
-                    moved_needs = needs(state, view)
+            if self.clock.time() - self.state.listed_at > self.margin / 2:
+                self.reread()
             part = items[i : i + size]
             i += len(part)
             batch = [c for c in map(clear, part) if c is not None]
             if batch:
-                t0 = clock.time()
-                store.delete_many([key_of(x) for x, _ in batch])
+                t0 = self.clock.time()
+                self.store.delete_many([key_of(x) for x, _ in batch])
                 done(batch)
-                if clock.time() - t0 > margin / 4:
+                if self.clock.time() - t0 > self.margin / 4:
                     size = max(1, size // 4)
-            progress(what, i, len(items))
+            self.progress(what, i, len(items))
 
-    def clear_pack(pid):
+    def clear_pack(self, pid: str):
+        """``(pid, size)`` if the pack may go now, else None (the reason noted in the result)."""
+        res, state = self.res, self.state
         info = state.packs.get(pid)
         if info is None:
             res.skipped_packs.append((pid, "already gone"))
             return None
         size, mtime = info
-        if state.age(mtime) <= g:
+        if state.age(mtime) <= self.g:
             res.skipped_packs.append((pid, "younger than the grace period"))
             return None
-        if pid in relocated:
+        if pid in self.relocated:
             # Every chunk any manifest (or protecting tombstone) now uses must be relocated.
-            if not moved_needs.get(pid, set()) <= set(relocated[pid]):
+            if not self.moved_needs.get(pid, set()) <= set(self.relocated[pid]):
                 res.skipped_packs.append((pid, "gained references during repack"))
                 return None
-        elif pid in refs.packs:
+        elif pid in self.refs.packs:
             res.skipped_packs.append((pid, "referenced again"))
             return None
         return pid, size
 
-    def packs_deleted(batch):
-        res.deleted_packs.extend(pid for pid, _ in batch)
-        res.freed_bytes += sum(size for _, size in batch)
+    def delete_packs(self) -> None:
+        def deleted(batch):
+            self.res.deleted_packs.extend(pid for pid, _ in batch)
+            self.res.freed_bytes += sum(size for _, size in batch)
 
-    todo = [pid for pid, _ in plan.delete_packs] + list(relocated)
-    delete_batched("packs", todo, clear_pack, pack_key, packs_deleted)
+        self.reread()
+        todo = [pid for pid, _ in self.plan.delete_packs] + list(self.relocated)
+        self.delete_batched("packs", todo, self.clear_pack, pack_key, deleted)
 
-    # 3b. Chunk-table segments no step (or protecting tombstone) names, old enough.
-    state, view, refs = reread()
-
-    def clear_segment(sid):
-        info = state.segments.get(sid)
-        if info is None or sid in refs.segments or state.age(info[1]) <= g:
+    def clear_segment(self, sid: str):
+        """``(sid, size)`` for a chunk-table segment no step (or protecting tombstone) names, old enough."""
+        info = self.state.segments.get(sid)
+        if info is None or sid in self.refs.segments or self.state.age(info[1]) <= self.g:
             return None
         return sid, info[0]
 
-    def segments_deleted(batch):
-        res.deleted_segments.extend(sid for sid, _ in batch)
-        res.freed_bytes += sum(size for _, size in batch)
+    def delete_segments(self) -> None:
+        def deleted(batch):
+            self.res.deleted_segments.extend(sid for sid, _ in batch)
+            self.res.freed_bytes += sum(size for _, size in batch)
 
-    delete_batched("segments", [sid for sid, _ in plan.delete_segments], clear_segment, segment_key,
-                   segments_deleted)
+        self.reread(needs=False)
+        self.delete_batched("segments", [sid for sid, _ in self.plan.delete_segments], self.clear_segment,
+                            segment_key, deleted)
 
-    # 4. Incomplete multipart uploads of crashed savers.
-    for u in plan.abort_uploads:
-        try:
-            store.abort_multipart(u.key, u.upload_id)
-            res.aborted_uploads += 1
-        except (ObjectNotFoundError, FileNotFoundError):
-            pass
+    # ------------------------------------------------------------ 4. and 5.
+    def abort_uploads(self) -> None:
+        for u in self.plan.abort_uploads:
+            try:
+                self.store.abort_multipart(u.key, u.upload_id)
+                self.res.aborted_uploads += 1
+            except (ObjectNotFoundError, FileNotFoundError):
+                pass
 
-    # 5. Expired bookkeeping: tombstones and leases past the grace period,
-    #    relocation records nobody needs.
-    for key in plan.expired_tombstones:
-        store.delete(key)
-    for key in plan.stale_leases:
-        store.delete(key)
-    for key in plan.stale_markers:
-        store.delete(key)
-    state = _read_state(cat, clock.time(), clock)
-    needed = _referenced(cat.relocations.view(), _users(cat, state, g), state.packs, state.relocations)
-    for pid in state.relocations:
-        if pid not in needed.packs and pid not in state.packs:
-            store.delete(relocation_key(pid))
-    return res
+    def expire_bookkeeping(self) -> None:
+        store, plan, cat = self.store, self.plan, self.cat
+        for key in (*plan.expired_tombstones, *plan.stale_leases, *plan.stale_markers):
+            store.delete(key)
+        state = _read_state(cat, self.clock.time(), self.clock)
+        needed = _referenced(cat.relocations.view(), _users(cat, state, self.g), state.packs, state.relocations)
+        for pid in state.relocations:
+            if pid not in needed.packs and pid not in state.packs:
+                store.delete(relocation_key(pid))
 
 
 def _repack(cat: Catalog, plan: GCPlan, res: GCResult, progress) -> dict[str, dict[str, ChunkRef]]:

@@ -179,11 +179,13 @@ class Repository(Catalog):
         raise ValueError(f"unknown export format {format!r}; use 'safetensors' or 'dcp'")
 
     def import_(self, path, step: int, **kwargs) -> StepInfo:
-        """Save a .safetensors file, torch.save file or DCP directory as ``step``; see :func:`ckptstore.transfer.import_file`."""
+        """Save a .safetensors file, torch.save file or DCP directory as ``step`` (``ckptstore import``;
+        ``import`` is a Python keyword, hence the underscore); see :func:`ckptstore.transfer.import_file`."""
         return _transfer.import_file(self, path, step, **kwargs)
 
-    def copy_to(self, dst: "Repository", steps=None, progress=None, **kwargs) -> _transfer.CopyResult:
-        """Copy steps to another repository, moving only chunks it lacks; see :func:`ckptstore.transfer.copy`.
+    def cp(self, dst: "Repository", steps=None, progress=None, **kwargs) -> _transfer.CopyResult:
+        """Copy steps to another repository, moving only chunks it lacks (``ckptstore cp``); see
+        :func:`ckptstore.transfer.copy`.
 
         ``progress``: None, True or a callable, as in :mod:`ckptstore.progress`.
         """
@@ -192,6 +194,9 @@ class Repository(Catalog):
             return _transfer.copy(self, dst, steps=steps, progress=report, **kwargs)
         finally:
             close()
+
+    #: The former name of :meth:`cp`.
+    copy_to = cp
 
     def diff(self, a: int, b: int) -> dict:
         """Tensors added, removed, changed and unchanged from step ``a`` to ``b``, from manifests only."""
@@ -204,11 +209,13 @@ def open(url: str, storage_options: dict | None = None, **options) -> Repository
     Parameters
     ----------
     url:
-        ``s3://bucket/prefix``, ``gs://bucket/prefix``, ``file:///path``, a
-        plain path, or ``memory://name``.
+        ``s3://bucket/prefix``, ``gs://bucket/prefix``, ``az://container/prefix``
+        (also ``abfs://``, ``abfss://``), ``file:///path``, a plain path, or
+        ``memory://name``.
     storage_options:
         Passed to the backend (for S3: s3fs options such as ``key``,
-        ``secret``, ``client_kwargs={"endpoint_url": ...}``).
+        ``secret``, ``client_kwargs={"endpoint_url": ...}``; for Azure: adlfs
+        options such as ``account_name``, ``connection_string``).
     **options:
         :class:`~ckptstore.options.RepoOptions` fields (``chunk_size``,
         ``pack_size``, ``part_size``, ``workers``, ``io_workers``,

@@ -548,9 +548,9 @@ def _save_step(cat: Catalog, tree, tensors, step: int, metadata: dict, base, rep
 class AsyncSaver:
     """``save(..., blocking=False)``: stage host copies, save in the background, in order.
 
-    A fresh allocation pays a page fault per page on first touch (about
-    2 s per GiB measured here); copying into buffers already touched runs
-    at memory speed. So staging buffers are reused, but only once the async
+    A fresh allocation pays a page fault per page on first touch;
+    copying into buffers already touched runs at memory speed
+    (``docs/performance.md``, "Two figures the code's docstrings used to carry"). So staging buffers are reused, but only once the async
     save that used them has finished; otherwise fresh ones are allocated.
 
     CUDA tensors stage into pinned host buffers (reused the same way): every

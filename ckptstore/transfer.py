@@ -33,7 +33,7 @@ import torch
 from . import manifest as _m
 from . import zero
 from .catalog import Catalog
-from .errors import CkptStoreError, FormatError, IntegrityError, MissingStepError
+from .errors import CkptStoreError, FormatError, IntegrityError, StepNotFoundError
 from .layout import check_step, name_key, name_record, tag_key, tag_record
 from .chunktable import TableBuilder
 from .manifest import ChunkRef, Manifest, Shard, TableRef, TensorEntry
@@ -104,7 +104,7 @@ def export_safetensors(
     variants the package lacks, ...) raises ``TypeError`` naming it,
     before anything is written.
 
-    Returns ``{"path", "tensors", "bytes"}``.
+    Returns ``{"path", "step", "tensors", "bytes"}``: the file, the step, tensors written, data bytes.
     """
     progress = progress or _noop
     ckpt = open_checkpoint(repo, step)
@@ -527,7 +527,7 @@ def copy(
         have = set(src_steps)
         missing = [s for s in todo if s not in have]
         if missing:
-            raise MissingStepError(f"{src.url}: step(s) {missing} not committed")
+            raise StepNotFoundError(f"{src.url}: step(s) {missing} not committed")
     src_cfg = src.config()
     if not dst.config() and src_cfg:
         # A new destination inherits the source's write defaults, so later

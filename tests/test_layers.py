@@ -29,13 +29,15 @@ LAYERS: list[list[str]] = [
     ["fetch", "packs", "tables"],
     ["catalog", "staging"],
     ["save", "reader"],
-    ["verify", "zero", "writeback"],
+    ["verify", "zero", "writeback", "gc_refs"],
     ["gc", "transfer"],
     ["repository"],
     ["loading"],  # below the package, which exports load_module
     [""],  # the package itself: ckptstore/__init__.py
     ["exchange"],
     ["replicas"],
+    ["dcp.ids", "dcp.metadata", "dcp.exchanged"],
+    ["dcp.writer", "dcp.reader"],
     ["dcp"],
     ["integrations"],
     ["testing"],

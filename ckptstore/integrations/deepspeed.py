@@ -71,7 +71,7 @@ import torch.distributed as dist
 
 import ckptstore
 
-from .. import zero as F
+from .. import zero
 from ..errors import CkptStoreError, StepNotFoundError
 from . import deepspeed_reshard as R
 from . import deepspeed_tools as T
@@ -104,13 +104,13 @@ def _from_attrs(cls):
 #: JSON. ``LossScaler``/``DynamicLossScaler`` carry plain attributes (the
 #: scale, counters, a dtype); ``ZeroStageEnum`` is an int enum;
 #: ``fragment_address`` is a dataclass of two ints.
-CODECS: dict[type, F.ClassCodec] = {
+CODECS: dict[type, zero.ClassCodec] = {
     c.cls: c
     for c in (
-        F.ClassCodec("deepspeed.LossScaler", LossScaler, "obj", _attrs, _from_attrs(LossScaler)),
-        F.ClassCodec("deepspeed.DynamicLossScaler", DynamicLossScaler, "obj", _attrs, _from_attrs(DynamicLossScaler)),
-        F.ClassCodec("deepspeed.ZeroStageEnum", ZeroStageEnum, "enum", lambda e: int(e.value), ZeroStageEnum),
-        F.ClassCodec(
+        zero.ClassCodec("deepspeed.LossScaler", LossScaler, "obj", _attrs, _from_attrs(LossScaler)),
+        zero.ClassCodec("deepspeed.DynamicLossScaler", DynamicLossScaler, "obj", _attrs, _from_attrs(DynamicLossScaler)),
+        zero.ClassCodec("deepspeed.ZeroStageEnum", ZeroStageEnum, "enum", lambda e: int(e.value), ZeroStageEnum),
+        zero.ClassCodec(
             "deepspeed.fragment_address",
             fragment_address,
             "obj",
@@ -171,8 +171,8 @@ class CkptStoreCheckpointEngine(CheckpointEngine):
         self.reshard = reshard
         self._repo = None
         self._pending: dict | None = None
-        self._stored: dict[int, F.StoredStep] = {}
-        self._layouts: dict[int, F.ZeroLayout] = {}
+        self._stored: dict[int, zero.StoredStep] = {}
+        self._layouts: dict[int, zero.ZeroLayout] = {}
         #: the StepInfo-like stats of this rank's part of the last save, and the step it went to
         self.last_save: dict | None = None
         self.last_step: int | None = None
@@ -262,9 +262,9 @@ class CkptStoreCheckpointEngine(CheckpointEngine):
         flat: dict[str, torch.Tensor] = {}
         try:
             for name, sd in files.items():
-                tensors, structure = F.encode_file(name, sd, CODECS)
+                tensors, structure = zero.encode_file(name, sd, CODECS)
                 flat.update(tensors)
-                flat[F.structure_key(name)] = structure
+                flat[zero.structure_key(name)] = structure
         except (TypeError, ValueError) as e:
             return flat, e
         return flat, None
@@ -273,7 +273,7 @@ class CkptStoreCheckpointEngine(CheckpointEngine):
         e = self.engine
         stage = int(e.zero_optimization_stage()) if e is not None else 0
         return {
-            "format": F.FORMAT_VERSION,
+            "format": zero.FORMAT_VERSION,
             "tag": tag,
             "zero_stage": stage,
             "dp_world_size": int(getattr(e, "seq_dp_world_size", getattr(e, "dp_world_size", 1))) if e else 1,
@@ -309,10 +309,10 @@ class CkptStoreCheckpointEngine(CheckpointEngine):
             out = stored.read_file(name, _BY_NAME)
         return _map(out, map_location)
 
-    def _stored_step(self, step: int) -> F.StoredStep:
+    def _stored_step(self, step: int) -> zero.StoredStep:
         s = self._stored.get(step)
         if s is None:
-            s = self._stored[step] = F.StoredStep(self.repo.checkpoint(step))
+            s = self._stored[step] = zero.StoredStep(self.repo.checkpoint(step))
         return s
 
     def resolve_tag(self, load_dir: str, tag: str) -> int | None:
@@ -349,14 +349,14 @@ class CkptStoreCheckpointEngine(CheckpointEngine):
         candidates = ([int(m.group(1))] if m and int(m.group(1)) in steps else []) + list(reversed(steps))
         for s in candidates:
             md = self.repo.manifest(s).metadata
-            if F.is_deepspeed_step(md) and md["deepspeed"].get("tag") == tag:
+            if zero.is_deepspeed_step(md) and md["deepspeed"].get("tag") == tag:
                 return s
         return None
 
     def latest_tag(self) -> str | None:
         for s in reversed(self.repo.steps()):
             md = self.repo.manifest(s).metadata
-            if F.is_deepspeed_step(md):
+            if zero.is_deepspeed_step(md):
                 return md["deepspeed"].get("tag")
         return None
 
@@ -379,13 +379,13 @@ class CkptStoreCheckpointEngine(CheckpointEngine):
                 T.write_stub(path, doc)
 
     # -- another data-parallel size
-    def dp_mismatch(self, stored: F.StoredStep) -> bool:
+    def dp_mismatch(self, stored: zero.StoredStep) -> bool:
         """The step was saved by ZeRO on another data-parallel size than this engine's."""
         if self.engine is None or int(stored.meta.get("zero_stage", 0)) not in (1, 2, 3):
             return False
         return int(stored.meta.get("dp_world_size", 1)) != _dp_world(self.engine)
 
-    def rebuilds(self, stored: F.StoredStep) -> bool:
+    def rebuilds(self, stored: zero.StoredStep) -> bool:
         """Whether this engine re-partitions the step (``reshard``: None -> ZeRO-3 only)."""
         if not self.dp_mismatch(stored):
             return False
@@ -393,19 +393,19 @@ class CkptStoreCheckpointEngine(CheckpointEngine):
             return int(stored.meta.get("zero_stage", 0)) == 3
         return self.reshard
 
-    def _layout(self, stored: F.StoredStep) -> F.ZeroLayout:
+    def _layout(self, stored: zero.StoredStep) -> zero.ZeroLayout:
         layout = self._layouts.get(stored.step)
         if layout is None:
-            layout = self._layouts[stored.step] = F.ZeroLayout(stored)
+            layout = self._layouts[stored.step] = zero.ZeroLayout(stored)
         return layout
 
-    def _reshard(self, stored: F.StoredStep, name: str):
+    def _reshard(self, stored: zero.StoredStep, name: str):
         """The file ``name`` rebuilt for this engine's data-parallel size; None to serve it as saved."""
         if not self.rebuilds(stored):
             return None
         stage = int(stored.meta.get("zero_stage", 0))
         rank, world = _dp_rank(self.engine), _dp_world(self.engine)
-        model, optim = F.MODEL_RE.match(name), F.OPTIM_RE.match(name)
+        model, optim = zero.MODEL_RE.match(name), zero.OPTIM_RE.match(name)
         try:
             layout = self._layout(stored)
             if stage == 3 and model and model.group(1) is not None:
@@ -504,7 +504,7 @@ def consolidated_state_dict(url: str, step: int | None = None, storage_options: 
         step = repo.latest() if step is None else step
         if step is None:
             raise StepNotFoundError(f"{url}: the repository has no committed step")
-        layout = F.ZeroLayout(F.StoredStep(repo.checkpoint(step)))
+        layout = zero.ZeroLayout(zero.StoredStep(repo.checkpoint(step)))
         return OrderedDict((name, read()) for name, _, _, read in layout.consolidated())
 
 

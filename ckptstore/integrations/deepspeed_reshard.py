@@ -31,21 +31,21 @@ from collections import OrderedDict
 import torch
 import torch.distributed as dist
 
-from .. import zero as F
+from .. import zero
 
 
 # ============================================================== ZeRO-3
-def zero3_model_file(stored: F.StoredStep, layout: F.ZeroLayout, rank: int, world: int, codecs: dict) -> dict:
+def zero3_model_file(stored: zero.StoredStep, layout: zero.ZeroLayout, rank: int, world: int, codecs: dict) -> dict:
     """Rank 0's model-states file with frozen partitions and the DP size of the new layout."""
     frozen_keys = {
-        ref.key for ref in (layout.model0.get("frozen_param_fragments") or {}).values() if isinstance(ref, F.TensorRef)
+        ref.key for ref in (layout.model0.get("frozen_param_fragments") or {}).values() if isinstance(ref, zero.TensorRef)
     }
     sd = stored.read_file(layout.model_files[0], codecs, skip=frozen_keys)
     if layout.frozen:
         frags = OrderedDict()
         for name, shape in layout.frozen.items():
             numel = math.prod(shape)
-            frags[name] = F.partition(
+            frags[name] = zero.partition(
                 lambda a, b, n=name: layout.read_frozen(n, a, b), numel, rank, world, layout._frozen_dtype(name)
             )
         sd["frozen_param_fragments"] = frags
@@ -53,7 +53,7 @@ def zero3_model_file(stored: F.StoredStep, layout: F.ZeroLayout, rank: int, worl
     return sd
 
 
-def zero3_optim_file(stored: F.StoredStep, layout: F.ZeroLayout, engine, rank: int, world: int, codecs: dict) -> dict:
+def zero3_optim_file(stored: zero.StoredStep, layout: zero.ZeroLayout, engine, rank: int, world: int, codecs: dict) -> dict:
     """This rank's ZeRO-3 optimizer file for ``world`` ranks, built from the full stored state."""
     opt = engine.optimizer
     per_elem, other = layout.optimizer_state_keys()
@@ -94,7 +94,7 @@ def zero3_optim_file(stored: F.StoredStep, layout: F.ZeroLayout, engine, rank: i
                 raise ValueError(f"parameter {name!r}: unexpected ZeRO-3 partition size {p.partition_numel()}")
             for k in parts:
                 parts[k].append(
-                    F.partition(lambda a, b, n=name, kk=k: layout.read_param(n, kk, a, b), slot.numel, rank, world, torch.float32)
+                    zero.partition(lambda a, b, n=name, kk=k: layout.read_param(n, kk, a, b), slot.numel, rank, world, torch.float32)
                 )
         flat = {k: (torch.cat(v) if v else torch.empty(0)) for k, v in parts.items()}
         if flat["fp32"].numel() != want:
@@ -117,7 +117,7 @@ def zero3_optim_file(stored: F.StoredStep, layout: F.ZeroLayout, engine, rank: i
 
 
 # ============================================================== ZeRO-1/2
-def flat_groups(engine) -> list[F.FlatGroup]:
+def flat_groups(engine) -> list[zero.FlatGroup]:
     """The live optimizer's flat parameter groups (DeepSpeed's ``DeepSpeedZeroOptimizer``)."""
     opt = engine.optimizer
     names = engine.param_names
@@ -132,7 +132,7 @@ def flat_groups(engine) -> list[F.FlatGroup]:
         numels = [int(m.numel()) for m in metas[i]] if metas else [int(p.numel()) for p in params]
         offs = [int(o) for o in offsets[i]] if offsets else [sum(numels[:j]) for j in range(len(numels))]
         out.append(
-            F.FlatGroup(
+            zero.FlatGroup(
                 names=tuple(names[p] for p in params),
                 offsets=tuple(offs),
                 numels=tuple(numels),
@@ -143,14 +143,14 @@ def flat_groups(engine) -> list[F.FlatGroup]:
     return out
 
 
-def zero12_model_file(stored: F.StoredStep, layout: F.ZeroLayout, world: int, codecs: dict) -> dict:
+def zero12_model_file(stored: zero.StoredStep, layout: zero.ZeroLayout, world: int, codecs: dict) -> dict:
     """The model-states file as saved, saying the new DP size (so DeepSpeed asks for ``world`` optimizer files)."""
     sd = stored.read_file(layout.model_files[0], codecs)
     sd["dp_world_size"] = world
     return sd
 
 
-def zero12_optim_file(stored: F.StoredStep, layout: F.ZeroLayout, engine, rank: int, codecs: dict) -> dict:
+def zero12_optim_file(stored: zero.StoredStep, layout: zero.ZeroLayout, engine, rank: int, codecs: dict) -> dict:
     """DP rank ``rank``'s ZeRO-1/2 optimizer file for the live engine's layout."""
     opt = engine.optimizer
     groups = flat_groups(engine)
@@ -198,7 +198,7 @@ def zero12_optim_file(stored: F.StoredStep, layout: F.ZeroLayout, engine, rank: 
     return sd
 
 
-def _saved_group(layout: F.ZeroLayout, group: F.FlatGroup, i: int, step: int) -> int:
+def _saved_group(layout: zero.ZeroLayout, group: zero.FlatGroup, i: int, step: int) -> int:
     """The stored parameter group the live group ``i`` takes its states from (that of its parameters)."""
     missing = [n for n in group.names if n not in layout.slots]
     if missing:
@@ -209,7 +209,7 @@ def _saved_group(layout: F.ZeroLayout, group: F.FlatGroup, i: int, step: int) ->
     return saved.pop()
 
 
-def _slice_mappings(groups: list[F.FlatGroup], rank: int) -> list:
+def _slice_mappings(groups: list[zero.FlatGroup], rank: int) -> list:
     """``param_slice_mappings``: where each parameter's piece sits in ``rank``'s partition (as DeepSpeed saves it)."""
     from deepspeed.utils.tensor_fragment import fragment_address
 

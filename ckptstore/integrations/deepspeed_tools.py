@@ -46,7 +46,7 @@ import torch
 
 import ckptstore
 
-from .. import zero as F
+from .. import zero
 from ..errors import FormatError
 from ._common import parse_standin, standin_bytes
 
@@ -126,7 +126,7 @@ class Loading:
 
     owner: object  # the CkptStoreCheckpointEngine
     step: int
-    stored: F.StoredStep
+    stored: zero.StoredStep
 
 
 #: Set by the wrapped ``engine.load_checkpoint`` for the duration of DeepSpeed's own load.
@@ -176,14 +176,14 @@ class _Source:
         weakref.finalize(self, self.repo.close)
 
 
-def weights(stored: F.StoredStep, exclude_frozen: bool, source=None, preload: bool = False) -> OrderedDict:
+def weights(stored: zero.StoredStep, exclude_frozen: bool, source=None, preload: bool = False) -> OrderedDict:
     """The consolidated weights of a step as DeepSpeed's ``zero_to_fp32`` returns them (lazy)."""
     if preload and int(stored.meta.get("zero_stage", 0)) in (1, 2, 3):
-        layout = F.ZeroLayout(stored)
+        layout = zero.ZeroLayout(stored)
         layout.preload_fp32()
         entries = layout.consolidated(exclude_frozen=exclude_frozen, float_buffers=True)
     else:
-        entries = F.consolidated(stored.ckpt, exclude_frozen=exclude_frozen, float_buffers=True)
+        entries = zero.consolidated(stored.ckpt, exclude_frozen=exclude_frozen, float_buffers=True)
     out: OrderedDict = OrderedDict()
     made = {}
     for name, dtype, shape, read in entries:
@@ -242,7 +242,7 @@ def _folder_fp32(ds_checkpoint_dir, exclude_frozen_parameters):
     url, step = found
     print(f"Processing zero checkpoint '{ds_checkpoint_dir}': ckptstore step {step} of {url}")
     source = _Source(url)
-    return weights(F.StoredStep(source.repo.checkpoint(step)), bool(exclude_frozen_parameters), source)
+    return weights(zero.StoredStep(source.repo.checkpoint(step)), bool(exclude_frozen_parameters), source)
 
 
 def _engine_fp32(checkpoint_dir, tag=None, exclude_frozen_parameters=False, lazy_mode=False):

@@ -401,8 +401,8 @@ def _upload_client_spec(opts: dict) -> dict | None:
     Uploads go through it: aiohttp on Python < 3.12.9 copies every request
     body two or three times into fresh memory (header join, ``data[n:]``,
     transport buffer), where botocore's urllib3 connection hands the part
-    buffer to ``sendall`` as it is; measured here, raw boto3 PUTs used 0.3-0.4
-    CPU-s per 427 MiB against 0.8-1.0 through aiobotocore. Options this
+    buffer to ``sendall`` as it is (the client CPU of both, measured:
+    ``docs/performance.md``, "Two figures the code's docstrings used to carry"). Options this
     cannot reproduce exactly (a caller's own session, unknown keys) keep
     uploads on s3fs.
     """

@@ -1,0 +1,564 @@
+"""The DCP ``StorageReader``: each rank reads the boxes its plan names; replicated ones once per job."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import io
+import math
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from .. import manifest as _m
+from ..errors import CkptStoreError, StepNotFoundError
+from ..exchange import (
+    Exchange,
+    Exchanger,
+    Piece,
+    ReadRegion,
+    plan_exchange,
+)
+from ..layout import check_step as _check_step
+from ..layout import manifest_key as _manifest_key
+from ..manifest import Manifest
+from ..repository import Repository
+from ..repository import open as _open
+from ..replicas import peer_fill
+from ..tensors import castable
+from ..tree import leaf_values
+from .exchanged import ExchangedRead, _box, _piece_box
+from .ids import _is_url, _pick_step, split_checkpoint_id
+from .metadata import _check_weights_only, metadata_from_manifest
+
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+
+
+class _Offer:
+    """What a rank's local load plan tells the coordinator: it can take part
+    in the exchange, over which group."""
+
+    global_rank: int
+    group_rank: int
+    group_size: int
+    exchange: bool = True  # exchange_replicated is on
+    tier: bool = False  # a node-local tier, peer reads on
+
+
+@dataclass(frozen=True)
+
+
+class _ReadStep:
+    """The step a rank resolved, carried in its local load plan to the coordinator."""
+
+    rank: int
+    step: int
+    offer: _Offer | None = None  # None: this rank does not exchange (option off, no group, no collectives)
+
+
+@dataclass(frozen=True)
+
+
+class _ReadPlan:
+    """What the coordinator hands every rank in ``prepare_global_plan``."""
+
+    rank: int
+    step: int
+    exchange: Exchange | None  # None: every item is read directly (no collective in read_data)
+    peer: bool = False  # every rank has a tier: fill each node's from the others' first (collective)
+
+
+def _region_key(item) -> tuple:
+    off = item.storage_index.offset
+    return (item.storage_index.fqn, None if off is None else tuple(off), tuple(item.storage_offsets), tuple(item.lengths))
+
+
+def _read_region(man: Manifest, key: tuple, item, chunk: int, shard_sizes: dict) -> ReadRegion | None:
+    """The planner's view of one read item; ``chunk`` 0: only its bytes matter (read by one rank)."""
+    entry = man.tensors.get(key[0])
+    if entry is None:
+        return None  # read_data names the missing tensor
+    isz = _m.itemsize(entry.dtype)
+    lengths = tuple(item.lengths)
+    rows = lengths[0] if lengths else 1
+    row_bytes = math.prod(lengths[1:]) * isz if lengths else isz
+    fetch = entry.stored_bytes / entry.nbytes if entry.nbytes else 1.0
+    align, row0 = 1, 0
+    if chunk and lengths:
+        sizes = shard_sizes.get(key[0])
+        if sizes is None:
+            offs, szs = entry.boxes()
+            sizes = shard_sizes[key[0]] = {tuple(o): tuple(n) for o, n in zip(offs.tolist(), szs.tolist())}
+        shard = sizes.get(key[1] if key[1] is not None else (0,) * len(entry.shape))
+        if shard is None:
+            return None  # read_data names the missing shard
+        row0 = item.storage_offsets[0]
+        shard_row = math.prod(shard[1:]) * isz
+        if tuple(lengths[1:]) == tuple(shard[1:]) and shard_row and chunk % shard_row == 0:
+            align = chunk // shard_row
+    return ReadRegion(key, rows, row_bytes, fetch, row0, align)
+
+
+class CkptStoreReader(StorageReader):
+    """DCP ``StorageReader`` over one committed step.
+
+    Parameters
+    ----------
+    url:
+        Repository URL, or the URL of one step (``.../step-1000``, see
+        :func:`split_checkpoint_id`); a ``checkpoint_id`` passed to
+        ``dcp.load`` replaces it.
+    step:
+        Step to load when the URL (or ``checkpoint_id``) names none; None
+        reads the newest committed step. Every rank resolves it on its own
+        (no collective, so ``no_dist=True`` and sub-groups work), and the
+        coordinator checks in ``prepare_global_plan`` that all ranks found
+        the same step: a step committed while the ranks were starting fails
+        the load on every rank with an error, never mixes steps.
+    storage_options:
+        Backend options, as for :func:`ckptstore.open`.
+    item_workers:
+        Read items processed concurrently (each fans out to coalesced,
+        concurrent range reads on the repository's I/O pool).
+    exchange_replicated:
+        Read each region that several ranks want once per job and deliver
+        it to the others over ``process_group`` (default True; used when a
+        process group is up and DCP plans with collectives). False reads
+        every item from the store on every rank that wants it.
+    process_group:
+        The group the exchange runs on: it must be the group DCP loads with
+        (``dcp.load(..., process_group=g)`` needs ``CkptStoreReader(...,
+        process_group=g)``). Default: the default group. When the ranks'
+        plans do not match this group, nothing is exchanged (with a warning).
+    exchange_timeout:
+        Seconds any rank waits for a status or a transfer of the exchange
+        before failing with an error naming what it waited for; None: the
+        group's own timeout.
+    exchange_round_bytes:
+        Most bytes of buffers one rank holds for one round of the exchange
+        (an all-gather's output, or its point-to-point messages); a rank
+        holds the buffers of at most two rounds at once.
+    exchange_piece_bytes:
+        Replicated regions larger than this (or than a quarter of each
+        rank's share) are split along dim 0 and read by several ranks;
+        smaller pieces (below an eighth of it) travel packed together.
+    exchange_all_gather_ranks:
+        On groups of at least this many ranks, regions every rank reads
+        travel by all-gather (a ring: ``ranks - 1`` steps of one message per
+        rank); on smaller groups point to point, received straight into the
+        destinations. The coordinator's settings of these three apply to
+        every rank.
+    peer_reads:
+        With a ``cache_dir`` on every rank and the ranks on more than one
+        node (tier), take from other nodes' tiers the packs this node's
+        tier lacks before reading (each chunk hash-checked when read), so
+        the object store serves only what no tier holds (default True;
+        ``docs/tier.md``, "Peer replicas"). One small all-gather per load
+        when no node lacks anything.
+
+    Destination tensors may have another floating dtype than the stored
+    one: values are cast like DCP's ``FileSystemReader`` casts them.
+    """
+
+    def __init__(
+        self,
+        url: str | os.PathLike,
+        step: int | None = None,
+        storage_options: dict | None = None,
+        item_workers: int = 4,
+        *,
+        exchange_replicated: bool = True,
+        process_group=None,
+        exchange_timeout: float | None = None,
+        exchange_round_bytes: int = 512 * MiB,
+        exchange_piece_bytes: int = 8 * MiB,
+        exchange_all_gather_ranks: int = 16,
+        peer_reads: bool = True,
+        **options,
+    ):
+        super().__init__()
+        self._default_step = None if step is None else _check_step(step)
+        self.url, id_step = split_checkpoint_id(url)
+        self.step = _pick_step(self.url, id_step, self._default_step, "CkptStoreReader")
+        self.peer_reads = bool(peer_reads)
+        #: This rank's figures of its last peer fill (packs and bytes received from and sent to
+        #: other nodes' tiers), or None when there was none.
+        self.last_peer_stats: dict | None = None
+        self.storage_options = storage_options
+        self.options = options
+        self.item_workers = item_workers
+        self.exchange_replicated = bool(exchange_replicated)
+        self.process_group = process_group
+        if exchange_timeout is not None and not exchange_timeout > 0:
+            raise ValueError(f"exchange_timeout must be a positive number of seconds or None, got {exchange_timeout!r}")
+        self.exchange_timeout = exchange_timeout
+        if exchange_round_bytes < 1:
+            raise ValueError(f"exchange_round_bytes must be positive, got {exchange_round_bytes!r}")
+        self.exchange_round_bytes = int(exchange_round_bytes)
+        if exchange_piece_bytes < 1:
+            raise ValueError(f"exchange_piece_bytes must be positive, got {exchange_piece_bytes!r}")
+        self.exchange_piece_bytes = int(exchange_piece_bytes)
+        self.exchange_all_gather_ranks = int(exchange_all_gather_ranks)
+        self.rank = 0
+        self._use_collectives = True
+        self._repo: Repository | None = None
+        self._ckpt = None
+        #: This rank's figures of its last ``read_data``: bytes it read for
+        #: itself and for others, sent and received, rounds.
+        self.last_read_stats: dict | None = None
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            url, id_step = split_checkpoint_id(checkpoint_id)
+            if url != self.url:
+                self.close()  # a cached repository must not serve another checkpoint
+                self.url = url
+            self.step = id_step if id_step is not None else self._default_step
+        self._ckpt = None
+
+    def _get_repo(self) -> Repository:
+        if self._repo is None:
+            self._repo = _open(self.url, storage_options=self.storage_options, **self.options)
+        return self._repo
+
+    def read_stats(self) -> dict:
+        """Stored chunk bytes this rank has read, by source: ``{"tier", "peer", "store"}``."""
+        return self._get_repo().read_stats()
+
+    def _resolve_step(self) -> int:
+        repo = self._get_repo()
+        step = self.step
+        if step is None:
+            step = repo.latest()  # committed: the step every rank sees
+            if step is None:
+                raise StepNotFoundError(f"{repo.url}: the repository has no committed step")
+        elif step in repo.pending_steps() and not repo.store.exists(_manifest_key(step)):
+            # A write-back step not yet committed lives on this node's disk only:
+            # the other ranks' nodes cannot read it, so no rank restores it.
+            raise StepNotFoundError(
+                f"{repo.url}: step {step} was saved with write-back and is not committed in the store yet "
+                "(only this node's tier holds it; other ranks cannot read it): flush it first "
+                f"(repo.flush(), or `ckptstore flush {repo.url} --cache-dir {repo.tier.cache_dir}`)"
+            )
+        return step
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        self._ckpt = self._get_repo().checkpoint(self._resolve_step())
+        return metadata_from_manifest(self._ckpt.manifest)
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        rank = kwargs.get("rank")
+        if rank is None:
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        self.rank = int(rank)
+        self._use_collectives = bool(kwargs.get("use_collectives", True))
+        if self._ckpt is None:
+            self._ckpt = self._get_repo().checkpoint(self._resolve_step())
+
+    def _group(self):
+        return self.process_group if self.process_group is not None else dist.group.WORLD
+
+    def _offer(self) -> _Offer | None:
+        peer = self.peer_reads and self._get_repo().tier is not None
+        if not ((self.exchange_replicated or peer) and self._use_collectives and dist.is_available()
+                and dist.is_initialized()):
+            return None
+        group = self._group()
+        group_rank = dist.get_rank(group)
+        if group_rank < 0:
+            return None  # this process is not in the group
+        return _Offer(dist.get_rank(), group_rank, dist.get_world_size(group), self.exchange_replicated, peer)
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return dataclasses.replace(plan, storage_data=_ReadStep(self.rank, self._ckpt.step, self._offer()))
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        found = {p.storage_data.rank: p.storage_data.step for p in plans if isinstance(p.storage_data, _ReadStep)}
+        if len(set(found.values())) > 1:
+            by_step: dict[int, list[int]] = {}
+            for rank, step in sorted(found.items()):
+                by_step.setdefault(step, []).append(rank)
+            seen = "; ".join(f"step {s} on rank(s) {r}" for s, r in sorted(by_step.items()))
+            raise CkptStoreError(
+                f"{self._get_repo().url}: the ranks found different latest steps ({seen}): a step was "
+                "committed while the load started. Load again, or pass step= so every rank reads the same step"
+            )
+        step = next(iter(found.values()), self._ckpt.step if self._ckpt is not None else None)
+        offers = self._group_offers(plans)
+        peer = offers is not None and all(o.tier for o in offers)
+        exchanges = self._plan_exchange(plans) if offers is not None and all(o.exchange for o in offers) else None
+        return [
+            dataclasses.replace(p, storage_data=_ReadPlan(i, step, None if exchanges is None else exchanges[i], peer))
+            for i, p in enumerate(plans)
+        ]
+
+    def _group_offers(self, plans: list[LoadPlan]) -> list[_Offer] | None:
+        """Every rank's offer when all of them can take part in collectives over the reader's group."""
+        if len(plans) < 2 or self._ckpt is None:
+            return None
+        offers = [p.storage_data.offer if isinstance(p.storage_data, _ReadStep) else None for p in plans]
+        if any(o is None for o in offers):
+            return None  # some rank has it off, or DCP plans without collectives
+        mine = self._offer()
+        problem = None
+        if mine is None:
+            problem = "the coordinator is not in the reader's process group"
+        elif any(o.group_size != len(plans) or o.group_rank != i or p.storage_data.rank != i
+                 for i, (o, p) in enumerate(zip(offers, plans))):
+            problem = (f"DCP planned {len(plans)} ranks, the reader's process group has "
+                       f"{sorted({o.group_size for o in offers})} ranks")
+        elif [o.global_rank for o in offers] != list(dist.get_process_group_ranks(self._group())):
+            problem = "the ranks DCP planned are not the members of the reader's process group"
+        if problem is not None:
+            warnings.warn(
+                f"{self._get_repo().url}: replicated items are read on every rank that wants them (no exchange, "
+                f"no reads from peers' tiers): {problem}. A load on a sub-group needs "
+                "CkptStoreReader(..., process_group=<the same group>)",
+                stacklevel=3,
+            )
+            return None
+        return offers
+
+    def _plan_exchange(self, plans: list[LoadPlan]) -> list[Exchange | None] | None:
+        """The coordinator's exchange plan, or None when the ranks read everything themselves."""
+        # Which ranks read each region; nothing more to do when none is read twice (FSDP).
+        keyed: list[list[tuple[tuple, Any]]] = []
+        count: dict[tuple, int] = {}
+        for p in plans:
+            mine = {}
+            for item in p.items:
+                if item.type == LoadItemType.TENSOR:
+                    mine.setdefault(_region_key(item), item)
+            for key in mine:
+                count[key] = count.get(key, 0) + 1
+            keyed.append(list(mine.items()))
+        if not any(c > 1 for c in count.values()):
+            return None
+        man = self._ckpt.manifest
+        repo = self._get_repo()
+        repo.config()  # the repository's chunk size: splits at chunk boundaries where rows allow
+        chunk = repo.options.chunk_size
+        shard_sizes: dict[str, dict[tuple, tuple]] = {}  # fqn -> shard offsets -> sizes
+        cache: dict[tuple, ReadRegion | None] = {}
+        wants: list[list[ReadRegion]] = []
+        for mine in keyed:
+            regs = []
+            for key, item in mine:
+                g = cache.get(key, False)
+                if g is False:
+                    g = cache[key] = _read_region(man, key, item, chunk if count[key] > 1 else 0, shard_sizes)
+                if g is not None:
+                    regs.append(g)
+            wants.append(regs)
+        return plan_exchange(wants, round_bytes=self.exchange_round_bytes, min_piece=self.exchange_piece_bytes,
+                             gather_min_ranks=self.exchange_all_gather_ranks)
+
+    # -- read_data ----------------------------------------------------------
+    def _prepare(self, plan: LoadPlan, planner: LoadPlanner, exchanged: set):
+        """Bytes items loaded; tensor items split into direct reads and exchanged regions."""
+        ckpt = self._ckpt
+        man = ckpt.manifest
+        bytes_keys = set((man.dcp or {}).get("bytes", []))
+        values = leaf_values(man.tree) if man.dcp is None else {}
+        direct = []
+        regions: dict[tuple, list] = {}  # key -> [(item, entry, shard index, target), ...]
+        for item in plan.items:
+            fqn = item.storage_index.fqn
+            if item.type == LoadItemType.BYTE_IO:
+                if fqn in bytes_keys:
+                    data = ckpt.read(fqn).numpy().tobytes()
+                elif fqn in values:
+                    # A step saved by repo.save holds plain JSON values; DCP
+                    # expects them as torch.save bytes of the value.
+                    buf = io.BytesIO()
+                    torch.save(values[fqn][0], buf)
+                    data = buf.getvalue()
+                else:
+                    raise KeyError(f"{ckpt.repo.url}: step {man.step} has no value {fqn!r}")
+                _check_weights_only(data, f"{ckpt.repo.url}: step {man.step}: bytes item {fqn!r}")
+                planner.load_bytes(item, io.BytesIO(data))
+                continue
+            entry = man.tensors.get(fqn)
+            if entry is None:
+                raise KeyError(f"{ckpt.repo.url}: step {man.step} has no tensor {fqn!r}")
+            index = ckpt.shard_at(fqn, item.storage_index.offset)
+            target = planner.resolve_tensor(item).detach()
+            key = _region_key(item)
+            if key in exchanged:
+                stored = _m.DTYPES[entry.dtype]
+                if not castable(stored, target.dtype) or tuple(target.shape) != tuple(item.lengths):
+                    raise ValueError(
+                        f"{ckpt.repo.url}: step {man.step}: tensor {fqn!r} is {entry.dtype}; the destination of "
+                        f"its box {tuple(item.storage_offsets)}+{tuple(item.lengths)} is "
+                        f"{str(target.dtype).removeprefix('torch.')}{list(target.shape)}"
+                        " (values are cast only between floating dtypes, or between complex dtypes)"
+                    )
+                regions.setdefault(key, []).append((item, entry, index, target))
+            else:
+                direct.append((item, entry, index, _box(item), target))
+        return direct, regions
+
+    def _read_all(self, jobs) -> None:
+        """Run ``(entry, shard index, box, target)`` reads on ``item_workers`` threads."""
+        if not jobs:
+            return
+        ckpt = self._ckpt
+
+        def run(job):
+            entry, index, local, target = job
+            (shard,) = ckpt.shards(entry.key, [index])
+            ckpt.read_shard(entry, shard, local, target)
+
+        if len(jobs) == 1:
+            run(jobs[0])
+            return
+        with cf.ThreadPoolExecutor(min(self.item_workers, len(jobs)), thread_name_prefix="ckpt-dcp") as ex:
+            futures = [ex.submit(run, j) for j in jobs]
+            for f in futures:
+                f.result()
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        sd = plan.storage_data
+        ex = sd.exchange if isinstance(sd, _ReadPlan) else None
+        self.last_peer_stats = None
+        if isinstance(sd, _ReadPlan) and sd.peer:
+            self._peer_fill(plan, ex)
+        if ex is None:
+            self._read_direct(plan, planner)
+        else:
+            self._read_exchanged(plan, planner, ex)
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    def _peer_fill(self, plan: LoadPlan, ex: Exchange | None) -> None:
+        """Fill this node's tier from the other nodes' tiers with what this rank will read (collective)."""
+        ckpt = self._ckpt
+        group = self._group()
+        where = f"{ckpt.repo.url}: step {ckpt.step}"
+        xg = Exchanger(group, dist.get_rank(group), self.exchange_timeout, where, activity="peer fill")
+        refs: list = []
+        failure = None
+        try:
+            exchanged: set = set()
+            owned: list[Piece] = []
+            if ex is not None:
+                exchanged = {p.key for m in ex.messages for p in m.pieces}
+                exchanged.update(p.key for g in ex.gathers for ps in g.parts for p in ps)
+                owned = [p for m in ex.messages if m.src == xg.rank for p in m.pieces]
+                owned += [p for g in ex.gathers for p in g.parts[xg.rank]]
+            boxes, first = [], {}
+            for item in plan.items:
+                if item.type != LoadItemType.TENSOR:
+                    continue
+                key = _region_key(item)
+                if key in exchanged:
+                    first.setdefault(key, item)
+                else:
+                    boxes.append((item, _box(item)))
+            boxes += [(first[p.key], _piece_box(first[p.key], p)) for p in owned if p.key in first]
+            jobs = []
+            for item, box in boxes:
+                fqn = item.storage_index.fqn
+                entry = ckpt.manifest.tensors.get(fqn)
+                if entry is not None:
+                    jobs.append((entry, ckpt.shard_at(fqn, item.storage_index.offset), box))
+            ckpt.resolve([(e.key, i) for e, i, _ in jobs])
+            for e, i, box in jobs:
+                (shard,) = ckpt.shards(e.key, [i])
+                refs += ckpt.box_refs(e, shard, box)
+        except Exception as e:  # reported to every rank before any transfer
+            failure = e
+        repo = self._get_repo()
+        stats = peer_fill(xg, repo.tier, refs, self.exchange_round_bytes, failure)
+        with repo.fetcher._lock:
+            repo.fetcher.peer_packs.update(stats.pop("packs"))
+        self.last_peer_stats = stats
+
+    def _read_direct(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        direct, _ = self._prepare(plan, planner, set())
+        # One batch of chunk-table reads for every shard this rank reads.
+        self._ckpt.resolve([(entry.key, index) for _, entry, index, _, _ in direct])
+        self._read_all([(entry, index, local, target) for _, entry, index, local, target in direct])
+        for item, _, _, _, target in direct:
+            planner.commit_tensor(item, target)
+        n = sum(t.numel() * _m.itemsize(e.dtype) for _, e, _, _, t in direct)
+        self.last_read_stats = {"rank": self.rank, "exchange": False, "direct_bytes": n, "owned_bytes": 0,
+                                "sent_bytes": 0, "received_bytes": 0, "rounds": 0, "all_gathers": 0,
+                                "messages": 0}
+
+    def _read_exchanged(self, plan: LoadPlan, planner: LoadPlanner, ex: Exchange) -> None:
+        """Read what this rank owns, exchange replicated pieces round by round, every wait bounded.
+
+        Collectives happen only in :meth:`Exchanger.status` (once per
+        round) and the transfers after it; a failure anywhere else is kept
+        and reported at the next status, so every rank stops at the same
+        point instead of waiting for a peer that has given up.
+        """
+        ckpt = self._ckpt
+        where = f"{ckpt.repo.url}: step {ckpt.step}"
+        xg = Exchanger(self._group(), dist.get_rank(self._group()), self.exchange_timeout, where)
+        me = xg.rank
+        stats = {"rank": me, "exchange": True, "direct_bytes": 0, "owned_bytes": 0, "sent_bytes": 0,
+                 "received_bytes": 0, "rounds": ex.rounds, "all_gathers": len(ex.gathers),
+                 "messages": len(ex.messages)}
+        exchanged = {p.key for m in ex.messages for p in m.pieces}
+        exchanged.update(p.key for g in ex.gathers for ps in g.parts for p in ps)
+        failure: BaseException | None = None
+        direct: list = []
+        regions: dict = {}
+        all_cuda = False
+        try:
+            direct, regions = self._prepare(plan, planner, exchanged)
+            missing = exchanged - set(regions)
+            if missing:
+                raise CkptStoreError(f"{where}: the exchange plan names regions this rank does not read: "
+                                     f"{sorted(k[0] for k in missing)[:5]}")
+            mine = [p for m in ex.messages if m.src == me for p in m.pieces]
+            mine += [p for g in ex.gathers for p in g.parts[me]]
+            owned = [(regions[p.key][0][1], regions[p.key][0][2]) for p in mine]
+            ckpt.resolve([(e.key, i) for _, e, i, _, _ in direct] + [(e.key, i) for e, i in owned])
+            targets = [t for lst in regions.values() for (_, _, _, t) in lst]
+            all_cuda = xg.cuda_capable and bool(targets) and all(t.device.type == "cuda" for t in targets)
+        except Exception as e:  # reported to every rank at the first status
+            failure = e
+        if failure is None:
+            reads = ExchangedRead(xg, ex, direct, regions, self._read_all, stats)
+            prepare = reads.prepare
+        else:
+            prepare = None  # never called: the failure is reported at the first status
+        xg.pick_device(failure, all_cuda)
+        xg.run(ex.rounds, prepare, failure)
+        for lst in regions.values():
+            for item, _, _, target in lst:
+                planner.commit_tensor(item, target)
+        for item, _, _, _, target in direct:
+            planner.commit_tensor(item, target)
+        self.last_read_stats = stats
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return _is_url(checkpoint_id)
+
+    def close(self) -> None:
+        if self._repo is not None:
+            self._repo.close()
+            self._repo = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
