@@ -174,6 +174,8 @@ def write_segment(cat: Catalog, builder: TableBuilder, store=None) -> SegmentRef
         raise PackVanishedError(f"{cat.url}/{key}: segment vanished after its upload completed") from None
     if size != len(data) or got != len(data):
         raise StorageError(f"{cat.url}/{key}: stored size {got}, expected {len(data)}")
+    if cat.tier is not None and store is cat.store:
+        cat.tier.put_segment(sid, data)  # write-through: a restart on this node reads its chunk table here
     return SegmentRef(sid, len(data), len(builder), header_len, digest.hex())
 
 

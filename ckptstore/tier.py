@@ -10,7 +10,7 @@ shares one tier, concurrently and across restarts (``docs/tier.md``)::
         repo.json                  {"url": ...} (for people and `ckptstore cache ls`)
         packs/<id[:2]>/<id>.pack   whole packs a save wrote (write-through), byte for byte the store's
         chunks/<h[:2]>/<h>         chunks read from the store, in their stored (compressed) form
-        segments/<id[:2]>/<id>.seg chunk tables of committed write-back steps
+        segments/<id[:2]>/<id>.seg chunk tables a save wrote (through, or committed from wb/)
         wb/packs/..., wb/segments/...  the packs and chunk tables of pending write-back steps:
                                    out of eviction's and prune's reach; moved to packs/ and
                                    segments/ (one rename each) once the step is committed
@@ -50,6 +50,7 @@ import threading
 import uuid
 
 from . import codec as _codec
+from .layout import segment_key
 from .storage.local import LocalStore
 
 log = logging.getLogger(__name__)
@@ -276,13 +277,24 @@ class Tier:
 
     def publish_pack(self, pack_id: str, data) -> bool:
         """Keep a whole pack received from a peer (checked chunk by chunk when read); False if not kept."""
-        if not self._writable or self.has_pack(pack_id):
-            return self.has_pack(pack_id)
+        if self.has_pack(pack_id):
+            return True
+        return self._publish(self.pack_path(pack_id), data)
+
+    def put_segment(self, segment_id: str, data) -> bool:
+        """Keep a chunk-table segment a direct save wrote to the store (write-through): read from here
+        first, checked against the manifest's digest like the store's copy; False if not kept."""
+        path = os.path.join(self.root, segment_key(segment_id))
+        return os.path.isfile(path) or self._publish(path, data)
+
+    def _publish(self, path: str, data) -> bool:
+        """Write a whole file under ``.tmp/`` and publish it by an exclusive link; never raises."""
+        if not self._writable:
+            return False
         try:
             self.prepare()
-            path = self.pack_path(pack_id)
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = os.path.join(self.store.tmp_dir(), f"{pack_id[:16]}.{uuid.uuid4().hex[:8]}")
+            tmp = os.path.join(self.store.tmp_dir(), f"{os.path.basename(path)[:16]}.{uuid.uuid4().hex[:8]}")
             with open(tmp, "wb") as f:
                 f.write(data)
             try:

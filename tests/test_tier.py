@@ -54,12 +54,14 @@ def test_a_restart_on_the_same_node_reads_no_pack_from_the_store(repo_url, tmp_p
     repo, counting = _counting(url, so, cache_dir=cache)
     assert_tree_equal(repo.load(1), sd)
     assert counting.read_by_prefix.get("packs", 0) == 0
+    assert counting.read_by_prefix.get("segments", 0) == 0, "the chunk table is written through too"
     assert repo.read_stats() == {"tier": repo.read_stats()["tier"], "peer": 0, "store": 0}
     assert repo.read_stats()["tier"] > 0.9 * stored - 4096
     # without the tier the same load reads the packs from the store
     plain, counting = _counting(url, so)
     assert_tree_equal(plain.load(1), sd)
     assert counting.read_by_prefix.get("packs", 0) > 0 and plain.read_stats()["tier"] == 0
+    assert counting.read_by_prefix.get("segments", 0) > 0
     repo.close()
     plain.close()
 
