@@ -130,8 +130,9 @@ def test_cache_ls_lists_each_repository_with_its_files(tmp_path, capsys):
         mine = os.path.join(cache, "repos", repo_key(url))
         packs = glob.glob(os.path.join(mine, "packs", "*", "*"))
         chunks = glob.glob(os.path.join(mine, "chunks", "*", "*"))
-        assert (r["packs"], r["chunks"]) == (len(packs), len(chunks))
-        assert r["bytes"] == sum(os.path.getsize(p) for p in packs + chunks)
+        segments = glob.glob(os.path.join(mine, "segments", "*", "*"))  # written through with the packs
+        assert (r["packs"], r["chunks"], r["segments"]) == (len(packs), len(chunks), len(segments))
+        assert r["bytes"] == sum(os.path.getsize(p) for p in packs + chunks + segments)
         assert r["key"] == repo_key(url) and r["last_used"] is not None
     assert by_url[canonical_url(a)]["packs"] > 0 and by_url[canonical_url(b)]["chunks"] > 0
     assert doc["bytes"] == _held(cache)
