@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from .errors import CkptStoreError
 
-__all__ = ["ReadRegion", "RankReadError", "plan_exchange", "Exchanger", "Exchange", "Message", "Gather", "Piece", "Round"]
+__all__ = ["ReadRegion", "RankReadError", "plan_exchange", "Exchanger", "Exchange", "Message", "Gather", "Piece", "Round", "TorchComm"]
 
 MiB = 1 << 20
 
@@ -387,6 +387,41 @@ def takes_bytes(t: torch.Tensor, dtype: torch.dtype, device: torch.device | None
     )
 
 
+class TorchComm:
+    """The collectives and transfers an :class:`Exchanger` uses, over a ``torch.distributed`` group.
+
+    Every call starts the operation and returns something with
+    ``wait(timeout=None) -> bool | None`` (False: not done in time). Tests
+    swap in a fake of the same shape (``tests/fake_comm.py``: ranks as
+    threads of one process) to run the exchange's protocol without
+    processes.
+    """
+
+    def __init__(self, group):
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.devices = _backend_devices(group)
+
+    def all_reduce_max(self, t: torch.Tensor):
+        return dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+
+    def all_gather(self, out: list[torch.Tensor], t: torch.Tensor):
+        return dist.all_gather(out, t, group=self.group, async_op=True)
+
+    def all_gather_into_tensor(self, out: torch.Tensor, t: torch.Tensor):
+        return dist.all_gather_into_tensor(out, t, group=self.group, async_op=True)
+
+    def post(self, sends, recvs, batched: bool) -> list:
+        """Start sends ``(tensor, dst, tag)`` and receives ``(tensor, src, tag)``: one work each, receives
+        first (``batched``: one ``batch_isend_irecv``, sends first, as NCCL needs)."""
+        if batched:
+            ops = [dist.P2POp(dist.isend, t, group=self.group, group_peer=p, tag=tag) for t, p, tag in sends]
+            ops += [dist.P2POp(dist.irecv, t, group=self.group, group_peer=p, tag=tag) for t, p, tag in recvs]
+            return dist.batch_isend_irecv(ops) if ops else []
+        works = [dist.irecv(t, group=self.group, group_src=p, tag=tag) for t, p, tag in recvs]
+        return works + [dist.isend(t, group=self.group, group_dst=p, tag=tag) for t, p, tag in sends]
+
+
 class Exchanger:
     """Status collectives and point-to-point transfers of one load, every wait bounded.
 
@@ -397,15 +432,16 @@ class Exchanger:
     """
 
     def __init__(self, group, rank: int, timeout: float | None, where: str, activity: str = "load",
-                 error: type[CkptStoreError] = RankReadError):
+                 error: type[CkptStoreError] = RankReadError, comm=None):
         self.group = group
+        self.comm = comm if comm is not None else TorchComm(group)
         self.activity = activity  # what failed, in messages: "load", "peer fill", "replication"...
         self.error = error  # raised on every rank when one failed
         self.rank = rank
-        self.size = dist.get_world_size(group)
+        self.size = self.comm.size
         self.timeout = timeout
         self.where = where
-        devices = _backend_devices(group)
+        devices = self.comm.devices
         self.cuda_capable = "cuda" in devices and torch.cuda.is_available()
         self.status_device = torch.device("cpu") if "cpu" in devices else torch.device("cuda", torch.cuda.current_device())
         self.nccl_style = "cpu" not in devices  # a backend of device tensors only: batched p2p
@@ -433,8 +469,7 @@ class Exchanger:
     def status(self, failure: BaseException | None, stage: str, flag: int = 0) -> int:
         """Every rank's ok/failed (and the largest ``flag``); raises on every rank if any failed."""
         t = torch.tensor([1 if failure is not None else 0, flag], dtype=torch.int64, device=self.status_device)
-        self._wait(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True),
-                   f"the status exchange {stage}")
+        self._wait(self.comm.all_reduce_max(t), f"the status exchange {stage}")
         if int(t[0]) == 0:
             return int(t[1])
         text = b""
@@ -448,7 +483,7 @@ class Exchanger:
             mine[3 : 3 + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
         mine = mine.to(self.status_device)
         out = [torch.empty_like(mine) for _ in range(self.size)]
-        self._wait(dist.all_gather(out, mine, group=self.group, async_op=True), f"the failure report {stage}")
+        self._wait(self.comm.all_gather(out, mine), f"the failure report {stage}")
         said = {}
         for r, b in enumerate(out):
             b = b.cpu()
@@ -466,18 +501,12 @@ class Exchanger:
 
     def post(self, sends: list[tuple[torch.Tensor, int, int]], recvs: list[tuple[torch.Tensor, int, int]]):
         """Start sends ``(tensor, dst, tag)`` and receives ``(tensor, src, tag)``; the works to wait on."""
+        works = self.comm.post(sends, recvs, self.nccl_style)
         if self.nccl_style:
-            ops = [dist.P2POp(dist.isend, t, group=self.group, group_peer=p, tag=tag) for t, p, tag in sends]
-            ops += [dist.P2POp(dist.irecv, t, group=self.group, group_peer=p, tag=tag) for t, p, tag in recvs]
-            works = dist.batch_isend_irecv(ops) if ops else []
             peers = [f"send to rank {p}" for _, p, _ in sends] + [f"receive from rank {p}" for _, p, _ in recvs]
-            return list(zip(works, peers))
-        out = []
-        for t, p, tag in recvs:
-            out.append((dist.irecv(t, group=self.group, group_src=p, tag=tag), f"receive from rank {p}"))
-        for t, p, tag in sends:
-            out.append((dist.isend(t, group=self.group, group_dst=p, tag=tag), f"send to rank {p}"))
-        return out
+        else:
+            peers = [f"receive from rank {p}" for _, p, _ in recvs] + [f"send to rank {p}" for _, p, _ in sends]
+        return list(zip(works, peers))
 
     def wait_all(self, works, stage: str) -> None:
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
@@ -526,8 +555,7 @@ class Exchanger:
                 works = self.post(ready.sends, ready.recvs)
                 if ready.gather is not None:
                     share, out = ready.gather
-                    works.append((dist.all_gather_into_tensor(out, share, group=self.group, async_op=True),
-                                  "all-gather of every rank's share"))
+                    works.append((self.comm.all_gather_into_tensor(out, share), "all-gather of every rank's share"))
             except Exception as e:
                 raise self.error(f"{self.where}: rank {self.rank}: starting the transfers of round {r + 1} failed: "
                                  f"{type(e).__name__}: {e}") from e

@@ -142,13 +142,13 @@ def gather_json(xg: Exchanger, obj) -> list:
     dev = xg.status_device
     n = torch.tensor([len(data)], dtype=torch.int64, device=dev)
     sizes = [torch.zeros_like(n) for _ in range(xg.size)]
-    xg._wait(dist.all_gather(sizes, n, group=xg.group, async_op=True), "the size exchange")
+    xg._wait(xg.comm.all_gather(sizes, n), "the size exchange")
     width = max(int(s) for s in sizes)
     mine = torch.zeros(width, dtype=torch.uint8)
     mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     mine = mine.to(dev)
     out = [torch.empty_like(mine) for _ in range(xg.size)]
-    xg._wait(dist.all_gather(out, mine, group=xg.group, async_op=True), "the exchange of what each rank holds")
+    xg._wait(xg.comm.all_gather(out, mine), "the exchange of what each rank holds")
     return [json.loads(bytes(o[: int(s)].cpu().numpy())) for o, s in zip(out, sizes)]
 
 
@@ -208,7 +208,7 @@ def peer_fill(xg: Exchanger, tier, refs, round_bytes: int, failure: BaseExceptio
         return stats
     mine = torch.tensor([tier.pack_size(p) for p in union], dtype=torch.int64, device=xg.status_device)
     held = [torch.empty_like(mine) for _ in range(xg.size)]
-    xg._wait(dist.all_gather(held, mine, group=xg.group, async_op=True), "the exchange of the packs each tier holds")
+    xg._wait(xg.comm.all_gather(held, mine), "the exchange of the packs each tier holds")
     held_lists = [h.cpu().tolist() for h in held]
     rounds = plan_peer_fill(node_ids, [s["missing"] for s in said], union, held_lists, round_bytes)
     stats["rounds"] = len(rounds)
@@ -246,11 +246,11 @@ class Replicator:
     too); a background thread runs the transfers in save order.
     """
 
-    def __init__(self, tier, group, where: str, timeout: float | None = None):
+    def __init__(self, tier, group, where: str, timeout: float | None = None, comm=None):
         self.tier = tier
         self.where = where
-        rank = dist.get_rank(group)
-        self.xg = Exchanger(group, rank, timeout, where, activity="replication", error=ReplicaError)
+        rank = dist.get_rank(group) if comm is None else comm.rank
+        self.xg = Exchanger(group, rank, timeout, where, activity="replication", error=ReplicaError, comm=comm)
         ids = gather_json(self.xg, tier.node_id())
         peers = replica_peers(ids)
         self.nodes = len(set(ids))
