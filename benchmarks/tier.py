@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python -m benchmarks.tier [--size-gib 1.0] [--rounds 3] [--json OUT.json] [--no-pin] [--seed 0]
+    python -m benchmarks.tier [--size-gib 1.0] [--rounds 3] [--json OUT.json] [--no-pin] [--seed 0] [--cache-decoded]
 
 One SeaweedFS server (``weed server -s3`` on loopback, pinned to its own CPU
 unless ``--no-pin``; the ranks then run on the other CPU(s)). Ranks are
@@ -249,7 +249,7 @@ def worker_nodes(rank: int, world: int, port: int, cfg: dict) -> None:
         r.log("  .. warm-up: one untimed save to SeaweedFS (another prefix)")
         r.timed("save", "dcp-fs", save(FileSystemWriter(cfg["fs_path"])))
         r.timed("save", "ckpt-tier", save(CkptStoreWriter(cfg["url"], step=1, storage_options=so, cache_dir=mine,
-                                                          pack_size=PACK_SIZE)))
+                                                          pack_size=PACK_SIZE, **cfg["tier_opts"])))
         # the same save without a tier (another prefix): what write-through costs a save
         r.timed("save", "ckpt-store", save(CkptStoreWriter(cfg["url"] + "-plain", step=1, storage_options=so,
                                                            pack_size=PACK_SIZE)))
@@ -422,6 +422,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", metavar="OUT.json", help="write the results here")
     ap.add_argument("--no-pin", action="store_true", help="do not pin the server and the ranks to CPUs")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cache-decoded", action="store_true",
+                    help="the tier's save keeps chunks decoded too (cache_decoded=True): restores read them in place")
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
@@ -446,7 +448,8 @@ def main(argv=None) -> int:
     cfg = {"size_gib": args.size_gib, "seed": args.seed, "rounds": args.rounds, "tmp": tmp, "save_world": world,
            "fs_path": os.path.join(tmp, "dcp-fs"), "one_node": os.path.join(tmp, "one-node"),
            "out_nodes": os.path.join(tmp, "nodes.json"), "out_reshard": os.path.join(tmp, "reshard.json"),
-           "client_cpus": sorted(pinning.client_cpus) if pinning.enabled else None}
+           "client_cpus": sorted(pinning.client_cpus) if pinning.enabled else None,
+           "tier_opts": {"cache_decoded": True} if args.cache_decoded else {}}
     started = time.perf_counter()
     try:
         with seaweedfs(BUCKET) as server:
@@ -476,7 +479,8 @@ def main(argv=None) -> int:
     print()
     print(f"Produced by: {command}")
     print(f"  ckptstore at commit {commit}; {args.size_gib:g} GiB fp32 randn in {nodes['tensors']} tensors, DTensors "
-          f"Shard(0) over {world} ranks (nodes: ranks 0-1 and 2-3, one cache_dir each); SeaweedFS pinned: "
+          f"Shard(0) over {world} ranks (nodes: ranks 0-1 and 2-3, one cache_dir each"
+          f"{', cache_decoded=True' if args.cache_decoded else ''}); SeaweedFS pinned: "
           f"{server_cpus}; packs of {human(PACK_SIZE)}, chunks of {human(chunk)}")
     print(f"  saves (once each, no target): dcp-fs {saves.get('dcp-fs', 0):.2f} s; ckptstore to SeaweedFS with "
           f"write-through to the tier {saves.get('ckpt-tier', 0):.2f} s, then without a tier (another prefix) "

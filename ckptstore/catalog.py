@@ -92,7 +92,8 @@ class Catalog:
         :class:`~ckptstore.options.RepoOptions` fields.
     """
 
-    def __init__(self, store: ObjectStore, clock: Clock | None = None, cache_dir=None, cache_size=None, **options):
+    def __init__(self, store: ObjectStore, clock: Clock | None = None, cache_dir=None, cache_size=None,
+                 cache_decoded: bool = False, **options):
         self.store = store
         self.url = store.url
         self.options = RepoOptions.from_kwargs(bool(getattr(store, "remote", False)), **options)
@@ -101,7 +102,9 @@ class Catalog:
         self.relocations = Relocations(store)
         if cache_dir is None and cache_size is not None:
             raise ValueError("cache_size needs a cache_dir")
-        self.tier = Tier(cache_dir, store.url, cache_size) if cache_dir is not None else None
+        if cache_decoded and cache_dir is None:
+            raise ValueError("cache_decoded needs a cache_dir")
+        self.tier = Tier(cache_dir, store.url, cache_size, decoded=cache_decoded) if cache_dir is not None else None
         self.fetcher = ChunkFetcher(store, self.runtime, self.options, self.relocations, self.tier)
         self.tables = ChunkTables(store, self.runtime, self.tier)
         #: The write-back queue (:mod:`ckptstore.writeback`) of a handle opened with ``write_back=True``.

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import os
 import threading
 from typing import Callable, Sequence
 
@@ -167,6 +168,8 @@ class _Job:
         in_chunks: list[int] = []
         rest: list[int] = []
         local_pack: dict[str, bool] = {}
+        if self.into is not None:
+            items = self.from_raw(items)
         for i in items:
             pid = refs[i].pack
             if tier.has_chunk(refs[i].hash):
@@ -203,6 +206,49 @@ class _Job:
             with self.f._lock:
                 tier.stats["tier_misses"] += len(misses)
         return rest + sorted(misses)
+
+    def from_raw(self, items: list[int]) -> list[int]:
+        """Chunks kept decoded (``raw/``), each read straight into its destination and checked there;
+        the chunks left (none kept, or a miss) for the tier's other copies and the store."""
+        tier = self.f.tier
+        raw = [i for i in items if os.path.isfile(tier.raw_path(self.refs[i].hash))]
+        if not raw:
+            return items
+        taken = set(raw)
+        left = [i for i in items if i not in taken]
+        lock = threading.Lock()
+
+        def missed(idx) -> None:
+            with lock:
+                left.extend(idx)
+
+        futures = [self.f.runtime.io.submit(self.tier_raw, i, missed) for i in raw]
+        try:
+            for fut in cf.as_completed(futures):
+                fut.result()
+        except BaseException:
+            for fut in futures:
+                fut.cancel()
+            cf.wait(futures)
+            raise
+        return left
+
+    def tier_raw(self, i: int, missed) -> None:
+        """A decoded chunk file, read straight into the chunk's destination and hash-checked there; a
+        chunk without a destination, a short file or a hash that differs is a miss (read as usual)."""
+        r = self.refs[i]
+        tier = self.f.tier
+        dest = self.into(i)
+        if dest is None or memoryview(dest).nbytes != r.raw_len or not tier.read_raw_into(r.hash, dest):
+            missed([i])
+            return
+        if _codec.hash_bytes(dest) != r.hash:
+            tier.discard_raw(r.hash)  # the destination's bytes are rewritten by the read that follows
+            missed([i])
+            return
+        self.f.count("tier", r.stored_len)
+        if self.done is not None:
+            self.done(i)
 
     def tier_chunk(self, i: int, missed) -> None:
         """One chunk kept in the tier by an earlier read: decode and check it, else a miss."""

@@ -226,7 +226,9 @@ def open(url: str, storage_options: dict | None = None, **options) -> Repository
         node-local tier, shared by the node's processes that name it:
         saves keep what they upload there and reads take each chunk from it
         first, hash-checked; see ``docs/tier.md``) and ``cache_size`` (its
-        budget, ``"200GB"`` or bytes); ``write_back=True`` (with a
+        budget, ``"200GB"`` or bytes); ``cache_decoded=True``: saves also
+        keep each new chunk decoded in the tier, which loads read straight
+        into their destinations (about the raw size more disk); ``write_back=True`` (with a
         ``cache_dir``): a save returns once the step is durable in the tier
         and is committed in the store in the background, at most
         ``write_back_steps`` (2) steps pending (:mod:`ckptstore.writeback`).

@@ -336,6 +336,7 @@ class ChunkWriter:
         # A write-back save writes its packs into the tier (``store``), with no second copy.
         self.packs = PackWriter(cat.store if store is None else store, cat.runtime, o, part_window(o, self.lookahead),
                                 mirror=cat.tier if store is None else None)
+        self.raw_tier = cat.tier if cat.tier is not None and cat.tier.decoded and cat.tier.writable else None
         self.scratch = cat.runtime.buffers("scratch", o.chunk_size, self.lookahead // o.chunk_size + o.workers + 1)
         self.logical = self.reused = self.new_raw = self.new_stored = 0
         self.new_chunks = self.reused_chunks = 0
@@ -374,6 +375,8 @@ class ChunkWriter:
         h = _codec.hash_bytes(piece)
         if h in self.base or h in self.written:
             return h, None, None, None
+        if self.raw_tier is not None:
+            self.raw_tier.put_raw(h, piece)  # cache_decoded: loads on this node read it in place
         scratch = self.scratch.get() if len(piece) == self.scratch.size else None
         codec, pieces = _codec.encode_pieces(piece, self.o.codec, self.o.level, dtype, scratch)
         if scratch is not None and not any(_in_buffer(p, scratch) for p in pieces):

@@ -10,6 +10,8 @@ shares one tier, concurrently and across restarts (``docs/tier.md``)::
         repo.json                  {"url": ...} (for people and `ckptstore cache ls`)
         packs/<id[:2]>/<id>.pack   whole packs a save wrote (write-through), byte for byte the store's
         chunks/<h[:2]>/<h>         chunks read from the store, in their stored (compressed) form
+        raw/<h[:2]>/<h>            chunks decoded (their raw bytes), kept by saves with cache_decoded=True:
+                                   loads read them straight into their destinations, then hash them there
         segments/<id[:2]>/<id>.seg chunk tables a save wrote (through, or committed from wb/)
         wb/packs/..., wb/segments/...  the packs and chunk tables of pending write-back steps:
                                    out of eviction's and prune's reach; moved to packs/ and
@@ -108,8 +110,11 @@ class Tier:
         Share of the file system to leave free (default 5%).
     """
 
-    def __init__(self, cache_dir, url: str, cache_size=None, free_floor: float = FREE_FLOOR):
+    def __init__(self, cache_dir, url: str, cache_size=None, free_floor: float = FREE_FLOOR, decoded: bool = False):
         self.cache_dir = os.path.abspath(os.fspath(cache_dir))
+        #: Saves through this handle also keep each new chunk decoded (``raw/``), for loads to read
+        #: straight into their destinations (``cache_decoded=True``).
+        self.decoded = bool(decoded)
         self.url = url
         self.cache_size = None if cache_size is None else parse_size(cache_size)
         if not 0 <= free_floor < 1:
@@ -190,6 +195,35 @@ class Tier:
 
     def has_chunk(self, h: str) -> bool:
         return os.path.isfile(self.chunk_path(h))
+
+    def raw_path(self, h: str) -> str:
+        return os.path.join(self.root, "raw", h[:2], h)
+
+    def read_raw_into(self, h: str, dest) -> bool:
+        """A decoded chunk file read straight into ``dest`` (exactly its length), or False (missing or
+        not that long: removed). The caller checks the hash of what landed in ``dest``."""
+        path = self.raw_path(h)
+        mv = memoryview(dest).cast("B")
+        try:
+            with open(path, "rb", buffering=0) as f:
+                got = f.readinto(mv)
+                extra = f.read(1)
+        except OSError:
+            return False
+        if got != mv.nbytes or extra:
+            self.discard_raw(h)
+            return False
+        _touch(path)
+        return True
+
+    def put_raw(self, h: str, data) -> None:
+        """Keep a chunk decoded (its raw bytes) for loads to read in place; never raises."""
+        path = self.raw_path(h)
+        if not os.path.isfile(path):
+            self._publish(path, data)
+
+    def discard_raw(self, h: str) -> None:
+        self._unlink(self.raw_path(h))
 
     # ------------------------------------------------------------ reads
     def read_chunk(self, h: str, stored_len: int) -> bytes | None:
@@ -564,7 +598,7 @@ def tier_files(cache_dir: str):
     except FileNotFoundError:
         return
     for key in keys:
-        for kind, sub in (("pack", "packs"), ("segment", "segments"), ("chunk", "chunks"),
+        for kind, sub in (("pack", "packs"), ("segment", "segments"), ("chunk", "chunks"), ("chunk", "raw"),
                           ("pack", os.path.join("wb", "packs")), ("segment", os.path.join("wb", "segments"))):
             top = os.path.join(repos, key, sub)
             try:

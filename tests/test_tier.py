@@ -324,3 +324,39 @@ def test_no_pack_id_is_recorded_twice_and_old_records_go(tmp_path):
 
     assert recent_packs(str(tmp_path / "t")) == {"p8", "p9"}
     assert len(os.listdir(os.path.join(tier.root, "recent"))) <= 8
+
+
+def test_chunks_kept_decoded_are_read_straight_into_the_destinations_and_checked_there(tmp_path):
+    import shutil
+
+    url, cache = str(tmp_path / "repo"), tmp_path / "tier"
+    sd = _state(21)
+    with ckptstore.open(url, cache_dir=cache, cache_decoded=True, **SMALL) as repo:
+        repo.save(sd, step=1)
+    raws = glob.glob(str(cache / "repos" / "*" / "raw" / "*" / "*"))
+    assert raws, "cache_decoded=True keeps each new chunk decoded"
+    # the pack copies gone: a load still reads nothing from the store (every chunk from raw/)
+    shutil.rmtree(glob.glob(str(cache / "repos" / "*" / "packs"))[0])
+    repo, counting = _counting(url, None, cache_dir=cache)
+    assert_tree_equal(repo.load(1), sd)
+    assert counting.read_by_prefix.get("packs", 0) == 0 and repo.read_stats()["store"] == 0
+    repo.close()
+    # a damaged and a truncated decoded file: misses, read from the store, bit-exact
+    with open(raws[0], "r+b") as f:
+        f.seek(100)
+        f.write(b"\x00\xff" * 50)
+    with open(raws[1], "r+b") as f:
+        f.truncate(10)
+    repo, counting = _counting(url, None, cache_dir=cache)
+    assert_tree_equal(repo.load(1), sd)
+    assert 0 < counting.read_by_prefix.get("packs", 0)
+    assert repo.tier.stats["discarded"] >= 2
+    # a caller that wants stored bytes (export) never takes the decoded copies
+    out = tmp_path / "x.safetensors"
+    repo.export(1, out)
+    repo.close()
+
+
+def test_cache_decoded_needs_a_cache_dir(tmp_path):
+    with pytest.raises(ValueError, match="cache_decoded needs a cache_dir"):
+        ckptstore.open(str(tmp_path / "r"), cache_decoded=True)
