@@ -103,12 +103,12 @@ def install_stages(stages: Stages) -> list[str]:
     import importlib
 
     targets = [
-        ("ckptstore.codec", None, "hash_bytes", "hash"),
-        ("ckptstore.codec", None, "encode_pieces", "encode"),
-        ("ckptstore.codec", None, "decode", "decode"),
-        ("ckptstore.codec", None, "decode_into", "decode"),
-        ("ckptstore.codec", None, "decode_verified", "decode"),
-        ("ckptstore.codec", None, "decode_verified_into", "decode"),
+        ("ckptstore.format.codec", None, "hash_bytes", "hash"),
+        ("ckptstore.format.codec", None, "encode_pieces", "encode"),
+        ("ckptstore.format.codec", None, "decode", "decode"),
+        ("ckptstore.format.codec", None, "decode_into", "decode"),
+        ("ckptstore.format.codec", None, "decode_verified", "decode"),
+        ("ckptstore.format.codec", None, "decode_verified_into", "decode"),
         ("ckptstore.storage.upload", "ParallelUploader", "write", "append to upload (copy/queue)"),
         ("ckptstore.storage.local", "_LocalMultipart", "upload_part", "write part (pwrite)"),
         ("ckptstore.storage.local", "_LocalMultipart", "write_at", "write piece (pwritev)"),
@@ -126,7 +126,7 @@ def install_stages(stages: Stages) -> list[str]:
         ("ckptstore.save", "StepCommit", "commit", "commit (manifest)"),
         ("ckptstore.save", "StepCommit", "end", "end (lease)"),
         ("ckptstore.save", None, "write_segment", "chunk-table segment"),
-        ("ckptstore.packs", "PackWriter", "finish", "finish packs (wait, head)"),
+        ("ckptstore.pack_writer", "PackWriter", "finish", "finish packs (wait, head)"),
         ("ckptstore.catalog", "Catalog", "manifest", "read manifest"),
         ("os", None, "fsync", "fsync"),
         ("os", None, "fdatasync", "fsync"),

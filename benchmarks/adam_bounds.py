@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import zstandard
 
-from ckptstore import codec
+from ckptstore.format import codec
 
 from .codec_real import CHUNK, adam_state, model_weights
 from .common.report import format_table

@@ -21,7 +21,7 @@ import time
 import torch
 import zstandard
 
-from ckptstore import codec
+from ckptstore.format import codec
 
 from .common.measure import MiB
 from .common.report import command_line, format_table

@@ -8,7 +8,7 @@ Run from the repository root::
   best of 3 (``hashlib.sha256``, ``blake3`` with ``max_threads=1``, which is
   what ckptstore calls; one multi-threaded blake3 row for reference).
 * zstd (python-zstandard, one thread, content size written, as
-  ``ckptstore.codec`` does): compress and decompress speed and ratio, level 1
+  ``ckptstore.format.codec`` does): compress and decompress speed and ratio, level 1
   (ckptstore's default) and 3, over ``--codec-mib`` MiB of ``torch.randn``
   fp32 and bf16 data cut into 4 MiB chunks (ckptstore's default chunk size),
   best of 3. Rows marked ``bytegroup`` first transpose the bytes of each

@@ -32,7 +32,7 @@ import threading
 import time
 
 import ckptstore
-from ckptstore import codec
+from ckptstore.format import codec
 from ckptstore.storage import s3 as s3mod
 
 from .common.data import build_small_state_dict

@@ -51,12 +51,12 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ckptstore import manifest as _m
-from ckptstore.chunktable import TableBuilder
+from ckptstore.format import manifest as _m
+from ckptstore.format.chunk_table import TableBuilder
 from ckptstore.clock import ManualClock
 from ckptstore.dcp.metadata import _ItemResult, _RankInfo, build_manifest
-from ckptstore.layout import PACK_PREFIX, pack_id_of_key, pack_key
-from ckptstore.manifest import ChunkRef
+from ckptstore.format.layout import PACK_PREFIX, pack_id_of_key, pack_key
+from ckptstore.format.manifest import ChunkRef
 from ckptstore.repository import Repository
 from ckptstore.save import StepCommit, dedup_share, pack_usage, write_segment
 from ckptstore.storage.memory import MemoryStore
@@ -157,8 +157,8 @@ _SEEN_PACKS: set = set()
 def _placeholder_segment(repo: Repository, builder: TableBuilder):
     """A segment object GC can list, without its records (GC never reads them): keeps the simulated
     store of 1000 steps x 1000 ranks in memory."""
-    from ckptstore.layout import new_pack_id, segment_key
-    from ckptstore.manifest import SegmentRef
+    from ckptstore.format.layout import new_pack_id, segment_key
+    from ckptstore.format.manifest import SegmentRef
 
     n = len(builder)
     sid = new_pack_id()

@@ -12,11 +12,11 @@ from __future__ import annotations
 import re
 from typing import Iterator
 
-from . import manifest as _m
+from .format import manifest as _m
 from .clock import SYSTEM_CLOCK, Clock
 from .errors import FormatError, ObjectExistsError, ObjectNotFoundError, RepositoryNotFoundError, StepNotFoundError
 from .fetch import ChunkFetcher
-from .layout import (
+from .format.layout import (
     CONFIG_KEY,
     LEASE_PREFIX,
     MANIFEST_PREFIX,
@@ -49,13 +49,13 @@ from .layout import (
     tombstone_key,
     tombstone_record,
 )
-from .manifest import Manifest, StepRefs, parse_refs, refs_of
+from .format.manifest import Manifest, StepRefs, parse_refs, refs_of
 from .options import RepoOptions
 from .relocations import Relocations
 from .runtime import LRUCache, Runtime
 from .storage.base import ObjectInfo, ObjectStore
 from .tier import Tier
-from .tables import ChunkTables
+from .table_reader import ChunkTables
 
 #: ``"step":N,"created":X`` as the writers of both manifest versions begin them.
 _CREATED = re.compile(rb'^\{"format":"ckptstore\.manifest","version":\[\d+,\d+\],"step":(\d+),"created":(-?[0-9.eE+-]+),')

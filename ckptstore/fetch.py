@@ -33,11 +33,11 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from . import codec as _codec
+from .format import codec as _codec
 from . import planner as _plan
 from .errors import FormatError, IntegrityError, MissingDataError, ObjectNotFoundError, StorageError
-from .layout import MAX_RELOCATION_HOPS, pack_key
-from .manifest import ChunkRef
+from .format.layout import MAX_RELOCATION_HOPS, pack_key
+from .format.manifest import ChunkRef
 from .options import RepoOptions
 from .relocations import Relocations
 from .runtime import Runtime

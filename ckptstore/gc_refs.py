@@ -15,8 +15,8 @@ from typing import Any, Iterable, Iterator
 from .catalog import Catalog
 from .clock import Clock
 from .errors import StepNotFoundError
-from .layout import MAX_RELOCATION_HOPS, safety_margin
-from .manifest import ChunkRef, StepRefs, merge_ranges
+from .format.layout import MAX_RELOCATION_HOPS, safety_margin
+from .format.manifest import ChunkRef, StepRefs, merge_ranges
 from .relocations import RelocationView
 
 

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import manifest as _m
+from .format import manifest as _m
 from .progress import byte_bar
 from .reader import Checkpoint
 from .repository import Repository

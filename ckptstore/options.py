@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, fields
 
-from . import codec as _codec
-from . import manifest as _m
-from .layout import DEFAULT_GRACE
+from .format import codec as _codec
+from .format import manifest as _m
+from .format.layout import DEFAULT_GRACE
 from .storage.base import MIN_PART_SIZE
 
 MiB = 1 << 20

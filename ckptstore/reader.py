@@ -18,16 +18,16 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import torch
 
-from . import manifest as _m
+from .format import manifest as _m
 from . import planner as _plan
 from .catalog import Catalog
 from .errors import FormatError
-from .manifest import Manifest, Shard, TensorEntry
+from .format.manifest import Manifest, Shard, TensorEntry
 from .progress import Counter
 from .progress import callback as progress_callback
 from .staging import TensorReader, make_staging
 from .tensors import byte_view, castable, writable_in_place
-from .tree import flatten, tree_keys, unflatten
+from .format.tree import flatten, tree_keys, unflatten
 
 
 @dataclass(frozen=True)

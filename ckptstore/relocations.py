@@ -4,14 +4,14 @@ GC's repack copies the live chunks of a partly used pack into new packs and
 writes one record per old pack, before deleting it; committed manifests
 keep naming the old pack (they are never rewritten). Readers that find a
 pack missing follow the records, pack by pack, at most
-:data:`~ckptstore.layout.MAX_RELOCATION_HOPS` times.
+:data:`~ckptstore.format.layout.MAX_RELOCATION_HOPS` times.
 """
 
 from __future__ import annotations
 
 from .errors import FormatError, ObjectNotFoundError
-from .layout import MAX_RELOCATION_HOPS, parse_relocation, relocation_key
-from .manifest import ChunkRef
+from .format.layout import MAX_RELOCATION_HOPS, parse_relocation, relocation_key
+from .format.manifest import ChunkRef
 from .runtime import LRUCache
 from .storage.base import ObjectStore
 

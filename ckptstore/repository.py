@@ -2,12 +2,12 @@
 
 Create with :func:`open` (``ckptstore.open``). Where each part lives:
 
-- :mod:`ckptstore.layout`: object keys and small records (``docs/format.md``);
+- :mod:`ckptstore.format.layout`: object keys and small records (``docs/format.md``);
 - :mod:`ckptstore.catalog`: config, steps, manifests, tags, leases (:class:`Catalog`,
   the base class of :class:`Repository`);
 - :mod:`ckptstore.save`: the chunk pipeline and the commit protocol;
 - :mod:`ckptstore.reader`: :class:`Checkpoint`, range reads and loads;
-- :mod:`ckptstore.fetch` / :mod:`ckptstore.packs`: the one chunk fetcher and
+- :mod:`ckptstore.fetch` / :mod:`ckptstore.pack_writer`: the one chunk fetcher and
   the one pack writer;
 - :mod:`ckptstore.gc`, :mod:`ckptstore.verify`, :mod:`ckptstore.transfer`.
 """

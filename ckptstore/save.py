@@ -2,7 +2,7 @@
 
 - :class:`ChunkWriter` cuts tensors into chunks (byte views, no serialized
   copy), hashes and compresses them on the CPU pool, and appends the new
-  ones in order to packs through the one :class:`~ckptstore.packs.PackWriter`;
+  ones in order to packs through the one :class:`~ckptstore.pack_writer.PackWriter`;
   chunks the dedup base or this save already holds are referenced instead.
 - :class:`StepCommit` is the commit protocol every writer follows
   (``Repository.save``, the DCP writer, ``cp`` and ``import``)::
@@ -30,10 +30,10 @@ from typing import Callable, Mapping
 import numpy as np
 import torch
 
-from . import codec as _codec
-from . import manifest as _m
+from .format import codec as _codec
+from .format import manifest as _m
 from .catalog import Catalog
-from .chunktable import TableBuilder
+from .format.chunk_table import TableBuilder
 from .errors import (
     ManifestTooLargeError,
     ObjectExistsError,
@@ -43,8 +43,8 @@ from .errors import (
     StepExistsError,
     StorageError,
 )
-from .layout import check_step, manifest_key, new_pack_id, pack_key, safety_margin, segment_key
-from .manifest import (
+from .format.layout import check_step, manifest_key, new_pack_id, pack_key, safety_margin, segment_key
+from .format.manifest import (
     MAX_PACK_RANGES,
     ChunkRef,
     Manifest,
@@ -55,12 +55,12 @@ from .manifest import (
     TensorEntry,
     merge_ranges,
 )
-from .packs import PackWriter, part_window
+from .pack_writer import PackWriter, part_window
 from .progress import Counter
 from .progress import callback as progress_callback
 from .storage.upload import ParallelUploader
 from .tensors import stage, tensor_bytes
-from .tree import flatten, tree_keys
+from .format.tree import flatten, tree_keys
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ def dedup_share(cat: Catalog, base_step: int | None, boxes) -> dict[str, ChunkRe
 
 
 def pack_usage(refs, counts: dict[str, int], base: Manifest | None = None) -> dict[str, PackUsage]:
-    """Which bytes of each pack these chunk references use (see :class:`~ckptstore.manifest.PackUsage`).
+    """Which bytes of each pack these chunk references use (see :class:`~ckptstore.format.manifest.PackUsage`).
 
     ``counts`` gives the chunk count of packs this writer wrote; a reused
     pack's comes from the base manifest (0 where it does not say).
@@ -317,7 +317,7 @@ class ChunkWriter:
     ``add(tensor)`` returns the list that :meth:`finish` fills with the
     tensor's chunk references. Memory: at most ``max_inflight_bytes / 4`` of
     chunks are being hashed and encoded; the rest of the budget holds part
-    buffers (:func:`~ckptstore.packs.part_window`). ``on_bytes(n)`` is called
+    buffers (:func:`~ckptstore.pack_writer.part_window`). ``on_bytes(n)`` is called
     (on the thread calling ``add``/``drain``) as each chunk of ``n`` bytes is
     referenced or handed to the pack uploads, in order.
     """

@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from . import manifest as _m
+from .format import manifest as _m
 from . import planner as _plan
 from .tensors import castable, writable_in_place
 

@@ -51,8 +51,8 @@ import socket
 import threading
 import uuid
 
-from . import codec as _codec
-from .layout import segment_key
+from .format import codec as _codec
+from .format.layout import segment_key
 from .storage.local import LocalStore
 
 log = logging.getLogger(__name__)

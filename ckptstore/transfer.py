@@ -30,17 +30,17 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from . import manifest as _m
+from .format import manifest as _m
 from . import zero
 from .catalog import Catalog
 from .errors import CkptStoreError, FormatError, IntegrityError, StepNotFoundError
-from .layout import check_step, name_key, name_record, tag_key, tag_record
-from .chunktable import TableBuilder
-from .manifest import ChunkRef, Manifest, Shard, TableRef, TensorEntry
-from .packs import PackWriter
+from .format.layout import check_step, name_key, name_record, tag_key, tag_record
+from .format.chunk_table import TableBuilder
+from .format.manifest import ChunkRef, Manifest, Shard, TableRef, TensorEntry
+from .pack_writer import PackWriter
 from .reader import load_step, open_checkpoint
 from .save import StepCommit, flatten_for_save, pack_usage, save_step, write_segment
-from .tree import leaf_values, tree_keys, unflatten
+from .format.tree import leaf_values, tree_keys, unflatten
 from .verify import verify
 
 MiB = 1 << 20

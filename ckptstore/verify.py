@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from .catalog import Catalog
 from .errors import CkptStoreError, FormatError, MissingDataError
 from .fetch import ChunkFetcher
-from .layout import step_of_manifest_key
-from .manifest import ChunkRef
+from .format.layout import step_of_manifest_key
+from .format.manifest import ChunkRef
 
 
 @dataclass(frozen=True)

@@ -31,11 +31,11 @@ import threading
 import time
 from dataclasses import dataclass
 
-from . import manifest as _m
+from .format import manifest as _m
 from .catalog import Catalog
 from .errors import CkptStoreError, ObjectNotFoundError, PackVanishedError, StorageError
-from .layout import UPLOAD_FORMAT, manifest_key, pack_key, segment_key, upload_key, upload_of_key, upload_prefix
-from .manifest import Manifest, SegmentRef
+from .format.layout import UPLOAD_FORMAT, manifest_key, pack_key, segment_key, upload_key, upload_of_key, upload_prefix
+from .format.manifest import Manifest, SegmentRef
 from .save import StepCommit
 from .storage.upload import ParallelUploader
 from .tier import PendingSteps, tier_files

@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import manifest as _m
+from .format import manifest as _m
 from .errors import FormatError
 
 FORMAT_VERSION = 1

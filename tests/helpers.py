@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ckptstore.manifest import DTYPES
+from ckptstore.format.manifest import DTYPES
 
 SMALL = dict(chunk_size=64 << 10, pack_size=1 << 20, part_size=5 << 20)
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import ckptstore
-from ckptstore import manifest as M
+from ckptstore.format import manifest as M
 from ckptstore.clock import ManualClock
 from ckptstore.dcp import CkptStoreReader
 from ckptstore.errors import UnsupportedVersionError

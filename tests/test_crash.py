@@ -24,7 +24,7 @@ import time
 
 import ckptstore
 from ckptstore.clock import ManualClock
-from ckptstore.layout import PACK_PREFIX, pack_id_of_key
+from ckptstore.format.layout import PACK_PREFIX, pack_id_of_key
 
 from .crash_child import CHILD_OPTS, build_state
 from .helpers import assert_tree_equal

@@ -12,7 +12,7 @@ import torch
 import zstandard
 from hypothesis import given, settings, strategies as st
 
-from ckptstore import codec, manifest as M, pack as P
+from ckptstore.format import codec, manifest as M, pack as P
 from ckptstore.errors import FormatError, IntegrityError, UnsupportedVersionError
 from ckptstore.repository import Repository
 from ckptstore.storage.memory import MemoryStore

@@ -16,7 +16,7 @@ from ckptstore.cli.main import main
 from ckptstore.clock import ManualClock
 from ckptstore.errors import StaleBaseError, StorageError
 from ckptstore.gc import RetentionPolicy, parse_duration, select_steps
-from ckptstore.layout import manifest_key, pack_key
+from ckptstore.format.layout import manifest_key, pack_key
 from ckptstore.repository import Repository
 from ckptstore.storage import open_store
 from ckptstore.storage.memory import MemoryStore
@@ -408,7 +408,7 @@ def test_gc_deletes_in_batches_each_cleared_by_a_listing_within_half_the_margin(
     # margin (docs/gc.md, G3), so GC lists again between them; a batch that
     # took over a quarter of the margin makes the next ones smaller.
     from ckptstore import gc as gcmod
-    from ckptstore.layout import safety_margin
+    from ckptstore.format.layout import safety_margin
     from ckptstore.storage.wrappers import WrapperStore
 
     monkeypatch.setattr(gcmod, "DELETE_BATCH", 2)

@@ -20,13 +20,13 @@ LAYERS: list[list[str]] = [
     ["storage._classify", "storage.upload", "storage.wrappers"],
     ["storage.memory", "storage.local", "storage.retry", "storage.faults", "storage.s3", "storage.gcs", "storage.azure"],
     ["storage"],
-    ["codec", "tree", "planner", "tensors"],
-    ["pack", "manifest"],
-    ["layout", "chunktable"],
+    ["format.codec", "format.tree", "planner", "tensors"],
+    ["format.pack", "format.manifest"],
+    ["format.layout", "format.chunk_table", "format"],
     ["options"],
     ["runtime"],
     ["relocations", "tier", "tier_admin"],
-    ["fetch", "packs", "tables"],
+    ["fetch", "pack_writer", "table_reader"],
     ["catalog", "staging"],
     ["save", "reader"],
     ["verify", "zero", "writeback", "gc_refs"],
@@ -158,8 +158,8 @@ def test_the_checker_sees_lazy_and_relative_imports(tmp_path):
     mods = _modules()
     known = set(mods)
     src = tmp_path / "x.py"
-    src.write_text("def f():\n    from .repository import Repository\n    from . import manifest as m\n")
-    assert _imports("gc", src, known) == {"repository", "manifest"}
+    src.write_text("def f():\n    from .repository import Repository\n    from .format import manifest as m\n")
+    assert _imports("gc", src, known) == {"repository", "format.manifest"}
     up = tmp_path / "y.py"
     up.write_text("from .. import open as open_repo\nimport ckptstore.storage.s3\n")
     assert _imports("cli.commands", up, known) == {"", "storage.s3"}

@@ -29,7 +29,7 @@ import torch
 
 import ckptstore
 from ckptstore.errors import CkptStoreError, StaleBaseError, StepNotFoundError, StorageError
-from ckptstore.layout import PACK_PREFIX
+from ckptstore.format.layout import PACK_PREFIX
 from ckptstore.storage.retry import RetryPolicy, RetryStore
 from ckptstore.storage.s3 import S3Store
 from ckptstore.storage.wrappers import WrapperStore

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import ckptstore
-from ckptstore import codec
+from ckptstore.format import codec
 from ckptstore.errors import IntegrityError, TransientStorageError
 from ckptstore.repository import Repository
 from ckptstore.storage import local as local_mod

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule
 
 import ckptstore
-from ckptstore import manifest as M, pack as P
+from ckptstore.format import manifest as M, pack as P
 from ckptstore.errors import (
     FormatError,
     HostNotResolvedError,
@@ -28,7 +28,7 @@ from ckptstore.errors import (
     StorageError,
     TransientStorageError,
 )
-from ckptstore.layout import manifest_key, parse_relocation
+from ckptstore.format.layout import manifest_key, parse_relocation
 from ckptstore.repository import Repository
 from ckptstore.storage.faults import FaultStore, permanent, transient
 from ckptstore.storage.memory import MemoryStore

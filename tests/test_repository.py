@@ -18,7 +18,7 @@ from ckptstore.errors import (
     StorageError,
     UnsupportedVersionError,
 )
-from ckptstore.layout import manifest_key, pack_key
+from ckptstore.format.layout import manifest_key, pack_key
 from ckptstore.repository import Repository
 from ckptstore.storage.memory import MemoryStore
 from ckptstore.storage.faults import FaultStore
@@ -506,8 +506,8 @@ def test_manifest_naming_a_bigger_pack_than_stored():
 
 def test_moved_chunks_are_found_through_relocation_records():
     """A repack (GC) may move chunks; committed manifests keep resolving."""
-    from ckptstore import pack as P
-    from ckptstore.layout import relocation_key
+    from ckptstore.format import pack as P
+    from ckptstore.format.layout import relocation_key
 
     store, repo = _corrupt_setup()
     expected = repo.load(1)
@@ -642,7 +642,7 @@ def test_local_stores_get_few_io_threads_and_small_requests_unless_asked(tmp_pat
 
 
 def test_a_manifest_readers_would_refuse_is_never_committed(monkeypatch):
-    from ckptstore import manifest as M
+    from ckptstore.format import manifest as M
     from ckptstore.errors import ManifestTooLargeError
 
     repo = _mem_repo()
@@ -655,7 +655,7 @@ def test_a_manifest_readers_would_refuse_is_never_committed(monkeypatch):
 
 
 def test_pack_ranges_are_capped_by_closing_the_smallest_gaps():
-    from ckptstore.manifest import merge_ranges
+    from ckptstore.format.manifest import merge_ranges
 
     spans = [(i * 10, i * 10 + 5) for i in range(100)] + [(2000, 2010)]
     merged = merge_ranges(spans, limit=4)
@@ -667,7 +667,7 @@ def test_pack_ranges_are_capped_by_closing_the_smallest_gaps():
 
 def test_damaged_or_missing_chunk_table_segment_is_a_clear_error():
     from ckptstore.errors import MissingDataError
-    from ckptstore.layout import segment_key
+    from ckptstore.format.layout import segment_key
 
     store, repo = _corrupt_setup()
     seg = repo.manifest(1).segments[0]
@@ -720,7 +720,7 @@ def test_names_point_at_steps_and_move_with_one_write(repo_url):
 
 
 def test_name_records_are_checked_and_not_kept_by_gc(tmp_path):
-    from ckptstore.layout import name_key, name_of_key
+    from ckptstore.format.layout import name_key, name_of_key
 
     repo = ckptstore.open(str(tmp_path), **SMALL)
     for s in (1, 2, 3):

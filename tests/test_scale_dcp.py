@@ -10,8 +10,8 @@ import socket
 import torch.multiprocessing as mp
 
 import ckptstore
-from ckptstore.chunktable import BLOCK_RECORDS, RECORD_SIZE
-from ckptstore.layout import segment_key
+from ckptstore.format.chunk_table import BLOCK_RECORDS, RECORD_SIZE
+from ckptstore.format.layout import segment_key
 
 from . import dcp_workers as W
 

@@ -129,8 +129,8 @@ def test_a_full_disk_while_a_read_keeps_chunks_still_loads(tmp_path, monkeypatch
 def test_a_tier_segment_gone_or_damaged_between_the_look_and_the_read_is_read_from_the_store(tmp_path, monkeypatch, how):
     """Found by the 2-process soak: a chunk-table segment the tier held was evicted (or renamed out of
     wb/ as its step committed) after the reader looked and before it read: the store has it."""
-    from ckptstore import tables
-    from ckptstore.layout import segment_key
+    from ckptstore import table_reader as tables
+    from ckptstore.format.layout import segment_key
 
     url, cache = str(tmp_path / "repo"), tmp_path / "tier"
     sd = {"w": torch.randn(256, 256), "v": torch.randn(64)}

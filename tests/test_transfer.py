@@ -11,7 +11,7 @@ import torch
 import ckptstore
 from ckptstore.cli.main import main
 from ckptstore.errors import FormatError
-from ckptstore.layout import MANIFEST_PREFIX, PACK_PREFIX
+from ckptstore.format.layout import MANIFEST_PREFIX, PACK_PREFIX
 from ckptstore.repository import Repository
 from ckptstore.storage import MemoryStore, open_store
 from ckptstore.storage.wrappers import CountingStore

@@ -14,7 +14,7 @@ import torch
 
 import ckptstore
 from ckptstore.clock import ManualClock
-from ckptstore.layout import manifest_key
+from ckptstore.format.layout import manifest_key
 from ckptstore.repository import Repository
 from ckptstore.storage import open_store
 from ckptstore.storage.faults import FaultStore
@@ -333,7 +333,7 @@ def test_the_dcp_reader_does_not_restore_a_step_pending_on_one_node(tmp_path):
 
 
 def test_gc_reclaims_upload_markers_past_the_grace_period(tmp_path):
-    from ckptstore.layout import upload_key
+    from ckptstore.format.layout import upload_key
 
     clock = ManualClock()
     repo = ckptstore.open(str(tmp_path / "repo"), clock=clock, grace=100.0, **SMALL)

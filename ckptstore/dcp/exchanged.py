@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from .. import manifest as _m
+from ..format import manifest as _m
 from ..exchange import Exchange, Exchanger, Gather, Message, Piece, Round, as_bytes, takes_bytes
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 
-from ..layout import check_step as _check_step
+from ..format.layout import check_step as _check_step
 
 
 def _is_url(checkpoint_id) -> bool:

@@ -21,10 +21,10 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.storage import WriteResult
 import numpy as np
 
-from .. import manifest as _m
+from ..format import manifest as _m
 from ..errors import FormatError
-from ..manifest import Manifest, PackUsage, SegmentRef, TensorEntry, merge_ranges
-from ..tree import decode_value, encode_value, leaf_values, tensor_paths
+from ..format.manifest import Manifest, PackUsage, SegmentRef, TensorEntry, merge_ranges
+from ..format.tree import decode_value, encode_value, leaf_values, tensor_paths
 
 
 @dataclass(frozen=True)

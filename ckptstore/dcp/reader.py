@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from .. import manifest as _m
+from ..format import manifest as _m
 from ..errors import CkptStoreError, StepNotFoundError
 from ..exchange import (
     Exchange,
@@ -27,14 +27,14 @@ from ..exchange import (
     ReadRegion,
     plan_exchange,
 )
-from ..layout import check_step as _check_step
-from ..layout import manifest_key as _manifest_key
-from ..manifest import Manifest
+from ..format.layout import check_step as _check_step
+from ..format.layout import manifest_key as _manifest_key
+from ..format.manifest import Manifest
 from ..repository import Repository
 from ..repository import open as _open
 from ..replicas import peer_fill
 from ..tensors import castable
-from ..tree import leaf_values
+from ..format.tree import leaf_values
 from .exchanged import ExchangedRead, _box, _piece_box
 from .ids import _is_url, _pick_step, split_checkpoint_id
 from .metadata import _check_weights_only, metadata_from_manifest

@@ -20,11 +20,11 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..chunktable import TableBuilder
+from ..format.chunk_table import TableBuilder
 from ..errors import CkptStoreError, StepExistsError
 from ..exchange import Exchanger
-from ..layout import check_step as _check_step
-from ..layout import pack_key
+from ..format.layout import check_step as _check_step
+from ..format.layout import pack_key
 from ..repository import Repository
 from ..repository import open as _open
 from ..replicas import ReplicaError, Replicator, replica_group

@@ -53,7 +53,7 @@ import torch
 import ckptstore
 from ckptstore import Repository
 from ckptstore.errors import StepNotFoundError
-from ckptstore.tree import flatten, unflatten
+from ckptstore.format.tree import flatten, unflatten
 
 from ._common import STANDIN_MAX, parse_standin, standin_bytes
 

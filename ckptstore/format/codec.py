@@ -39,7 +39,7 @@ import blake3
 import numpy as np
 import zstandard
 
-from .errors import IntegrityError
+from ..errors import IntegrityError
 
 HASH_NAME = "blake3"
 HASH_HEX_LEN = 64

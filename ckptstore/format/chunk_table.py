@@ -9,7 +9,7 @@ shard with ``(segment, first record, count)``. A reader that restores its
 share range-reads the header of each segment it needs, checks it against
 the root, then only the blocks of records covering its shards, each checked
 against the digest the header lists. No Python object is made per record
-until a caller asks for :class:`~ckptstore.manifest.ChunkRef` values.
+until a caller asks for :class:`~ckptstore.format.manifest.ChunkRef` values.
 
 Layout (integers little-endian)::
 
@@ -40,7 +40,7 @@ import blake3
 import numpy as np
 
 from . import manifest as _m
-from .errors import FormatError
+from ..errors import FormatError
 from .manifest import ChunkRef
 from .pack import CODEC_IDS, CODEC_NAMES
 

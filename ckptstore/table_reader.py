@@ -20,10 +20,10 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from . import chunktable as _ct
+from .format import chunk_table as _ct
 from .errors import FormatError, MissingDataError, ObjectNotFoundError
-from .layout import segment_key
-from .manifest import ChunkRef, Manifest, SegmentRef, Shard, TensorEntry, itemsize
+from .format.layout import segment_key
+from .format.manifest import ChunkRef, Manifest, SegmentRef, Shard, TensorEntry, itemsize
 from .runtime import LRUCache, Runtime
 from .storage.base import ObjectStore
 

@@ -1,6 +1,6 @@
 """The one pack writer: chunks appended in order, packs streamed as multipart uploads.
 
-A pack is ``header | chunk bytes ... | table | footer`` (:mod:`ckptstore.pack`).
+A pack is ``header | chunk bytes ... | table | footer`` (:mod:`ckptstore.format.pack`).
 :class:`PackWriter` appends encoded chunks to the current pack, whose
 :class:`~ckptstore.storage.upload.ParallelUploader` cuts ``part_size`` parts
 and uploads them on the I/O pool (at most ``window`` parts in flight per
@@ -27,10 +27,10 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 
-from . import pack as _pack
+from .format import pack as _pack
 from .errors import ObjectNotFoundError, PackVanishedError, StorageError
-from .layout import new_pack_id, pack_key
-from .manifest import ChunkRef
+from .format.layout import new_pack_id, pack_key
+from .format.manifest import ChunkRef
 from .options import RepoOptions
 from .runtime import Runtime
 from .storage.base import ObjectStore

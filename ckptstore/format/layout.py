@@ -33,7 +33,7 @@ import numpy as np
 
 from . import codec as _codec
 from . import manifest as _m
-from .errors import FormatError
+from ..errors import FormatError
 from .manifest import ChunkRef, StepRefs
 
 CONFIG_KEY = "config.json"

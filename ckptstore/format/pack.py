@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import blake3
 
-from .errors import FormatError
+from ..errors import FormatError
 
 MAGIC = b"CKPTPACK"
 END_MAGIC = b"CKPTEND1"

@@ -8,7 +8,7 @@ dict and the user's metadata, and says where each shard's chunks are. See
 - **1.0**: every shard's chunk list inline, as JSON;
 - **2.0** (written now): a *root* holding shard boxes (a compact form for
   even splits, binary columns otherwise) and, per shard, a run of records
-  in a chunk-table *segment* (:mod:`ckptstore.chunktable`) that a reader
+  in a chunk-table *segment* (:mod:`ckptstore.format.chunk_table`) that a reader
   fetches only for the shards it reads. The root also lists every pack the
   step references with the stored bytes it uses there.
 
@@ -30,7 +30,7 @@ import torch
 import zstandard
 
 from . import codec as _codec
-from .errors import FormatError, UnsupportedVersionError
+from ..errors import FormatError, UnsupportedVersionError
 
 FORMAT = "ckptstore.manifest"
 #: The manifest version this ckptstore writes; it reads 1.x and 2.x.
@@ -92,7 +92,7 @@ class TableRef:
 
 @dataclass(frozen=True)
 class SegmentRef:
-    """A chunk-table segment a 2.0 root names (see :mod:`ckptstore.chunktable`)."""
+    """A chunk-table segment a 2.0 root names (see :mod:`ckptstore.format.chunk_table`)."""
 
     id: str
     size: int
