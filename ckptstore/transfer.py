@@ -334,7 +334,7 @@ def _read_safetensors(path) -> tuple[dict, dict]:
         tree = meta.get("tree")
         if isinstance(tree, dict):
             try:
-                _m._check_tree(tree, tensors, "tree", 0)
+                _m.check_tree(tree, tensors, "tree", 0)
             except FormatError:
                 tree = None
             if tree is not None and set(tree_keys(tree)) == set(tensors):

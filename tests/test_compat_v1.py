@@ -119,7 +119,9 @@ def test_a_v1_reader_refuses_v2_manifests_with_its_version_error(monkeypatch, tm
     repo = ckptstore.open(str(tmp_path / "r"))
     repo.save({"w": torch.ones(3)}, step=1)
     doc = json.loads(repo.store.get("manifests/00000000000000000001.json"))
-    monkeypatch.setattr(M, "VERSION", (1, 0))
+    from ckptstore.format import strict_json
+
+    monkeypatch.setattr(strict_json, "VERSION", (1, 0))  # where check_version reads it
     with pytest.raises(UnsupportedVersionError, match=r"format version 2\.0, newer than this ckptstore reads \(1\.x\)"):
         M.check_version(doc["version"])
     cfg = json.loads(open_store(str(tmp_path / "r")).get("config.json"))

@@ -12,7 +12,7 @@ import torch
 import zstandard
 from hypothesis import given, settings, strategies as st
 
-from ckptstore.format import codec, manifest as M, pack as P
+from ckptstore.format import codec, manifest as M, manifest_v2 as V2, pack as P
 from ckptstore.errors import FormatError, IntegrityError, UnsupportedVersionError
 from ckptstore.repository import Repository
 from ckptstore.storage.memory import MemoryStore
@@ -148,7 +148,7 @@ def test_manifest_validation_v1(name, mutate, match):
 def _column(values) -> str:
     import numpy as np
 
-    return M._pack_column(np.asarray(values))
+    return V2._pack_column(np.asarray(values))
 
 
 def _mutations_v2():
@@ -196,7 +196,9 @@ def test_manifest_version_checks():
 
 def test_manifest_size_bound(monkeypatch):
     _, doc = _manifest_doc()
-    monkeypatch.setattr(M, "MAX_MANIFEST_BYTES", 100)
+    from ckptstore.format import strict_json
+
+    monkeypatch.setattr(strict_json, "MAX_MANIFEST_BYTES", 100)  # where reading checks it
     with pytest.raises(FormatError, match="limit"):
         M.from_json(json.dumps(doc).encode())
 
@@ -341,4 +343,4 @@ def test_pack_entry_fast_path_matches_the_checked_one(e):
         except FormatError:
             return "refused"
 
-    assert run(M._parse_pack_entry) == run(M._parse_pack_entry_checked), e
+    assert run(V2._parse_pack_entry) == run(V2._parse_pack_entry_checked), e
