@@ -554,7 +554,7 @@ def copy(
     # copy, and every commit's base-age check counts from that read.
     outer = dst.write_lease(plans[0].step if plans else 0)
     try:
-        return _copy_steps(src, dst, plans, res, progress, verify_data, batch_bytes, t0, refs.point)
+        return _copy_steps(_CopyJob(src, dst, res, progress, verify_data, batch_bytes, t0, refs.point), plans)
     finally:
         dst.drop_lease(outer)
 
@@ -600,7 +600,23 @@ def _ref_label(kind: str, ns: str, name: str) -> str:
     return f"tag {name}" if kind == "tag" else f"name {ns}:{name}"
 
 
-def _copy_steps(src, dst, plans, res, progress, verify_data, batch_bytes, t0, on_copied) -> CopyResult:
+@dataclass
+class _CopyJob:
+    """What one ``cp`` copies between, and how: fixed for all its steps."""
+
+    src: Catalog
+    dst: Catalog
+    res: CopyResult
+    progress: Callable
+    verify_data: bool
+    batch_bytes: int
+    t0: float
+    on_copied: Callable[[int], None]  # a step is committed in the destination
+
+
+def _copy_steps(job: _CopyJob, plans: list) -> CopyResult:
+    src, dst, res, progress = job.src, job.dst, job.res, job.progress
+    verify_data, batch_bytes, t0, on_copied = job.verify_data, job.batch_bytes, job.t0, job.on_copied
     index_read_at = dst.clock.monotonic()
     index, pack_sizes = _dst_index(dst)
     # Total bytes to move (upper bound for progress: chunks not yet in dst).
