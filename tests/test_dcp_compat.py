@@ -333,3 +333,19 @@ def test_bytes_item_with_an_arbitrary_object_is_refused(tmp_path):
     sd = {"w": torch.zeros(2), "cfg": {"lr": 0.0, "names": []}}
     dcp.load(sd, storage_reader=CkptStoreReader(url, step=2))
     assert sd["cfg"] == {"lr": 0.1, "names": ["a", "b"]} and torch.equal(sd["w"], torch.ones(2))
+
+
+def test_the_exchange_options_come_as_one_object_or_as_keywords_not_both(tmp_path):
+    from ckptstore.dcp import ExchangeOptions
+
+    url = str(tmp_path / "r")
+    r = CkptStoreReader(url, exchange=ExchangeOptions(timeout=5.0, round_bytes=1 << 20))
+    assert (r.exchange_timeout, r.exchange_round_bytes, r.exchange_replicated) == (5.0, 1 << 20, True)
+    r = CkptStoreReader(url, exchange_replicated=False, exchange_piece_bytes=4096)  # the keywords still work
+    assert r.exchange == ExchangeOptions(replicated=False, piece_bytes=4096)
+    with pytest.raises(ValueError, match="not both"):
+        CkptStoreReader(url, exchange=ExchangeOptions(), exchange_timeout=3.0)
+    with pytest.raises(ValueError, match="timeout must be a positive"):
+        CkptStoreReader(url, exchange=ExchangeOptions(timeout=0))
+    with pytest.raises(ValueError, match="round_bytes must be a positive integer"):
+        CkptStoreReader(url, exchange_round_bytes=0)

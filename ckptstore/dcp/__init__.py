@@ -38,8 +38,8 @@ through ``CkptStoreReader``.
 from .ids import split_checkpoint_id
 from .metadata import build_manifest, metadata_from_manifest
 from ..exchange import RankReadError
-from .reader import CkptStoreReader
+from .reader import CkptStoreReader, ExchangeOptions
 from .writer import CkptStoreWriter, RankWriteError, balance_save_plans
 
-__all__ = ["CkptStoreWriter", "CkptStoreReader", "RankReadError", "RankWriteError", "split_checkpoint_id",
+__all__ = ["CkptStoreWriter", "CkptStoreReader", "ExchangeOptions", "RankReadError", "RankWriteError", "split_checkpoint_id",
            "balance_save_plans", "build_manifest", "metadata_from_manifest"]

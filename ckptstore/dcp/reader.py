@@ -111,6 +111,40 @@ def _read_region(man: Manifest, key: tuple, item, chunk: int, shard_sizes: dict)
     return ReadRegion(key, rows, row_bytes, fetch, row0, align)
 
 
+@dataclass(frozen=True)
+class ExchangeOptions:
+    """How a :class:`CkptStoreReader` reads replicated items once per job and moves them between ranks.
+
+    ``replicated``: read each region several ranks want once and deliver it
+    over the process group (False: every rank reads all it wants itself).
+    ``timeout``: seconds any wait of the exchange (a status or a transfer)
+    may take before every rank fails naming it; None: the group's own.
+    ``round_bytes``: most bytes of buffers one rank holds for one round (an
+    all-gather's output, or its point-to-point messages); two rounds at once
+    at most. ``piece_bytes``: replicated regions larger than this (or than a
+    quarter of each rank's share) are split along dim 0 and read by several
+    ranks; smaller pieces (below an eighth of it) travel packed together.
+    ``all_gather_ranks``: on groups of at least this many ranks, regions
+    every rank reads travel by all-gather; on smaller ones point to point,
+    received straight into the destinations. The coordinator's options apply
+    to every rank.
+    """
+
+    replicated: bool = True
+    timeout: float | None = None
+    round_bytes: int = 512 * MiB
+    piece_bytes: int = 8 * MiB
+    all_gather_ranks: int = 16
+
+    def check(self) -> None:
+        if self.timeout is not None and not self.timeout > 0:
+            raise ValueError(f"exchange timeout must be a positive number of seconds or None, got {self.timeout!r}")
+        for name in ("round_bytes", "piece_bytes", "all_gather_ranks"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"exchange {name} must be a positive integer, got {v!r}")
+
+
 class CkptStoreReader(StorageReader):
     """DCP ``StorageReader`` over one committed step.
 
@@ -132,34 +166,19 @@ class CkptStoreReader(StorageReader):
     item_workers:
         Read items processed concurrently (each fans out to coalesced,
         concurrent range reads on the repository's I/O pool).
-    exchange_replicated:
-        Read each region that several ranks want once per job and deliver
-        it to the others over ``process_group`` (default True; used when a
-        process group is up and DCP plans with collectives). False reads
-        every item from the store on every rank that wants it.
+    exchange:
+        How replicated items are read once per job and moved between ranks
+        (:class:`ExchangeOptions`: ``replicated``, ``timeout``,
+        ``round_bytes``, ``piece_bytes``, ``all_gather_ranks``). The
+        keywords ``exchange_replicated``, ``exchange_timeout``,
+        ``exchange_round_bytes``, ``exchange_piece_bytes`` and
+        ``exchange_all_gather_ranks`` set the same fields one by one (not
+        together with ``exchange=``).
     process_group:
         The group the exchange runs on: it must be the group DCP loads with
         (``dcp.load(..., process_group=g)`` needs ``CkptStoreReader(...,
         process_group=g)``). Default: the default group. When the ranks'
         plans do not match this group, nothing is exchanged (with a warning).
-    exchange_timeout:
-        Seconds any rank waits for a status or a transfer of the exchange
-        before failing with an error naming what it waited for; None: the
-        group's own timeout.
-    exchange_round_bytes:
-        Most bytes of buffers one rank holds for one round of the exchange
-        (an all-gather's output, or its point-to-point messages); a rank
-        holds the buffers of at most two rounds at once.
-    exchange_piece_bytes:
-        Replicated regions larger than this (or than a quarter of each
-        rank's share) are split along dim 0 and read by several ranks;
-        smaller pieces (below an eighth of it) travel packed together.
-    exchange_all_gather_ranks:
-        On groups of at least this many ranks, regions every rank reads
-        travel by all-gather (a ring: ``ranks - 1`` steps of one message per
-        rank); on smaller groups point to point, received straight into the
-        destinations. The coordinator's settings of these three apply to
-        every rank.
     peer_reads:
         With a ``cache_dir`` on every rank and the ranks on more than one
         node (tier), take from other nodes' tiers the packs this node's
@@ -179,13 +198,14 @@ class CkptStoreReader(StorageReader):
         storage_options: dict | None = None,
         item_workers: int = 4,
         *,
-        exchange_replicated: bool = True,
+        exchange: ExchangeOptions | None = None,
         process_group=None,
-        exchange_timeout: float | None = None,
-        exchange_round_bytes: int = 512 * MiB,
-        exchange_piece_bytes: int = 8 * MiB,
-        exchange_all_gather_ranks: int = 16,
         peer_reads: bool = True,
+        exchange_replicated: bool | None = None,
+        exchange_timeout: float | None = None,
+        exchange_round_bytes: int | None = None,
+        exchange_piece_bytes: int | None = None,
+        exchange_all_gather_ranks: int | None = None,
         **options,
     ):
         super().__init__()
@@ -199,18 +219,22 @@ class CkptStoreReader(StorageReader):
         self.storage_options = storage_options
         self.options = options
         self.item_workers = item_workers
-        self.exchange_replicated = bool(exchange_replicated)
         self.process_group = process_group
-        if exchange_timeout is not None and not exchange_timeout > 0:
-            raise ValueError(f"exchange_timeout must be a positive number of seconds or None, got {exchange_timeout!r}")
-        self.exchange_timeout = exchange_timeout
-        if exchange_round_bytes < 1:
-            raise ValueError(f"exchange_round_bytes must be positive, got {exchange_round_bytes!r}")
-        self.exchange_round_bytes = int(exchange_round_bytes)
-        if exchange_piece_bytes < 1:
-            raise ValueError(f"exchange_piece_bytes must be positive, got {exchange_piece_bytes!r}")
-        self.exchange_piece_bytes = int(exchange_piece_bytes)
-        self.exchange_all_gather_ranks = int(exchange_all_gather_ranks)
+        loose = {"replicated": exchange_replicated, "timeout": exchange_timeout, "round_bytes": exchange_round_bytes,
+                 "piece_bytes": exchange_piece_bytes, "all_gather_ranks": exchange_all_gather_ranks}
+        loose = {k: v for k, v in loose.items() if v is not None}
+        if exchange is not None and loose:
+            raise ValueError("CkptStoreReader: pass the exchange's options either as exchange=ExchangeOptions(...) or "
+                             f"as exchange_* keywords, not both (got exchange= and {sorted('exchange_' + k for k in loose)})")
+        #: The replicated-read exchange's options (:class:`ExchangeOptions`).
+        self.exchange = exchange if exchange is not None else ExchangeOptions(**loose)
+        self.exchange.check()
+        # the names the rest of the reader (and older callers) use
+        self.exchange_replicated = self.exchange.replicated
+        self.exchange_timeout = self.exchange.timeout
+        self.exchange_round_bytes = self.exchange.round_bytes
+        self.exchange_piece_bytes = self.exchange.piece_bytes
+        self.exchange_all_gather_ranks = self.exchange.all_gather_ranks
         self.rank = 0
         self._use_collectives = True
         self._repo: Repository | None = None
