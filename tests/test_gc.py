@@ -447,3 +447,64 @@ def test_gc_deletes_in_batches_each_cleared_by_a_listing_within_half_the_margin(
             assert last_list is not None and t - last_list <= margin / 2, events
     assert sum(kind == "list" for kind, _, _ in events) >= 3  # GC listed again between batches
     assert repo.steps() == [9] and repo.verify(read_data=True).ok
+
+
+# ---------------------------------------------------------------- execute, phase by phase
+def _orphans(tmp_path):
+    """A repository with step 1 committed and the packs of a save that died before its manifest."""
+    clock = ManualClock()
+    store = FaultStore(open_store(str(tmp_path / "repo")))
+    repo = Repository(store, grace=GRACE, clock=clock, **OPTS)
+    repo.save({"w": torch.randn(50_000)}, step=1)
+    store.add_rule("put_if_absent", "manifests/*", lambda op, k: StorageError("killed"), count=1)
+    with pytest.raises(StorageError):
+        repo.save({"w": torch.randn(50_000), "x": torch.randn(50_000)}, step=2)
+    orphans = sorted({o.key.rsplit("/", 1)[1].removesuffix(".pack") for o in store.list("packs/")}
+                     - {c.pack for c in repo.chunks(1)})
+    return repo, clock, orphans
+
+
+def test_executor_clear_pack_says_why_each_pack_stays_or_goes(tmp_path):
+    from ckptstore.gc import _Executor
+
+    repo, clock, orphans = _orphans(tmp_path)
+    live = next(c.pack for c in repo.chunks(1))
+    ex = _Executor(repo.plan_gc(), repo, lambda *a: None)
+    ex.reread()
+    assert ex.clear_pack(orphans[0]) is None and ex.res.skipped_packs[-1] == (orphans[0], "younger than the grace period")
+    assert ex.clear_pack("e" * 32) is None and ex.res.skipped_packs[-1] == ("e" * 32, "already gone")
+    clock.advance(_past_grace(repo))
+    ex = _Executor(repo.plan_gc(), repo, lambda *a: None)
+    ex.reread()
+    pid, size = ex.clear_pack(orphans[0])
+    assert pid == orphans[0] and size > 0
+    assert ex.clear_pack(live) is None and ex.res.skipped_packs[-1] == (live, "referenced again")
+
+
+def test_executor_delete_steps_keeps_the_newest_and_what_was_tagged_since_planning(tmp_path):
+    from ckptstore.gc import _Executor
+
+    clock = ManualClock()
+    repo = Repository(open_store(str(tmp_path / "repo")), grace=GRACE, clock=clock, **OPTS)
+    for s in (1, 2, 3):
+        repo.save({"w": torch.full((10,), float(s))}, step=s)
+    plan = repo.plan_gc(keep_last=1)
+    assert plan.delete_steps == (1, 2)
+    repo.tag(2, "keep-me")  # after planning
+    ex = _Executor(plan, repo, lambda *a: None)
+    ex.delete_steps()
+    assert ex.res.deleted_steps == [1] and ex.res.skipped_steps == [(2, "tagged since planning")]
+    assert repo.steps() == [2, 3]
+
+
+def test_executor_expire_bookkeeping_deletes_only_what_the_plan_named(tmp_path):
+    from ckptstore.gc import _Executor
+
+    repo, clock, _ = _orphans(tmp_path)
+    repo.store.put("leases/" + "d" * 32 + ".json", b'{"step": 2}')
+    clock.advance(_past_grace(repo))
+    plan = repo.plan_gc()
+    assert plan.stale_leases
+    repo.store.put("leases/" + "f" * 32 + ".json", b'{"step": 3}')  # a saver that started after planning
+    _Executor(plan, repo, lambda *a: None).expire_bookkeeping()
+    assert [o.key for o in repo.store.list("leases/")] == ["leases/" + "f" * 32 + ".json"]
