@@ -757,3 +757,16 @@ def test_stream_body_without_a_socket_underneath(size, want):
     assert _stream_body(_Body(data), memoryview(out), seen.append) == want
     n = min(size, len(out))
     assert bytes(out[:n]) == data[:n] and seen[-1] == n and seen == sorted(seen)
+
+
+@pytest.mark.parametrize("url,module,extra", [("s3://b/p", "s3fs", "s3"), ("gs://b/p", "gcsfs", "gcs"),
+                                              ("az://c/p", "adlfs", "azure")])
+def test_a_cloud_whose_client_is_not_installed_names_the_extra(monkeypatch, url, module, extra):
+    import importlib.util
+
+    from ckptstore.storage import open_store
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == module else real(name, *a))
+    with pytest.raises(ImportError, match=rf"need {module}, which is not installed: pip install 'ckptstore\[{extra}\]'"):
+        open_store(url)

@@ -40,14 +40,17 @@ _MISTYPED = re.compile(r"^(" + "|".join(SCHEMES) + r"):(?!//)(.*)$", re.IGNORECA
 
 def __getattr__(name: str):
     if name == "S3Store":
+        _require("s3fs", "s3", "s3")
         from .s3 import S3Store
 
         return S3Store
     if name == "GCSStore":
+        _require("gcsfs", "gcs", "gs")
         from .gcs import GCSStore
 
         return GCSStore
     if name == "AzureStore":
+        _require("adlfs", "azure", "az")
         from .azure import AzureStore
 
         return AzureStore
@@ -170,6 +173,7 @@ def open_store(url: str, storage_options: dict | None = None) -> ObjectStore:
             raise StoreURLError("s3:// URL needs a bucket, e.g. s3://bucket/prefix")
         if "?" in location or "#" in location:
             raise StoreURLError("s3:// URL must not carry a query or fragment")
+        _require("s3fs", "s3", scheme)
         from .s3 import S3Store
 
         return S3Store(location, storage_options)
@@ -179,6 +183,7 @@ def open_store(url: str, storage_options: dict | None = None) -> ObjectStore:
             raise StoreURLError(f"{scheme}:// URL needs a bucket, e.g. gs://bucket/prefix")
         if "?" in location or "#" in location:
             raise StoreURLError(f"{scheme}:// URL must not carry a query or fragment")
+        _require("gcsfs", "gcs", scheme)
         from .gcs import GCSStore
 
         return GCSStore(location, storage_options)
@@ -188,7 +193,16 @@ def open_store(url: str, storage_options: dict | None = None) -> ObjectStore:
             raise StoreURLError(f"{scheme}:// URL needs a container, e.g. az://container/prefix")
         if "?" in location or "#" in location:
             raise StoreURLError(f"{scheme}:// URL must not carry a query or fragment (a SAS token goes in storage_options)")
+        _require("adlfs", "azure", scheme)
         from .azure import AzureStore
 
         return AzureStore(location, storage_options)
     raise _unknown_scheme(scheme)
+
+
+def _require(module: str, extra: str, scheme: str) -> None:
+    """The cloud's client is an extra: say which one to install, before anything is opened."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise ImportError(f"{scheme}:// URLs need {module}, which is not installed: pip install 'ckptstore[{extra}]'")
