@@ -116,3 +116,32 @@ def run_broken(rank: int, world: int, port: int, url: str, tmp: str) -> None:
         json.dump(out, f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def run_async(rank: int, world: int, port: int, url: str, tmp: str) -> None:
+    """Two ``dcp.async_save`` calls with ``replicas=1``, a collective of the training loop running
+    while each save is under way; then a flush."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    import ckptstore
+    from ckptstore.dcp import CkptStoreWriter
+
+    cache = os.path.join(tmp, f"node{rank}")
+    writer = CkptStoreWriter(url, cache_dir=cache, replicas=1, chunk_size=16384, replica_timeout=60)
+    for step in (1, 2):
+        sd = state(rank)
+        sd["shared"] = sd["shared"] + step
+        fut = dcp.async_save(sd, checkpoint_id=f"{url}/step-{step}", storage_writer=writer)
+        dist.all_reduce(torch.ones(1))  # the training loop's own collective while the save runs
+        fut.result()
+    writer.flush()
+    out = {"stats": dict(writer._replicator.stats), "packs": _packs(cache)}
+    with ckptstore.open(url) as plain:
+        out["steps"] = plain.steps()
+    writer.close()
+    with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+    dist.barrier()
+    dist.destroy_process_group()

@@ -106,3 +106,19 @@ def test_replicas_need_a_tier_and_take_0_or_1(tmp_path):
         CkptStoreWriter(str(tmp_path / "r"), step=1, replicas=1)
     with pytest.raises(ValueError, match="replicas must be 0 or 1"):
         CkptStoreWriter(str(tmp_path / "r"), step=1, cache_dir=tmp_path / "t", replicas=2)
+
+
+@pytest.mark.slow
+def test_replicas_with_async_save_beside_the_training_loop_s_collectives(tmp_path):
+    import torch.multiprocessing as mp
+
+    from . import replica_workers as W
+    from .hf_lightning_workers import free_port
+
+    mp.spawn(W.run_async, args=(2, free_port(), str(tmp_path / "repo"), str(tmp_path)), nprocs=2, join=True)
+    res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for r in res:
+        assert r["steps"] == [1, 2]
+        # step 2 rewrites only "shared" (each rank's own tensor dedups): a rank may send nothing for it
+        assert r["stats"]["steps"] == 2 and r["stats"]["sent_packs"] >= 1 and r["stats"]["received_packs"] >= 1
+    assert set(res[0]["packs"]) == set(res[1]["packs"]), "each node holds its own packs and its peer's"
