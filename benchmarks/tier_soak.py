@@ -64,7 +64,7 @@ import threading
 import time
 import traceback
 
-from .common.measure import MiB, loadavg
+from .common.measure import MiB, dir_bytes, loadavg
 from .common.report import command_line, env_line, format_table, git_commit, human, write_results
 
 KiB = 1 << 10
@@ -130,18 +130,6 @@ def tier_split(cache_dir: str) -> tuple[int, int]:
     return total, wb
 
 
-def all_bytes(cache_dir: str) -> int:
-    """Every file under ``cache_dir`` (``.tmp/``, records and marks too)."""
-    total = 0
-    for root, _, files in os.walk(cache_dir):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(root, name)).st_size
-            except FileNotFoundError:
-                continue
-    return total
-
-
 def largest_pack(url: str) -> int:
     sizes = [os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(os.path.join(url, "packs")) for f in fs]
     return max(sizes, default=0)
@@ -162,7 +150,7 @@ class Sampler:
             total, wb = tier_split(self.cache_dir)
             if total > self.max_tier:
                 self.max_tier, self.wb_at_max = total, wb
-            self.max_all = max(self.max_all, all_bytes(self.cache_dir))
+            self.max_all = max(self.max_all, dir_bytes(self.cache_dir))
             self.samples += 1
             self._stop.wait(self.interval)
 
@@ -192,7 +180,7 @@ def budget_run(mode: str, seed: int, saves: int, tmp: str) -> dict:
                 info = repo.save(sd, step=s, metadata={"seed": seed, "step": s})
                 secs.append(time.perf_counter() - t)
                 stored += info.uploaded_bytes
-                after.append({"step": s, "tier": tier_bytes(cache), "all": all_bytes(cache)})
+                after.append({"step": s, "tier": tier_bytes(cache), "all": dir_bytes(cache)})
             if mode == "write-back":
                 t = time.perf_counter()
                 repo.flush()
@@ -202,7 +190,7 @@ def budget_run(mode: str, seed: int, saves: int, tmp: str) -> dict:
             stats = dict(repo.tier.stats)
         finally:
             repo.close()
-        after.append({"step": "end", "tier": tier_bytes(cache), "all": all_bytes(cache)})
+        after.append({"step": "end", "tier": tier_bytes(cache), "all": dir_bytes(cache)})
     wall = time.perf_counter() - t0
     # every step back from the store alone, bit for bit
     checked, bad = 0, []

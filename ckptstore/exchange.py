@@ -107,6 +107,16 @@ class Exchange:
     messages: tuple[Message, ...]
     gathers: tuple[Gather, ...] = ()
 
+    def keys(self) -> set[tuple]:
+        """The regions this rank's exchange moves (sent, received or gathered)."""
+        out = {p.key for m in self.messages for p in m.pieces}
+        out.update(p.key for g in self.gathers for ps in g.parts for p in ps)
+        return out
+
+    def owned(self, rank: int) -> list[Piece]:
+        """The pieces ``rank`` reads from the store for the others: its messages' and its gather shares'."""
+        mine = [p for m in self.messages if m.src == rank for p in m.pieces]
+        return mine + [p for g in self.gathers for p in g.parts[rank]]
 
 
 def _aligned(n: int) -> int:

@@ -120,6 +120,29 @@ class ChunkFetcher:
                 self.runtime.read_buffers().clear()
 
 
+def _wait_all(futures: list[cf.Future]) -> None:
+    """Wait for every future; on the first failure cancel the rest, wait for those running, re-raise."""
+    try:
+        for fut in cf.as_completed(futures):
+            fut.result()
+    except BaseException:
+        for fut in futures:
+            fut.cancel()
+        cf.wait(futures)
+        raise
+
+
+def _collector(out: list[int]) -> Callable[[list[int]], None]:
+    """``missed(idx)``: append chunk indices to ``out`` from any thread."""
+    lock = threading.Lock()
+
+    def missed(idx) -> None:
+        with lock:
+            out.extend(idx)
+
+    return missed
+
+
 class _Job:
     def __init__(self, fetcher: ChunkFetcher, refs, deliver, where, on_error, into=None, done=None):
         self.f = fetcher
@@ -150,14 +173,7 @@ class _Job:
             items = self.from_tier(items)
         io = self.f.runtime.io
         futures = [io.submit(self.request, q, hops) for q in self.requests(items)]
-        try:
-            for fut in cf.as_completed(futures):
-                fut.result()
-        except BaseException:
-            for fut in futures:
-                fut.cancel()
-            cf.wait(futures)
-            raise
+        _wait_all(futures)
 
     # ------------------------------------------------------------ the node-local tier
     def from_tier(self, items: list[int]) -> list[int]:
@@ -168,7 +184,7 @@ class _Job:
         in_chunks: list[int] = []
         rest: list[int] = []
         local_pack: dict[str, bool] = {}
-        if self.into is not None:
+        if self.into is not None and tier.keeps_decoded():
             items = self.from_raw(items)
         for i in items:
             pid = refs[i].pack
@@ -185,23 +201,11 @@ class _Job:
         if not in_packs and not in_chunks:
             return rest
         misses: list[int] = []
-        lock = threading.Lock()
-
-        def missed(idx) -> None:
-            with lock:
-                misses.extend(idx)
-
+        missed = _collector(misses)
         io = self.f.runtime.io
         futures = [io.submit(self.request, q, 0, tier, missed) for q in self.requests(in_packs)]
         futures += [io.submit(self.tier_chunk, i, missed) for i in in_chunks]
-        try:
-            for fut in cf.as_completed(futures):
-                fut.result()
-        except BaseException:
-            for fut in futures:
-                fut.cancel()
-            cf.wait(futures)
-            raise
+        _wait_all(futures)
         if misses:
             with self.f._lock:
                 tier.stats["tier_misses"] += len(misses)
@@ -216,21 +220,9 @@ class _Job:
             return items
         taken = set(raw)
         left = [i for i in items if i not in taken]
-        lock = threading.Lock()
-
-        def missed(idx) -> None:
-            with lock:
-                left.extend(idx)
-
+        missed = _collector(left)
         futures = [self.f.runtime.io.submit(self.tier_raw, i, missed) for i in raw]
-        try:
-            for fut in cf.as_completed(futures):
-                fut.result()
-        except BaseException:
-            for fut in futures:
-                fut.cancel()
-            cf.wait(futures)
-            raise
+        _wait_all(futures)
         return left
 
     def tier_raw(self, i: int, missed) -> None:

@@ -199,6 +199,10 @@ class Tier:
     def raw_path(self, h: str) -> str:
         return os.path.join(self.root, "raw", h[:2], h)
 
+    def keeps_decoded(self) -> bool:
+        """Whether any save kept decoded chunks here (one stat per read, not one per chunk)."""
+        return os.path.isdir(os.path.join(self.root, "raw"))
+
     def read_raw_into(self, h: str, dest) -> bool:
         """A decoded chunk file read straight into ``dest`` (exactly its length), or False (missing or
         not that long: removed). The caller checks the hash of what landed in ``dest``."""
@@ -286,28 +290,8 @@ class Tier:
     # ------------------------------------------------------------ writes
     def put_chunk(self, h: str, stored) -> None:
         """Keep a chunk read from the store (stored form), unless present; never raises for the tier's sake."""
-        if not self._writable or self.has_chunk(h):
-            return
-        try:
-            self.prepare()
-            path = self.chunk_path(h)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = os.path.join(self.store.tmp_dir(), f"{h[:16]}.{uuid.uuid4().hex[:8]}")
-            with open(tmp, "wb") as f:
-                f.write(stored)
-            try:
-                os.link(tmp, path)  # exclusive: another process may have published it first
-            except FileExistsError:
-                pass
-            finally:
-                os.unlink(tmp)
-        except OSError as e:
-            if e.errno in SPACE_ERRNOS:
-                self.disable_writes(e)
-                return
-            log.warning("ckptstore: node-local tier: could not keep chunk %s: %s", h[:16], e)
-            return
-        self.added(len(stored))
+        if not self.has_chunk(h):
+            self._publish(self.chunk_path(h), stored)  # exclusive: another process may have published it first
 
     def publish_pack(self, pack_id: str, data) -> bool:
         """Keep a whole pack received from a peer (checked chunk by chunk when read); False if not kept."""
@@ -664,20 +648,28 @@ def evict(cache_dir: str, cache_size: int | None, free_floor: float = FREE_FLOOR
     return freed, used - freed
 
 
-def recent_packs(cache_dir: str, steps: int = RECENT_STEPS) -> set[str]:
-    """The packs the newest ``steps`` saved steps of each repository wrote into the tier."""
-    out: set[str] = set()
+def _repo_folders(cache_dir: str, sub: str, absent=(FileNotFoundError, NotADirectoryError)):
+    """``(folder, file names)`` of folder ``sub`` of each repository in a tier that has one; a folder
+    whose listing raises one of ``absent`` counts as missing (any other error is raised)."""
     repos = os.path.join(cache_dir, "repos")
     try:
         keys = os.listdir(repos)
-    except OSError:
-        return out
+    except absent:
+        return
     for key in keys:
-        folder = os.path.join(repos, key, "recent")
+        folder = os.path.join(repos, key, sub)
         try:
-            names = [n for n in os.listdir(folder) if RECENT_NAME.match(n)]
-        except OSError:
+            names = os.listdir(folder)
+        except absent:
             continue
+        yield folder, names
+
+
+def recent_packs(cache_dir: str, steps: int = RECENT_STEPS) -> set[str]:
+    """The packs the newest ``steps`` saved steps of each repository wrote into the tier."""
+    out: set[str] = set()
+    for folder, names in _repo_folders(cache_dir, "recent", absent=OSError):  # a preference only
+        names = [n for n in names if RECENT_NAME.match(n)]
         newest = set(sorted({n[:20] for n in names})[-steps:])
         for n in names:
             if n[:20] in newest:
@@ -721,17 +713,7 @@ def is_pending_file(path: str) -> bool:
 
 def pending_ids(cache_dir: str) -> set[str]:
     out: set[str] = set()
-    repos = os.path.join(cache_dir, "repos")
-    try:
-        keys = os.listdir(repos)
-    except FileNotFoundError:
-        return out
-    for key in keys:
-        folder = os.path.join(repos, key, "pending")
-        try:
-            names = os.listdir(folder)
-        except (FileNotFoundError, NotADirectoryError):
-            continue
+    for folder, names in _repo_folders(cache_dir, "pending"):
         for name in names:
             if PENDING_NAME.match(name) or RANK_RECORD_NAME.match(name):
                 try:

@@ -38,7 +38,7 @@ from .format.layout import UPLOAD_FORMAT, manifest_key, pack_key, segment_key, u
 from .format.manifest import Manifest, SegmentRef
 from .save import StepCommit
 from .storage.upload import ParallelUploader
-from .tier import PendingSteps, tier_files
+from .tier import PendingSteps, is_pending_file, tier_files
 from .units import human_bytes as _human
 
 log = logging.getLogger(__name__)
@@ -126,7 +126,7 @@ class WriteBack:
 
     def pending_bytes(self) -> int:
         """Bytes of pending steps' files in the tier (``wb/``: never evicted)."""
-        return sum(f[1] for f in tier_files(self.tier.cache_dir) if f"{os.sep}wb{os.sep}" in f[0])
+        return sum(f[1] for f in tier_files(self.tier.cache_dir) if is_pending_file(f[0]))
 
     def unreserve(self) -> None:
         with self._cv:

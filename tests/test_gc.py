@@ -118,7 +118,6 @@ def test_gc_keeps_newest_and_tagged_and_rm_refuses_newest(tmp_path, capsys):
     assert ckptstore.open(url).steps() == [1]
 
 
-
 def test_gc_without_keeping_tags_deletes_tagged_steps_but_not_ones_tagged_since_planning(tmp_path):
     repo = ckptstore.open(str(tmp_path / "repo"), grace=GRACE, **OPTS)
     for s in (1, 2, 3, 4):
@@ -190,16 +189,24 @@ def test_gc_never_touches_objects_outside_its_prefix(s3):
 
 
 # ------------------------------------------------------------------ crashed savers
-def test_crashed_saver_leftovers_reclaimed_only_after_grace(tmp_path):
+def _orphans(tmp_path):
+    """A repository with step 1 committed and the packs of a save that died before its manifest."""
     clock = ManualClock()
     store = FaultStore(open_store(str(tmp_path / "repo")))
     repo = Repository(store, grace=GRACE, clock=clock, **OPTS)
     repo.save({"w": torch.randn(50_000)}, step=1)
-    # a saver "crashes" before its manifest: packs uploaded, no step
     store.add_rule("put_if_absent", "manifests/*", lambda op, k: StorageError("killed"), count=1)
     with pytest.raises(StorageError):
         repo.save({"w": torch.randn(50_000), "x": torch.randn(50_000)}, step=2)
-    orphan_packs = {o.key for o in store.list("packs/")} - {pack_key(c.pack) for c in repo.chunks(1)}
+    orphans = sorted({o.key for o in store.list("packs/")} - {pack_key(c.pack) for c in repo.chunks(1)})
+    return repo, clock, [k.rsplit("/", 1)[1].removesuffix(".pack") for k in orphans]
+
+
+def test_crashed_saver_leftovers_reclaimed_only_after_grace(tmp_path):
+    # a saver "crashes" before its manifest: packs uploaded, no step
+    repo, clock, orphans = _orphans(tmp_path)
+    store = repo.store
+    orphan_packs = {pack_key(p) for p in orphans}
     assert orphan_packs
     # and one left a multipart upload and a lease behind
     mpu = store.create_multipart("packs/cc/" + "c" * 32 + ".pack", 5 << 20)
@@ -450,18 +457,6 @@ def test_gc_deletes_in_batches_each_cleared_by_a_listing_within_half_the_margin(
 
 
 # ---------------------------------------------------------------- execute, phase by phase
-def _orphans(tmp_path):
-    """A repository with step 1 committed and the packs of a save that died before its manifest."""
-    clock = ManualClock()
-    store = FaultStore(open_store(str(tmp_path / "repo")))
-    repo = Repository(store, grace=GRACE, clock=clock, **OPTS)
-    repo.save({"w": torch.randn(50_000)}, step=1)
-    store.add_rule("put_if_absent", "manifests/*", lambda op, k: StorageError("killed"), count=1)
-    with pytest.raises(StorageError):
-        repo.save({"w": torch.randn(50_000), "x": torch.randn(50_000)}, step=2)
-    orphans = sorted({o.key.rsplit("/", 1)[1].removesuffix(".pack") for o in store.list("packs/")}
-                     - {c.pack for c in repo.chunks(1)})
-    return repo, clock, orphans
 
 
 def test_executor_clear_pack_says_why_each_pack_stays_or_goes(tmp_path):

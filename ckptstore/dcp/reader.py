@@ -479,10 +479,7 @@ class CkptStoreReader(StorageReader):
             exchanged: set = set()
             owned: list[Piece] = []
             if ex is not None:
-                exchanged = {p.key for m in ex.messages for p in m.pieces}
-                exchanged.update(p.key for g in ex.gathers for ps in g.parts for p in ps)
-                owned = [p for m in ex.messages if m.src == xg.rank for p in m.pieces]
-                owned += [p for g in ex.gathers for p in g.parts[xg.rank]]
+                exchanged, owned = ex.keys(), ex.owned(xg.rank)
             boxes, first = [], {}
             for item in plan.items:
                 if item.type != LoadItemType.TENSOR:
@@ -538,8 +535,7 @@ class CkptStoreReader(StorageReader):
         stats = {"rank": me, "exchange": True, "direct_bytes": 0, "owned_bytes": 0, "sent_bytes": 0,
                  "received_bytes": 0, "rounds": ex.rounds, "all_gathers": len(ex.gathers),
                  "messages": len(ex.messages)}
-        exchanged = {p.key for m in ex.messages for p in m.pieces}
-        exchanged.update(p.key for g in ex.gathers for ps in g.parts for p in ps)
+        exchanged = ex.keys()
         failure: BaseException | None = None
         direct: list = []
         regions: dict = {}
@@ -550,9 +546,7 @@ class CkptStoreReader(StorageReader):
             if missing:
                 raise CkptStoreError(f"{where}: the exchange plan names regions this rank does not read: "
                                      f"{sorted(k[0] for k in missing)[:5]}")
-            mine = [p for m in ex.messages if m.src == me for p in m.pieces]
-            mine += [p for g in ex.gathers for p in g.parts[me]]
-            owned = [(regions[p.key][0][1], regions[p.key][0][2]) for p in mine]
+            owned = [(regions[p.key][0][1], regions[p.key][0][2]) for p in ex.owned(me)]
             ckpt.resolve([(e.key, i) for _, e, i, _, _ in direct] + [(e.key, i) for e, i in owned])
             targets = [t for lst in regions.values() for (_, _, _, t) in lst]
             all_cuda = xg.cuda_capable and bool(targets) and all(t.device.type == "cuda" for t in targets)

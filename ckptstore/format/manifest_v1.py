@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 
 from . import codec as _codec
@@ -21,6 +20,7 @@ from .strict_json import (
     _common_doc,
     _common_fields,
     _dtype_and_shape,
+    _encode,
     _fail,
     _int,
     _list,
@@ -53,7 +53,7 @@ def _to_json_v1(m: Manifest) -> bytes:
         "tree": m.tree,
         "dcp": m.dcp,
     }
-    return json.dumps(doc, separators=(",", ":"), allow_nan=True, ensure_ascii=False).encode("utf-8")
+    return _encode(doc)
 
 
 def _from_doc_v1(doc: dict, version: tuple[int, int], expect_step: int | None) -> Manifest:

@@ -4,7 +4,6 @@ shard a run of records in a chunk-table segment, and every pack with the bytes t
 from __future__ import annotations
 
 import base64
-import json
 
 import numpy as np
 import zstandard
@@ -26,6 +25,7 @@ from .strict_json import (
     _common_doc,
     _common_fields,
     _dtype_and_shape,
+    _encode,
     _fail,
     _int,
     _list,
@@ -174,7 +174,7 @@ def _to_json_v2(m: Manifest) -> bytes:
         "tree": m.tree,
         "dcp": m.dcp,
     }
-    return json.dumps(doc, separators=(",", ":"), allow_nan=True, ensure_ascii=False).encode("utf-8")
+    return _encode(doc)
 
 
 def _from_doc_v2(doc: dict, version: tuple[int, int], expect_step: int | None) -> Manifest:

@@ -18,6 +18,11 @@ from .model import (
     Manifest,
 )
 
+def _encode(doc: dict) -> bytes:
+    """A manifest document's bytes: compact UTF-8 JSON, as every version writes it."""
+    return json.dumps(doc, separators=(",", ":"), allow_nan=True, ensure_ascii=False).encode("utf-8")
+
+
 def _common_doc(m: Manifest) -> dict:
     """The fields both versions write first, in this order (GC reads ``created`` from a root's first bytes)."""
     return {"format": FORMAT, "version": list(m.version), "step": m.step, "created": m.created,
