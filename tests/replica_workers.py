@@ -129,11 +129,15 @@ def run_async(rank: int, world: int, port: int, url: str, tmp: str) -> None:
     from ckptstore.dcp import CkptStoreWriter
 
     cache = os.path.join(tmp, f"node{rank}")
-    writer = CkptStoreWriter(url, cache_dir=cache, replicas=1, chunk_size=16384, replica_timeout=60)
+    # async_save's own group, as DCP asks: its collectives run on a background thread, beside the
+    # training loop's on the default group (one group from two threads deadlocks)
+    pg = dist.new_group(backend="gloo")
+    writer = CkptStoreWriter(url, cache_dir=cache, replicas=1, chunk_size=16384, replica_timeout=60,
+                             process_group=pg)
     for step in (1, 2):
         sd = state(rank)
         sd["shared"] = sd["shared"] + step
-        fut = dcp.async_save(sd, checkpoint_id=f"{url}/step-{step}", storage_writer=writer)
+        fut = dcp.async_save(sd, checkpoint_id=f"{url}/step-{step}", storage_writer=writer, process_group=pg)
         dist.all_reduce(torch.ones(1))  # the training loop's own collective while the save runs
         fut.result()
     writer.flush()
