@@ -1,4 +1,4 @@
-"""Metadata at scale: format 2.0 roots and chunk-table segments against 1.0 manifests.
+"""Metadata at scale: format 2.x roots and chunk-table segments against 1.0 manifests.
 
     python -m benchmarks.scale [--sizes 100GB,1TB,10TB] [--fsdp] [--gc-steps 1000]
                                [--v1 100GB,1TB] [--json OUT]
@@ -21,7 +21,8 @@ style; 4 MiB chunks):
 - ``fsdp``: 1000 tensors, 1 chunk of 100 KiB per shard: 1M shards, 100 GB
 
 For each: root size; a rank restoring its share (1/1000): metadata bytes
-read, CPU, peak traced memory; a saving rank's dedup metadata against the
+read, CPU, peak traced memory; one tensor restored whole (each of the 1000
+ranks' parts of it): metadata bytes and requests; a saving rank's dedup metadata against the
 same layout as base; the coordinator's ``finish`` (peak traced memory, CPU).
 ``--v1`` sizes also build the equivalent 1.0 manifest (one JSON document
 with every chunk) and time what a restoring rank pays for it today.
@@ -57,6 +58,7 @@ from ckptstore.clock import ManualClock
 from ckptstore.dcp.metadata import _ItemResult, _RankInfo, build_manifest
 from ckptstore.format.layout import PACK_PREFIX, pack_id_of_key, pack_key
 from ckptstore.format.manifest import ChunkRef
+from ckptstore.format.model import segment_sizes
 from ckptstore.repository import Repository
 from ckptstore.save import StepCommit, dedup_share, pack_usage, write_segment
 from ckptstore.storage.memory import MemoryStore
@@ -163,8 +165,8 @@ def _placeholder_segment(repo: Repository, builder: TableBuilder):
     n = len(builder)
     sid = new_pack_id()
     repo.store.put(segment_key(sid), b"")
-    header = 40 + 32 * -(-n // 1024)
-    return SegmentRef(sid, header + 56 * n, n, header, "0" * 64)
+    header = 40 + 32
+    return SegmentRef(sid, segment_sizes(header, n)[1], n, header, "0" * 64)
 
 
 def write_step(repo: Repository, layout: Layout, step: int, refs_by_rank: list, touch_packs: bool = True,
@@ -249,6 +251,22 @@ def restore_share(store: CountingStore, layout: Layout, step: int, rank: int) ->
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     return {"metadata_read": read, "share_records_bytes": nrefs * 56, "cpu_s": secs, "peak": peak, "chunks": nrefs}
+
+
+def restore_tensor(store: CountingStore, layout: Layout, step: int, t: int) -> dict:
+    """A fresh handle resolves every shard of one tensor (each rank's part of it): metadata bytes
+    and requests (a ranged read or a GET each)."""
+    store.reset()
+    repo = Repository(store)
+    ckpt = repo.checkpoint(step)
+    key = layout.fqn(t)
+    e = ckpt.entry(key)
+    ckpt.resolve([(key, i) for i in range(e.nshards)])
+    n = sum(len(s.chunks) for s in ckpt.shards(key, range(e.nshards)))
+    repo.close()
+    read = store.read_by_prefix["manifests"] + store.read_by_prefix["segments"]
+    return {"metadata_read": read, "requests": store.calls["get"] + len(store.reads), "chunks": n,
+            "segments_read": len({k for k, _, _ in store.reads if k.startswith("segments/")})}
 
 
 def dedup_of_share(store: CountingStore, layout: Layout, step: int, rank: int) -> dict:
@@ -391,6 +409,7 @@ def main(argv=None) -> int:
                "segments_bytes": sum(o.size for o in store.inner.list("segments/"))}
         row.update({f"restore_{k}": v for k, v in restore_share(store, layout, 1, rank=RANKS // 2).items()})
         row.update(dedup_of_share(store, layout, 1, rank=RANKS // 2))
+        row.update({f"tensor_{k}": v for k, v in restore_tensor(store, layout, 1, layout.tensors // 2).items()})
         if name in v1:
             raw = v1_manifest(layout, refs)
             row.update({f"v1_{k}": v for k, v in v1_restore(raw).items()})
@@ -405,7 +424,8 @@ def main(argv=None) -> int:
               f"{human(row['finish_peak'])}", file=sys.stderr)
 
     head = ["layout", "shards", "chunks", "root (2.0)", "1.0 manifest", "share: metadata read", "share CPU s",
-            "share peak", "1.0 read/CPU", "dedup metadata", "dedup share", "finish CPU s", "finish peak"]
+            "share peak", "1.0 read/CPU", "dedup metadata", "dedup share", "finish CPU s", "finish peak",
+            "one tensor: metadata / requests"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in rows:
@@ -417,6 +437,7 @@ def main(argv=None) -> int:
             human(r["restore_metadata_read"]), f"{r['restore_cpu_s']:.3f}", human(r["restore_peak"]), v1s,
             human(r["dedup_metadata_read"]), human(r["share_records_bytes"]),
             f"{r['finish_cpu_s']:.2f}", human(r["finish_peak"]),
+            f"{human(r['tensor_metadata_read'])} / {r['tensor_requests']:,}",
         ]) + " |")
     out = {"rows": rows}
     if a.gc_steps:

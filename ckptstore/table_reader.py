@@ -3,7 +3,7 @@
 :class:`ChunkTables` turns shards of a 2.0 manifest into their chunk
 references. For each segment involved it reads the header once (cached,
 checked against the root's digest), then range-reads only the blocks of
-records covering the shards asked for, each checked against its digest,
+records covering the shards asked for, each checked against the header,
 concurrently across segments. Every reference is checked against the
 root: its pack is one the step lists, its bytes lie inside that pack, and
 a shard's records add up to exactly its box's bytes. 1.0 manifests carry
@@ -27,7 +27,7 @@ from .format.manifest import ChunkRef, Manifest, SegmentRef, Shard, TensorEntry,
 from .runtime import LRUCache, Runtime
 from .storage.base import ObjectStore
 
-#: Segment headers a handle keeps (32 bytes a block of 1024 records, 16 a pack).
+#: Segment headers a handle keeps (2.1: about 100 bytes and 16 a pack; 2.0: also 32 a block).
 HEADER_CACHE_BYTES = 64 << 20
 
 
@@ -38,9 +38,7 @@ class ChunkTables:
         self.store = store
         self.runtime = runtime
         self.tier = tier
-        self._headers: LRUCache[str, _ct.SegmentHeader] = LRUCache(
-            HEADER_CACHE_BYTES, lambda h: 200 + 32 * len(h.digests) + 48 * len(h.packs)
-        )
+        self._headers: LRUCache[str, _ct.SegmentHeader] = LRUCache(HEADER_CACHE_BYTES, lambda h: h.cache_weight)
 
     def _sources(self, segment_id: str) -> list[ObjectStore]:
         """Where to read a segment, nearest first: the node-local tier's copies (a write-back

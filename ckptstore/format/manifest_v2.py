@@ -9,6 +9,7 @@ import numpy as np
 import zstandard
 
 from .model import (
+    segment_sizes,
     _PACK_ID,
     MAX_PACK_BYTES,
     MAX_SHARDS,
@@ -208,7 +209,7 @@ def _from_doc_v2(doc: dict, version: tuple[int, int], expect_step: int | None) -
         size = _int(g["size"], f"segments[{i}].size", 0, MAX_PACK_BYTES)
         records = _int(g["records"], f"segments[{i}].records", 0, 1 << 40)
         header = _int(g["header"], f"segments[{i}].header", 0, size)
-        if header + 56 * records != size:
+        if size not in segment_sizes(header, records):
             _fail(f"segments[{i}]", f"size {size} does not hold a {header}-byte header and {records} records")
         segments.append(SegmentRef(g["id"], size, records, header, d))
     seg_records = np.array([s.records for s in segments], dtype=np.int64)

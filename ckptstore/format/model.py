@@ -71,6 +71,18 @@ class TableRef:
     count: int
 
 
+#: Records per block of a 2.1 chunk-table segment (see :mod:`ckptstore.format.chunk_table`).
+SEGMENT_BLOCK_RECORDS = 16
+
+
+def segment_sizes(header: int, records: int) -> tuple[int, int]:
+    """The sizes a segment with this header length and record count has: 2.0 (records only)
+    and 2.1 (every block of :data:`SEGMENT_BLOCK_RECORDS` records followed by its Merkle proof)."""
+    nblocks = -(-records // SEGMENT_BLOCK_RECORDS)
+    depth = max(0, (nblocks - 1).bit_length())
+    return header + 56 * records, header + 56 * records + 32 * depth * nblocks
+
+
 @dataclass(frozen=True)
 class SegmentRef:
     """A chunk-table segment a 2.0 root names (see :mod:`ckptstore.format.chunk_table`)."""
