@@ -242,7 +242,7 @@ class Catalog:
         return m
 
     def chunks(self, step: int):
-        """Every chunk reference of a committed step (a 2.0 step's chunk tables are read, whole)."""
+        """Every chunk reference of a committed step (a 2.0 or 3.0 step's chunk tables are read, whole)."""
         return self.tables.iter_chunks(self.manifest(step))
 
     def resolved_manifest(self, step: int) -> Manifest:
@@ -273,7 +273,7 @@ class Catalog:
     def step_refs(self, step: int, intern: dict | None = None) -> StepRefs:
         """What a committed step references (packs, live bytes, segments), without caching its root.
 
-        GC reads every step this way: a 2.0 root's tensors and columns are
+        GC reads every step this way: a 2.0 or 3.0 root's tensors and columns are
         not decoded, so the cost is the root's JSON, not its shards.
         """
         step = check_step(step)

@@ -28,7 +28,7 @@ class _State:
     No step's references are held here: they are read one step at a time
     when needed (:func:`_step_refs`) and folded into a :class:`_Refs`, so
     GC's memory is bounded by the repository's packs, not by steps times
-    packs, nor by chunks (2.0 steps are followed by their pack lists; 1.0
+    packs, nor by chunks (2.0 and 3.0 steps are followed by their pack lists; 1.0
     steps carry their chunk references).
     """
 
@@ -120,8 +120,8 @@ class _Refs:
 
     packs: pack ids (following relocation records to where moved chunks are);
     chunks: per pack, ``(offset, stored_len, hash)`` of the 1.0 steps' chunks;
-    ranges: per pack, the byte ranges 2.0 steps use (their union is exact);
-    counts: per pack, how many chunks it holds, where a 2.0 step recorded it;
+    ranges: per pack, the byte ranges 2.0 and 3.0 steps use (their union is exact);
+    counts: per pack, how many chunks it holds, where a 2.0 or 3.0 step recorded it;
     segments: chunk-table segment ids.
     """
 
@@ -193,7 +193,7 @@ def _follow_pack(view: RelocationView, pid: str, existing, relocs, out: _Refs, h
 def _chunks_in(cat: Catalog, steps: Iterable[StepRefs], pids: set[str], view: RelocationView,
                existing, relocs) -> dict[str, set[tuple[int, int, str]]]:
     """Exactly which chunks of packs ``pids`` these steps use: their chunk
-    tables are read only for 2.0 steps that name one of those packs."""
+    tables are read only for 2.0 and 3.0 steps that name one of those packs."""
     out: dict[str, set[tuple[int, int, str]]] = {}
 
     def add(c: ChunkRef) -> None:

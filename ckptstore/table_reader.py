@@ -1,6 +1,6 @@
 """Reading 2.0 chunk tables: only the records of the shards asked for.
 
-:class:`ChunkTables` turns shards of a 2.0 manifest into their chunk
+:class:`ChunkTables` turns shards of a 2.0 or 3.0 manifest into their chunk
 references. For each segment involved it reads the header once (cached,
 checked against the root's digest), then range-reads only the blocks of
 records covering the shards asked for, each checked against the header,
@@ -27,7 +27,7 @@ from .format.manifest import ChunkRef, Manifest, SegmentRef, Shard, TensorEntry,
 from .runtime import LRUCache, Runtime
 from .storage.base import ObjectStore
 
-#: Segment headers a handle keeps (2.1: about 100 bytes and 16 a pack; 2.0: also 32 a block).
+#: Segment headers a handle keeps (3.0: about 100 bytes and 16 a pack; 2.0: also 32 a block).
 HEADER_CACHE_BYTES = 64 << 20
 
 

@@ -1,4 +1,4 @@
-"""Chunk-table segments: the 2.1 layout (small blocks, a Merkle root in the header) and
+"""Chunk-table segments: the 3.0 layout (small blocks, a Merkle root in the header) and
 the 2.0 layout older repositories hold, read side by side."""
 
 from __future__ import annotations
@@ -51,13 +51,13 @@ def _read(data: bytes, hlen: int, digest: bytes, first: int, count: int):
 
 
 @pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 33, 48, 100, 257, 1000])
-def test_2_1_segments_round_trip_any_run_and_have_the_size_the_root_expects(n):
+def test_3_0_segments_round_trip_any_run_and_have_the_size_the_root_expects(n):
     refs = _refs(n)
     data, hlen, digest = _encode(refs)
-    assert struct.unpack_from("<8sHH", data)[1:] == (2, 1)
+    assert struct.unpack_from("<8sHH", data)[1:] == (3, 0)
     assert len(data) == segment_sizes(hlen, n)[1]
     h = ct.parse_header(data[:hlen], digest.hex(), "seg")
-    assert (h.minor, h.block_records, h.nblocks) == (1, 16, -(-n // 16))
+    assert (h.major, h.block_records, h.nblocks) == (3, 16, -(-n // 16))
     assert h.depth == max(0, (h.nblocks - 1).bit_length())
     # blocks and their proofs tile the segment, back to back
     ends = [hlen] + [h.block_range(b)[1] for b in range(h.nblocks)]
@@ -69,7 +69,7 @@ def test_2_1_segments_round_trip_any_run_and_have_the_size_the_root_expects(n):
         assert list(_read(data, hlen, digest, first, count)) == refs[first : first + count], (SEED, n, first, count)
 
 
-def test_2_1_header_stays_small_however_many_blocks():
+def test_3_0_header_stays_small_however_many_blocks():
     small, hs, _ = _encode(_refs(16, npacks=1))
     big, hb, _ = _encode(_refs(20_000, npacks=1))
     assert hs == hb == 40 + 16 + 32  # fixed part, one pack id, the Merkle root
@@ -79,7 +79,7 @@ def test_2_1_header_stays_small_however_many_blocks():
 
 
 @pytest.mark.parametrize("what", ["record", "proof", "swap", "other segment"])
-def test_a_damaged_or_misplaced_2_1_block_is_refused(what):
+def test_a_damaged_or_misplaced_3_0_block_is_refused(what):
     refs = _refs(100)
     data, hlen, digest = _encode(refs)
     h = ct.parse_header(data[:hlen], digest.hex(), "seg")
@@ -101,20 +101,30 @@ def test_a_damaged_or_misplaced_2_1_block_is_refused(what):
         ct.parse_block(h, 2, b"abc", "seg")
 
 
-def test_a_newer_segment_minor_or_a_bent_2_1_header_is_refused():
-    data, hlen, _ = _encode(_refs(40))
+def _rehash(head: bytearray):
+    return ct.parse_header(bytes(head), blake3.blake3(bytes(head)).hexdigest(), "seg")
+
+
+def test_a_newer_segment_major_or_a_bent_3_0_header_is_refused_and_a_newer_minor_is_read():
+    data, hlen, digest = _encode(_refs(40))
     head = bytearray(data[:hlen])
-    struct.pack_into("<H", head, 10, 2)  # minor 2: a layout this version does not know
-    with pytest.raises(UnsupportedVersionError, match="segment format 2.2 is newer"):
-        ct.parse_header(bytes(head), blake3.blake3(bytes(head)).hexdigest(), "seg")
+    struct.pack_into("<H", head, 8, 4)  # major 4: a layout this version does not know
+    with pytest.raises(UnsupportedVersionError, match=r"segment format 4.0 is newer than this ckptstore reads \(3.x\)"):
+        _rehash(head)
     head = bytearray(data[:hlen])
-    struct.pack_into("<I", head, 12, 32)  # 2.1 with blocks of another size
+    struct.pack_into("<H", head, 10, 7)  # a newer minor only adds: read as 3.0
+    h = _rehash(head)
+    assert (h.major, h.nrecords) == (3, 40)
+    lo, hi = h.block_range(2)
+    assert ct.refs(h, ct.parse_block(h, 2, data[lo:hi], "seg")) == tuple(_refs(40)[32:40])
+    head = bytearray(data[:hlen])
+    struct.pack_into("<I", head, 12, 32)  # 3.0 with blocks of another size
     with pytest.raises(FormatError, match="blocks of 16 records, not 32"):
-        ct.parse_header(bytes(head), blake3.blake3(bytes(head)).hexdigest(), "seg")
+        _rehash(head)
 
 
 def _encode_2_0(refs) -> tuple[bytes, int, bytes]:
-    """A 2.0 segment, byte for byte as ckptstore wrote them before 2.1 (the layout
+    """A 2.0 segment, byte for byte as ckptstore wrote them before 3.0 (the layout
     ``docs/format.md`` gives): 1024-record blocks, every block's digest in the header."""
     packs = list(dict.fromkeys(r.pack for r in refs))
     rec = np.zeros(len(refs), dtype=ct.RECORD)
@@ -136,7 +146,7 @@ def test_2_0_segments_with_many_blocks_still_read():
     data, hlen, digest = _encode_2_0(refs)
     assert len(data) == segment_sizes(hlen, 2500)[0]
     h = ct.parse_header(data[:hlen], digest.hex(), "seg")
-    assert (h.minor, h.block_records, len(h.digests)) == (0, 1024, 3)
+    assert (h.major, h.block_records, len(h.digests)) == (2, 1024, 3)
     assert list(_read(data, hlen, digest, 1000, 1100)) == refs[1000:2100]
     assert list(_read(data, hlen, digest, 0, 2500)) == refs
     lo, hi = h.block_range(1)

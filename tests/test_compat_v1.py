@@ -72,7 +72,7 @@ def test_v2_saves_dedup_against_v1_steps_and_gc_keeps_what_they_share(v1_url):
     assert repo.config()["version"] == [1, 0]  # the old config stays as written
     info = repo.save(state(5), step=5)
     m5 = repo.manifest(5)
-    assert m5.version == (2, 0) and m5.base_step == 3
+    assert m5.version == (3, 0) and m5.base_step == 3
     info = repo.save(state(6), step=6, base=2)  # dedups against a 1.0 step's chunks
     frozen = state(6)["model"]["frozen"]
     assert info.reused_bytes >= frozen.numel() * 4
@@ -107,7 +107,7 @@ def test_cp_of_a_v1_repository_writes_v2_steps(v1_url, tmp_path):
     res = src.copy_to(dst)
     assert res.copied == [1, 2, 3]
     for s in (1, 2):
-        assert dst.manifest(s).version == (2, 0)
+        assert dst.manifest(s).version == (3, 0)
         assert_tree_equal(_expected(s), dst.load(s))
     big, _ = dcp_state()
     assert torch.equal(dst.checkpoint(3).read("big"), big)
@@ -122,9 +122,9 @@ def test_a_v1_reader_refuses_v2_manifests_with_its_version_error(monkeypatch, tm
     from ckptstore.format import strict_json
 
     monkeypatch.setattr(strict_json, "VERSION", (1, 0))  # where check_version reads it
-    with pytest.raises(UnsupportedVersionError, match=r"format version 2\.0, newer than this ckptstore reads \(1\.x\)"):
+    with pytest.raises(UnsupportedVersionError, match=r"format version 3\.0, newer than this ckptstore reads \(1\.x\)"):
         M.check_version(doc["version"])
     cfg = json.loads(open_store(str(tmp_path / "r")).get("config.json"))
-    assert cfg["version"] == [2, 0]  # a new repository: a 1.x reader refuses it whole
+    assert cfg["version"] == [3, 0]  # a new repository: a 1.x (or 2.x) reader refuses it whole
     with pytest.raises(UnsupportedVersionError):
         M.check_version(cfg["version"], "config.json")

@@ -1,4 +1,4 @@
-"""Repositories whose chunk tables are 2.0 segments keep working next to 2.1 ones.
+"""Format 2.0 repositories (2.0 roots naming 2.0 chunk-table segments) keep working next to 3.0 steps.
 
 ``tests/data/repo_v2_0`` was written by ckptstore as of commit d10e3c8 (the
 last that wrote 2.0 segments: 1024-record blocks, every block's digest in
@@ -9,6 +9,8 @@ deleted step 4 (tombstone), tag ``best``. Each test works on a copy.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import shutil
 import struct
 from pathlib import Path
@@ -20,6 +22,9 @@ import torch.distributed.checkpoint as dcp
 import ckptstore
 from ckptstore.clock import ManualClock
 from ckptstore.dcp import CkptStoreReader
+from ckptstore.errors import FormatError, UnsupportedVersionError
+from ckptstore.format import manifest as M
+from ckptstore.format import strict_json
 from ckptstore.format.layout import segment_key
 
 from .data.make_v1_repo import dcp_state, state
@@ -32,9 +37,10 @@ def _expected(step: int) -> dict:
     return {"model": state(step)["model"], "meta": state(step)["meta"]}
 
 
-def _minors(repo, step: int) -> set[int]:
-    """The segment format minor versions a step's chunk tables carry."""
-    return {struct.unpack_from("<H", repo.store.get(segment_key(s.id)), 10)[0] for s in repo.manifest(step).segments}
+def _versions(repo, step: int) -> set[tuple[int, int]]:
+    """The manifest's version, and the versions of the chunk-table segments it names."""
+    m = repo.manifest(step)
+    return {m.version} | {struct.unpack_from("<HH", repo.store.get(segment_key(s.id)), 8) for s in m.segments}
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -56,7 +62,8 @@ def test_2_0_steps_list_load_slice_and_verify(v20_url):
     url, so = v20_url
     with ckptstore.open(url, storage_options=so) as repo:
         assert repo.steps() == [1, 2, 3] and repo.tags() == {"best": 2}
-        assert all(_minors(repo, s) == {0} for s in (1, 2, 3))
+        assert all(_versions(repo, s) == {(2, 0)} for s in (1, 2, 3))
+        assert repo.config()["version"] == [2, 0]
         for s in (1, 2):
             assert_tree_equal(_expected(s), repo.load(s))
         big, small = dcp_state()
@@ -70,13 +77,14 @@ def test_2_0_steps_list_load_slice_and_verify(v20_url):
         assert rep.ok, str(rep)
 
 
-def test_new_steps_write_2_1_segments_dedup_against_2_0_steps_and_gc_keeps_what_they_share(v20_url):
+def test_new_steps_write_3_0_segments_dedup_against_2_0_steps_and_gc_keeps_what_they_share(v20_url):
     url, so = v20_url
     clock = ManualClock()
     repo = ckptstore.open(url, storage_options=so, clock=clock)
     info = repo.save(state(5), step=5, base=2)
     assert info.reused_bytes >= state(5)["model"]["frozen"].numel() * 4
-    assert _minors(repo, 5) == {1}
+    assert _versions(repo, 5) == {(3, 0)}
+    assert repo.config()["version"] == [2, 0]  # the repository's config stays as written
     fresh = ckptstore.open(url, storage_options=so)
     assert fresh.steps() == [1, 2, 3, 5]
     assert_tree_equal(_expected(5), fresh.load(5))
@@ -94,14 +102,39 @@ def test_new_steps_write_2_1_segments_dedup_against_2_0_steps_and_gc_keeps_what_
     repo.close()
 
 
-def test_cp_of_a_2_0_repository_writes_2_1_segments(v20_url, tmp_path):
+def test_cp_of_a_2_0_repository_writes_3_0_steps(v20_url, tmp_path):
     url, so = v20_url
     src = ckptstore.open(url, storage_options=so)
     dst = ckptstore.open(str(tmp_path / "copy"))
     assert src.cp(dst).copied == [1, 2, 3]
     for s in (1, 2):
-        assert _minors(dst, s) == {1}
+        assert _versions(dst, s) == {(3, 0)}
         assert_tree_equal(_expected(s), dst.load(s))
     big, _ = dcp_state()
     assert torch.equal(dst.checkpoint(3).read("big"), big)
     assert src.diff(1, 2) == dst.diff(1, 2)
+
+
+def test_a_2_x_reader_refuses_3_0_steps_and_new_repositories_with_its_version_error(monkeypatch, tmp_path):
+    # What a 2.x ckptstore does with a 3.0 step: its check_version, with VERSION (2, 0).
+    repo = ckptstore.open(str(tmp_path / "r"))
+    repo.save({"w": torch.ones(3)}, step=1)
+    doc = json.loads(repo.store.get("manifests/00000000000000000001.json"))
+    cfg = json.loads(repo.store.get("config.json"))
+    assert doc["version"] == [3, 0] and cfg["version"] == [3, 0]
+    monkeypatch.setattr(strict_json, "VERSION", (2, 0))  # where check_version reads it
+    for v, what in ((doc["version"], "manifest"), (cfg["version"], "config.json")):
+        with pytest.raises(UnsupportedVersionError, match=r"3\.0, newer than this ckptstore reads \(2\.x\); upgrade"):
+            M.check_version(v, what)
+
+
+def test_a_2_0_root_names_only_2_0_segments(tmp_path):
+    repo = ckptstore.open(str(tmp_path / "r"))
+    repo.save({f"w{i}": torch.full((4,), float(i)) for i in range(40)}, step=1)  # 40 records: 3 blocks
+    m = repo.manifest(1)
+    with pytest.raises(ValueError, match="a 2.x root can only name 2.0 chunk-table segments"):
+        M.to_json(dataclasses.replace(m, version=(2, 0)))
+    doc = json.loads(M.to_json(m))
+    doc["version"] = [2, 0]  # the same root, said to be 2.0: its segment's size is not a 2.0 one
+    with pytest.raises(FormatError, match=r"segments\[0\]: size .* does not hold"):
+        M.from_json(json.dumps(doc).encode())

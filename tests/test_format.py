@@ -107,7 +107,7 @@ def _manifest_doc_v1():
 def test_manifest_round_trip():
     repo, doc = _manifest_doc()
     m = M.from_json(json.dumps(doc).encode(), expect_step=3)
-    assert m.version == (2, 0) and not m.inline
+    assert m.version == (3, 0) and not m.inline
     assert M.to_json(m) == json.dumps(doc, separators=(",", ":")).encode()
     assert m.metadata == {"k": "v"} and m.step == 3
     v1 = M.from_json(json.dumps(_manifest_doc_v1()).encode(), expect_step=2)

@@ -458,12 +458,12 @@ def test_corrupted_manifest_is_a_clear_error():
 def test_future_major_version_is_refused():
     store, repo = _corrupt_setup()
     doc = json.loads(store.get(manifest_key(1)))
-    doc["version"] = [3, 0]
+    doc["version"] = [4, 0]
     store.put(manifest_key(1), json.dumps(doc).encode())
-    with pytest.raises(UnsupportedVersionError, match="3.0.*upgrade"):
+    with pytest.raises(UnsupportedVersionError, match="4.0.*upgrade"):
         Repository(store).checkpoint(1)
     # a newer minor version is read
-    doc["version"] = [2, 9]
+    doc["version"] = [3, 9]
     store.put(manifest_key(1), json.dumps(doc).encode())
     Repository(store).load(1)
 

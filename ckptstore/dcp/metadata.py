@@ -190,7 +190,7 @@ def _dcp_section(metadata: Metadata, bytes_keys: list[str]) -> dict:
 def build_manifest(
     step: int, metadata: Metadata, results: list[list[WriteResult]], base_step=None, user_metadata=None
 ) -> Manifest:
-    """The 2.0 root of a DCP save, from DCP's global metadata and every rank's results.
+    """The root of a DCP save, from DCP's global metadata and every rank's results.
 
     O(ranks + packs + shards) work and memory: each result carries where its
     item's records are in its rank's segment, never the chunk records.

@@ -1,4 +1,4 @@
-"""Chunk-table segments (format 2.x): where every chunk of a step's shards lives.
+"""Chunk-table segments (formats 2.0 and 3.0): where every chunk of a step's shards lives.
 
 A segment is written once, by one writer (a DCP rank, or a whole
 single-process save), and holds the chunk records of the shards that
@@ -11,9 +11,9 @@ the root, then only the blocks of records covering its shards, each checked
 against the header. No Python object is made per record until a caller asks
 for :class:`~ckptstore.format.manifest.ChunkRef` values.
 
-Two layouts, told apart by the header's minor version (both readable):
+Two layouts, told apart by the header's major version (both readable):
 
-- **2.1** (written since 2.1): blocks of 16 records (896 bytes), each followed
+- **3.0** (written since format 3.0): blocks of 16 records (896 bytes), each followed
   by its Merkle proof; the header carries one 32-byte Merkle root over the
   blocks, so it stays small however many blocks the segment has, and a
   reader wanting one shard of a segment reads the header and one block of
@@ -27,10 +27,10 @@ Layout (integers little-endian)::
                         u32 npacks, u32 nblocks, u64 nrecords, u64 records_offset
     packs    npacks x 16 bytes: the pack ids records refer to (raw bytes of the hex id)
     2.0: digests  nblocks x 32 bytes: BLAKE3 of each block of records
-    2.1: root     32 bytes: the Merkle root of the blocks (below)
+    3.0: root     32 bytes: the Merkle root of the blocks (below)
              (bytes [0, records_offset) are the "header" the root manifest's digest covers)
     blocks   2.0: nrecords x 56 bytes, in blocks of block_records records
-             2.1: block b at records_offset + b * (block_records * 56 + depth * 32):
+             3.0: block b at records_offset + b * (block_records * 56 + depth * 32):
                   its records, then its proof: depth sibling digests, leaf level first
     record   32 bytes  BLAKE3-256 of the chunk's raw bytes
              u32       pack index (into ``packs``)
@@ -40,7 +40,7 @@ Layout (integers little-endian)::
              u32       stored length
              u32       raw length
 
-The 2.1 Merkle tree: ``depth = ceil(log2(nblocks))`` (0 for one block);
+The 3.0 Merkle tree: ``depth = ceil(log2(nblocks))`` (0 for one block);
 leaf ``i`` is ``BLAKE3(0x00 || block i's records)`` for ``i < nblocks`` and 32
 zero bytes up to ``2**depth``; a node is ``BLAKE3(0x01 || left || right)``; the
 root of zero blocks is 32 zero bytes. A block's proof lists, from the leaf
@@ -65,8 +65,8 @@ from .model import SEGMENT_BLOCK_RECORDS
 from .pack import CODEC_IDS, CODEC_NAMES
 
 MAGIC = b"CKPTSEG2"
-#: The layout this version writes (readers take minor 0 and 1).
-VERSION = (2, 1)
+#: The layout this version writes (readers take majors 2 and 3).
+VERSION = (3, 0)
 HEADER = struct.Struct("<8sHHIIIQQ")
 RECORD = np.dtype(
     [
@@ -80,7 +80,7 @@ RECORD = np.dtype(
     ]
 )
 RECORD_SIZE = RECORD.itemsize
-#: Records per block in 2.1 (896 bytes and a proof): the unit a reader fetches and checks.
+#: Records per block in 3.0 (896 bytes and a proof): the unit a reader fetches and checks.
 BLOCK_RECORDS = SEGMENT_BLOCK_RECORDS
 #: Records per block of the 2.0 layout (56 KiB).
 BLOCK_RECORDS_V20 = 1024
@@ -97,7 +97,7 @@ class SegmentHeader:
     """What a segment's header says (after its digest was checked against the root).
 
     ``digests`` lists each block's digest (2.0); ``root`` is the blocks' Merkle
-    root and ``depth`` the length of each block's proof (2.1).
+    root and ``depth`` the length of each block's proof (3.0).
     """
 
     packs: tuple[str, ...]
@@ -105,7 +105,7 @@ class SegmentHeader:
     block_records: int
     digests: tuple[bytes, ...]
     records_offset: int
-    minor: int = 0
+    major: int = 2
     root: bytes = b""
     depth: int = 0
 
@@ -124,8 +124,8 @@ class SegmentHeader:
         return min(self.nrecords, lo + self.block_records) - lo
 
     def block_range(self, b: int) -> tuple[int, int]:
-        """Byte range ``[start, end)`` of block ``b`` in the segment (2.1: its proof included)."""
-        if self.minor == 0:
+        """Byte range ``[start, end)`` of block ``b`` in the segment (3.0: its proof included)."""
+        if self.major == 2:
             lo = b * self.block_records
             hi = min(self.nrecords, lo + self.block_records)
             return self.records_offset + lo * RECORD_SIZE, self.records_offset + hi * RECORD_SIZE
@@ -234,17 +234,18 @@ def parse_header(data: bytes, digest_hex: str, where: str) -> SegmentHeader:
     magic, major, minor, block_records, npacks, nblocks, nrecords, records_offset = HEADER.unpack_from(data)
     if magic != MAGIC:
         raise FormatError(f"{where}: not a ckptstore chunk-table segment")
-    _m.check_version([major, minor], where)
-    if minor > VERSION[1]:
+    if major > VERSION[0]:
         raise UnsupportedVersionError(
             f"{where}: segment format {major}.{minor} is newer than this ckptstore reads "
-            f"({VERSION[0]}.{VERSION[1]}); upgrade ckptstore"
+            f"({VERSION[0]}.x); upgrade ckptstore"
         )
-    if minor >= 1 and block_records != BLOCK_RECORDS:
+    if major < 2:
+        raise FormatError(f"{where}: unknown segment format {major}.{minor}")
+    if major >= 3 and block_records != BLOCK_RECORDS:
         raise FormatError(f"{where}: a {major}.{minor} segment has blocks of {BLOCK_RECORDS} records, not {block_records}")
     if not 0 < block_records <= 1 << 20 or npacks > MAX_PACKS or nrecords > MAX_RECORDS:
         raise FormatError(f"{where}: header fields out of range")
-    tail = 32 * nblocks if minor == 0 else 32
+    tail = 32 * nblocks if major == 2 else 32
     if nblocks != -(-nrecords // block_records) or records_offset != HEADER.size + 16 * npacks + tail:
         raise FormatError(f"{where}: header sizes are inconsistent")
     if len(data) != records_offset:
@@ -252,11 +253,11 @@ def parse_header(data: bytes, digest_hex: str, where: str) -> SegmentHeader:
     p0 = HEADER.size
     packs = tuple(data[p0 + 16 * i : p0 + 16 * (i + 1)].hex() for i in range(npacks))
     d0 = p0 + 16 * npacks
-    if minor == 0:
+    if major == 2:
         digests = tuple(data[d0 + 32 * i : d0 + 32 * (i + 1)] for i in range(nblocks))
         return SegmentHeader(packs, nrecords, block_records, digests, records_offset)
     root = bytes(data[d0 : d0 + 32])
-    return SegmentHeader(packs, nrecords, block_records, (), records_offset, minor, root, _depth(nblocks))
+    return SegmentHeader(packs, nrecords, block_records, (), records_offset, 3, root, _depth(nblocks))
 
 
 def parse_block(header: SegmentHeader, b: int, data: bytes, where: str) -> np.ndarray:
@@ -264,7 +265,7 @@ def parse_block(header: SegmentHeader, b: int, data: bytes, where: str) -> np.nd
     lo, hi = header.block_range(b)
     if len(data) != hi - lo:
         raise FormatError(f"{where}: block {b} is {len(data)} bytes, expected {hi - lo}")
-    if header.minor == 0:
+    if header.major == 2:
         body = data
         ok = blake3.blake3(data).digest() == header.digests[b]
     else:

@@ -12,7 +12,7 @@ parsed here, by one set of rules (``docs/format.md``)::
     leases/<uuid>.json                         savers in flight (read by GC)
     tombstones/<step:020d>-<id>.json           deleted steps, kept for the grace period
     relocations/<id[:2]>/<id>.json             where a repacked pack's chunks went
-    segments/<id[:2]>/<id>.seg                 chunk tables of 2.0 steps (one per writer)
+    segments/<id[:2]>/<id>.seg                 chunk tables of 2.0 and 3.0 steps (one per writer)
 
 Tensor names never appear in a key: keys are made of step numbers, random
 ids and tag names checked against :data:`TAG_RE`. The records (config,
@@ -53,9 +53,9 @@ TOMBSTONE_FORMAT = "ckptstore.tombstone"
 RELOCATION_FORMAT = "ckptstore.relocation"
 NAME_FORMAT = "ckptstore.name"
 
-#: Version of the config a new repository records (2.0: it may hold 2.0
-#: manifests, so a 1.x reader refuses the whole repository).
-CONFIG_VERSION = (2, 0)
+#: Version of the config a new repository records (3.0: it may hold 3.0
+#: manifests, so a 1.x or 2.x reader refuses the whole repository).
+CONFIG_VERSION = (3, 0)
 #: Version of tombstone and relocation records (unchanged since 1.0, so that
 #: a 1.x reader keeps following relocations of the 1.0 steps it can read).
 RECORD_VERSION = (1, 0)

@@ -1,5 +1,6 @@
-"""Manifest 2.0 roots: shard boxes (a compact form for even splits, binary columns otherwise), per
-shard a run of records in a chunk-table segment, and every pack with the bytes the step uses there."""
+"""Manifest 2.0 and 3.0 roots (the same JSON; a 3.0 root names 3.0 chunk-table segments): shard
+boxes (a compact form for even splits, binary columns otherwise), per shard a run of records in a
+chunk-table segment, and every pack with the bytes the step uses there."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from .strict_json import (
     _str,
 )
 
-# ------------------------------------------------------------------ 2.0 roots
+# ------------------------------------------------------------------ 2.0 and 3.0 roots
 #
 # A 2.0 root carries, besides the JSON fields of 1.0:
 #   "segments": [{"id", "size", "records", "header", "digest"}]
@@ -140,13 +141,15 @@ def _parse_pack_entry_checked(p, where: str) -> tuple[str, int, PackUsage]:
 
 
 def _to_json_v2(m: Manifest) -> bytes:
+    if m.version[0] == 2 and any(s.size != segment_sizes(s.header, s.records)[0] for s in m.segments):
+        raise ValueError("a 2.x root can only name 2.0 chunk-table segments; write it as version 3")
     seg_index = {s.id: i for i, s in enumerate(m.segments)}
     boxes, tables, tensors = [], [], []
     for t in m.tensors.values():
         offs, sizes = t.boxes()
         tabs = t.tables()
         if tabs is None or len(tabs) != len(offs):
-            raise ValueError(f"tensor {t.key!r}: every shard needs its chunk-table run to write a 2.0 manifest")
+            raise ValueError(f"tensor {t.key!r}: every shard needs its chunk-table run to write a 2.0 or 3.0 manifest")
         entry = {"key": t.key, "dtype": t.dtype, "shape": list(t.shape), "shards": int(len(offs)),
                  "stored": int(t.stored_bytes or 0), "chunks": int(t.nchunks or 0)}
         split = even_split(t.shape, offs, sizes)
@@ -209,7 +212,8 @@ def _from_doc_v2(doc: dict, version: tuple[int, int], expect_step: int | None) -
         size = _int(g["size"], f"segments[{i}].size", 0, MAX_PACK_BYTES)
         records = _int(g["records"], f"segments[{i}].records", 0, 1 << 40)
         header = _int(g["header"], f"segments[{i}].header", 0, size)
-        if size not in segment_sizes(header, records):
+        # a 2.x root names 2.0 segments; a 3.x root the 3.0 layout (or, read leniently, 2.0)
+        if size not in (segment_sizes(header, records)[:1] if version[0] == 2 else segment_sizes(header, records)):
             _fail(f"segments[{i}]", f"size {size} does not hold a {header}-byte header and {records} records")
         segments.append(SegmentRef(g["id"], size, records, header, d))
     seg_records = np.array([s.records for s in segments], dtype=np.int64)

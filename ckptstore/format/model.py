@@ -14,8 +14,9 @@ import torch
 from ..errors import FormatError
 
 FORMAT = "ckptstore.manifest"
-#: The manifest version this ckptstore writes; it reads 1.x and 2.x.
-VERSION = (2, 0)
+#: The manifest version this ckptstore writes; it reads 1.x, 2.x and 3.x (3.0 is 2.0's root
+#: naming 3.0 chunk-table segments; see docs/format.md, "Versions").
+VERSION = (3, 0)
 V1 = (1, 0)
 #: A manifest larger than this is refused before it is downloaded.
 MAX_MANIFEST_BYTES = 1 << 30
@@ -25,7 +26,7 @@ MAX_TENSOR_BYTES = 1 << 50
 MAX_CHUNK_BYTES = 1 << 31
 MAX_KEY_LEN = 4096
 MAX_PACK_BYTES = 5 << 40  # S3's object size limit
-#: Most shards one 2.0 manifest may describe (its columns are sized from this).
+#: Most shards one 2.0 or 3.0 manifest may describe (its columns are sized from this).
 MAX_SHARDS = 1 << 28
 
 #: Every dtype ckptstore stores, by its on-store name.
@@ -71,13 +72,13 @@ class TableRef:
     count: int
 
 
-#: Records per block of a 2.1 chunk-table segment (see :mod:`ckptstore.format.chunk_table`).
+#: Records per block of a 3.0 chunk-table segment (see :mod:`ckptstore.format.chunk_table`).
 SEGMENT_BLOCK_RECORDS = 16
 
 
 def segment_sizes(header: int, records: int) -> tuple[int, int]:
     """The sizes a segment with this header length and record count has: 2.0 (records only)
-    and 2.1 (every block of :data:`SEGMENT_BLOCK_RECORDS` records followed by its Merkle proof)."""
+    and 3.0 (every block of :data:`SEGMENT_BLOCK_RECORDS` records followed by its Merkle proof)."""
     nblocks = -(-records // SEGMENT_BLOCK_RECORDS)
     depth = max(0, (nblocks - 1).bit_length())
     return header + 56 * records, header + 56 * records + 32 * depth * nblocks
@@ -85,7 +86,7 @@ def segment_sizes(header: int, records: int) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class SegmentRef:
-    """A chunk-table segment a 2.0 root names (see :mod:`ckptstore.format.chunk_table`)."""
+    """A chunk-table segment a 2.0 or 3.0 root names (see :mod:`ckptstore.format.chunk_table`)."""
 
     id: str
     size: int
@@ -96,7 +97,7 @@ class SegmentRef:
 
 @dataclass(frozen=True)
 class PackUsage:
-    """Which bytes of one pack a 2.0 step's chunks use.
+    """Which bytes of one pack a 2.0 or 3.0 step's chunks use.
 
     ``ranges``: sorted, disjoint ``(start, end)`` byte ranges of the step's
     chunks in the pack (adjacent chunks merged); ``chunks``: how many chunks
@@ -149,7 +150,7 @@ class Shard:
     """A box of the global tensor stored as contiguous C-order bytes.
 
     ``offsets`` and ``sizes`` give the box in global coordinates; its
-    bytes are the concatenation of ``chunks``' raw bytes. In a 2.0 step
+    bytes are the concatenation of ``chunks``' raw bytes. In a 2.0 or 3.0 step
     the chunks are in a segment (``table``) until a reader resolves them
     (:meth:`ckptstore.catalog.Catalog.resolve`): ``chunks`` is None until then.
     """

@@ -1,5 +1,5 @@
 """What a step references, as garbage collection needs it: its packs (with the bytes it uses), its
-segments, and for 1.0 its chunks, read from a 2.0 root's lists without decoding its tensors."""
+segments, and for 1.0 its chunks, read from a 2.0 or 3.0 root's lists without decoding its tensors."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def refs_of(m: Manifest) -> StepRefs:
 
 
 def parse_refs(data: bytes, expect_step: int | None = None, intern: dict | None = None) -> StepRefs:
-    """:class:`StepRefs` of a manifest, reading a 2.0 root's pack and segment lists only.
+    """:class:`StepRefs` of a manifest, reading a 2.0 or 3.0 root's pack and segment lists only.
 
     A 1.x manifest is parsed whole (its chunks are its references). A 2.x
     root's packs, segments, step and creation time are validated as
