@@ -23,6 +23,8 @@ from ckptstore.testing import free_port
 
 from . import dcp_workers as W
 
+pytestmark = pytest.mark.slow  # multi-rank saves and loads on spawned gloo ranks
+
 
 @pytest.fixture(params=["local", "s3"])
 def dcp_url(request, tmp_path):

@@ -23,6 +23,8 @@ from . import dcp_workers as W
 from .doc_blocks import recipe
 from .helpers import SMALL, bits_equal
 
+pytestmark = pytest.mark.slow  # spawned gloo ranks, PyTorch's own DCP writer/reader beside ours
+
 FLOATS = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2]
 
 

@@ -25,6 +25,8 @@ from ckptstore.testing import free_port
 
 from . import dcp_workers as W
 
+pytestmark = pytest.mark.slow  # spawned gloo ranks
+
 MiB = 1 << 20
 
 

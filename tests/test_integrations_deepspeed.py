@@ -28,6 +28,8 @@ from ckptstore.testing import free_port  # noqa: E402
 
 from . import ds_workers as W  # noqa: E402
 
+pytestmark = pytest.mark.slow  # DeepSpeed ZeRO on spawned gloo ranks
+
 
 def _spawn(fn, world, *args):
     mp.spawn(fn, args=(world, free_port(), *args), nprocs=world, join=True)

@@ -26,6 +26,8 @@ from . import hf_lightning_workers as W
 
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM, Trainer, TrainingArguments
 
+pytestmark = pytest.mark.slow  # Hugging Face Trainer fits, spawned ranks
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 

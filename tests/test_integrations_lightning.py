@@ -27,6 +27,8 @@ from ckptstore.testing import free_port
 from . import hf_lightning_workers as W
 from .helpers import assert_tree_equal
 
+pytestmark = pytest.mark.slow  # Lightning fits, spawned ranks
+
 
 class Net(L.LightningModule):
     def __init__(self, width: int = 16, lr: float = 0.05):

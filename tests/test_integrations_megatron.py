@@ -19,6 +19,8 @@ from ckptstore.testing import free_port
 
 from . import mg_workers as W
 
+pytestmark = pytest.mark.slow  # Megatron-Core on spawned gloo ranks
+
 
 def test_import_without_megatron_names_the_extra(monkeypatch):
     monkeypatch.delitem(sys.modules, "ckptstore.integrations.megatron", raising=False)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch.multiprocessing as mp
 
 import ckptstore
@@ -14,6 +15,8 @@ from ckptstore.format.layout import segment_key
 from ckptstore.testing import free_port
 
 from . import dcp_workers as W
+
+pytestmark = pytest.mark.slow  # 16 gloo ranks
 
 
 def test_16_ranks_save_20k_shards_8_ranks_load_their_share(tmp_path):
