@@ -40,11 +40,14 @@ setup-bench: setup
 	$(PY) -m pip install -q -e '.[bench]' torch==2.13.0
 	$(PY) -m pip check
 
+# Everything (CI's .ci/run runs this), then the 15 slowest tests.
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
-# The tests that start no process or server of their own (tests/conftest.py
-# marks the others slow): for iterating; CI runs everything.
+# For iterating, about two minutes: the tests not marked slow (soak, network
+# faults, crashes, multi-rank and 16-rank runs, emulators in their own
+# process, framework integrations, doc pages; tests/conftest.py says how
+# they are marked). CI runs everything.
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
 

@@ -1,4 +1,12 @@
-"""Shared fixtures: a moto S3 server and a GCS emulator per session, and store URLs per backend."""
+"""Shared fixtures: a moto S3 server and a GCS emulator per session, and store URLs per backend.
+
+Slow tests are marked where they are written: ``pytestmark = pytest.mark.slow``
+for a module whose every test is long (soak, network faults, crashes,
+multi-rank spawns and the 16-rank scale test, emulators in their own process,
+the framework integrations, the doc pages), ``@pytest.mark.slow`` on a long
+test in an otherwise quick module. ``make test-fast`` (``-m "not slow"``)
+leaves them out; ``make test`` and CI run everything.
+"""
 
 from __future__ import annotations
 
@@ -115,18 +123,3 @@ def repo_url(request, tmp_path):
     else:
         env = request.getfixturevalue("s3")
         yield env.url, env.storage_options
-
-
-#: Modules whose tests start processes or servers of their own (multi-rank
-#: spawns, emulators, SeaweedFS, framework fits): `make test-fast` leaves them out.
-SLOW_MODULES = {
-    "test_azure", "test_crash", "test_dcp", "test_dcp_compat", "test_dcp_replicated", "test_doc_blocks", "test_gcs",
-    "test_integrations_deepspeed", "test_integrations_hf", "test_integrations_lightning",
-    "test_integrations_megatron", "test_netfaults", "test_scale_dcp", "test_soak",
-}
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.module is not None and item.module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES:
-            item.add_marker(pytest.mark.slow)

@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from ckptstore.testing import free_port
+
 from .doc_blocks import ROOT, Block, Command, read_blocks, shell_commands, synopsis_commands
 
 WORKER = str(Path(__file__).resolve().parent / "doc_worker.py")
@@ -32,12 +34,6 @@ SERVER_TIMEOUT = 60.0
 
 class BlockFailed(AssertionError):
     """A block did not run as written: the message names ``page:line``."""
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tail(text: str, n: int = 4000) -> str:

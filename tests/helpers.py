@@ -5,19 +5,9 @@ from __future__ import annotations
 import torch
 
 from ckptstore.format.manifest import DTYPES
+from ckptstore.testing import bits_equal
 
 SMALL = dict(chunk_size=64 << 10, pack_size=1 << 20, part_size=5 << 20)
-
-
-def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Same dtype, shape and bytes (NaN payloads included)."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if a.numel() == 0:
-        return True
-    ab = a.detach().contiguous().reshape(-1).view(torch.uint8)
-    bb = b.detach().contiguous().reshape(-1).view(torch.uint8)
-    return torch.equal(ab, bb)
 
 
 def random_tensor(dtype: torch.dtype, shape, seed: int = 0) -> torch.Tensor:

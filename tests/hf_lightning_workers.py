@@ -8,16 +8,9 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import torch
 import torch.distributed as dist
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env(rank: int, world: int, port: int) -> None:

@@ -32,6 +32,8 @@ from ckptstore.testing.store_suite import PART, StoreConformance, payload  # noq
 
 from .helpers import SMALL, all_dtypes, assert_tree_equal, bits_equal, random_tensor  # noqa: E402
 
+pytestmark = pytest.mark.slow  # starts Azurite (a Node.js process)
+
 
 @pytest.fixture(scope="session")
 def azurite():

@@ -94,6 +94,7 @@ def test_install_hint_names_the_checkout_for_an_editable_install(tmp_path):
     assert install_hint("test") == f"pip install -e '.[test]' (in the checkout {ROOT})"
 
 
+@pytest.mark.slow  # the demo in its own process, with its own moto server
 def test_console_script_demo_runs():
     r = subprocess.run(
         [sys.executable, "-m", "ckptstore.cli.main", "demo", "--steps", "3", "--json"],

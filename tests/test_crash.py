@@ -22,12 +22,16 @@ import tempfile
 import threading
 import time
 
+import pytest
+
 import ckptstore
 from ckptstore.clock import ManualClock
 from ckptstore.format.layout import PACK_PREFIX, pack_id_of_key
 
 from .crash_child import CHILD_OPTS, build_state
 from .helpers import assert_tree_equal
+
+pytestmark = pytest.mark.slow  # savers are child processes killed mid-save
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "crash_child.py")
 ROOT = os.path.dirname(os.path.dirname(CHILD))

@@ -7,7 +7,6 @@ Ranks are processes spawned with torch.multiprocessing, talking gloo over
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
 import torch
@@ -20,14 +19,11 @@ from ckptstore.dcp import CkptStoreReader, CkptStoreWriter
 from ckptstore.repository import Repository
 from ckptstore.storage import open_store
 from ckptstore.storage.wrappers import CountingStore
+from ckptstore.testing import free_port
 
 from . import dcp_workers as W
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+pytestmark = pytest.mark.slow  # multi-rank saves and loads on spawned gloo ranks
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -41,7 +37,7 @@ def dcp_url(request, tmp_path):
 def test_save_4_ranks_load_with_2_3_1(dcp_url, tmp_path):
     url, so = dcp_url
     expect = str(tmp_path / "expected.pt")
-    mp.spawn(W.save_worker, args=(4, _port(), url, so, expect), nprocs=4, join=True)
+    mp.spawn(W.save_worker, args=(4, free_port(), url, so, expect), nprocs=4, join=True)
 
     repo = ckptstore.open(url, storage_options=so)
     assert repo.steps() == [1]
@@ -78,14 +74,14 @@ def test_save_4_ranks_load_with_2_3_1(dcp_url, tmp_path):
     counted.close()
 
     for world in (2, 3):
-        mp.spawn(W.load_worker, args=(world, _port(), url, so, expect), nprocs=world, join=True)
+        mp.spawn(W.load_worker, args=(world, free_port(), url, so, expect), nprocs=world, join=True)
     W.load_single_process(url, so, expect)
 
 
 def test_unchanged_rank_uploads_nothing_and_failed_rank_commits_nothing(dcp_url, tmp_path):
     url, so = dcp_url
     out = tmp_path / "out.json"
-    mp.spawn(W.dedup_and_failure_worker, args=(2, _port(), url, so, str(out)), nprocs=2, join=True)
+    mp.spawn(W.dedup_and_failure_worker, args=(2, free_port(), url, so, str(out)), nprocs=2, join=True)
     results = json.loads(out.read_text())
     r0, r1 = results[0]["stats"], results[1]["stats"]
     assert r0["rank"] == 0 and r0["new_bytes"] == 0 and r0["pack_bytes"] == 0

@@ -7,7 +7,6 @@ step, Hugging Face-loadable exports, and optimizer state through
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
@@ -18,18 +17,15 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import ckptstore
 from ckptstore.dcp import CkptStoreReader, CkptStoreWriter, split_checkpoint_id
+from ckptstore.testing import free_port
 
 from . import dcp_workers as W
 from .doc_blocks import recipe
 from .helpers import SMALL, bits_equal
 
+pytestmark = pytest.mark.slow  # spawned gloo ranks, PyTorch's own DCP writer/reader beside ours
+
 FLOATS = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _source(dtype, shape=(48, 5), seed=0):
@@ -74,7 +70,7 @@ def test_dcp_reader_casts_like_filesystem_reader(dtype_repo, tmp_path, stored):
 
 def test_sharded_step_loads_into_other_dtypes_across_shards(tmp_path):
     url = str(tmp_path / "repo")
-    mp.spawn(W.sharded_dtypes_save_worker, args=(2, _port(), url), nprocs=2, join=True)
+    mp.spawn(W.sharded_dtypes_save_worker, args=(2, free_port(), url), nprocs=2, join=True)
     g = torch.Generator().manual_seed(11)
     f32 = torch.randn(64, 24, generator=g)
     bf16 = torch.randn(64, 24, generator=g).bfloat16()
@@ -152,7 +148,7 @@ def test_latest_step_without_collectives_and_on_sub_group(tmp_path):
     with ckptstore.open(url) as repo:
         repo.save({"w": torch.zeros(8, 5)}, step=1)
         repo.save({"w": torch.arange(40, dtype=torch.float32).reshape(8, 5)}, step=2)
-    mp.spawn(W.no_dist_and_subgroup_worker, args=(3, _port(), url, str(tmp_path)), nprocs=3, join=True)
+    mp.spawn(W.no_dist_and_subgroup_worker, args=(3, free_port(), url, str(tmp_path)), nprocs=3, join=True)
     assert sorted(p.name for p in tmp_path.glob("ok-*")) == ["ok-0", "ok-1", "ok-2"]
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 
 import pytest
 import torch
@@ -22,16 +21,13 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 import ckptstore
 from ckptstore.dcp import balance_save_plans
 from ckptstore.exchange import ReadRegion, plan_exchange
+from ckptstore.testing import free_port
 
 from . import dcp_workers as W
 
+pytestmark = pytest.mark.slow  # spawned gloo ranks
+
 MiB = 1 << 20
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ranks(out_dir, world):
@@ -41,7 +37,7 @@ def _ranks(out_dir, world):
 def test_fully_replicated_state_is_fetched_once_and_balanced(tmp_path):
     world = 4
     url = str(tmp_path / "repo")
-    mp.spawn(W.replicated_worker, args=(world, _port(), url, str(tmp_path)), nprocs=world, join=True)
+    mp.spawn(W.replicated_worker, args=(world, free_port(), url, str(tmp_path)), nprocs=world, join=True)
     ranks = _ranks(tmp_path, world)
     with ckptstore.open(url) as repo:
         man = repo.manifest(1)
@@ -76,7 +72,7 @@ def test_fully_replicated_state_is_fetched_once_and_balanced(tmp_path):
 def test_mixed_ddp_fsdp_saves_balanced_and_loads_bit_exact_with_exchange(tmp_path):
     world = 4
     url = str(tmp_path / "repo")
-    mp.spawn(W.mixed_worker, args=(world, _port(), url, str(tmp_path)), nprocs=world, join=True)
+    mp.spawn(W.mixed_worker, args=(world, free_port(), url, str(tmp_path)), nprocs=world, join=True)
     ranks = _ranks(tmp_path, world)  # each worker compared every loaded tensor bit for bit
     saved = [r["save"]["logical_bytes"] for r in ranks]
     with ckptstore.open(url) as repo:
@@ -97,7 +93,7 @@ def test_mixed_ddp_fsdp_saves_balanced_and_loads_bit_exact_with_exchange(tmp_pat
 def test_failed_rank_fails_every_rank_naming_it_and_subgroups(tmp_path):
     world = 3
     url = str(tmp_path / "repo")
-    mp.spawn(W.exchange_failure_worker, args=(world, _port(), url, str(tmp_path)), nprocs=world, join=True)
+    mp.spawn(W.exchange_failure_worker, args=(world, free_port(), url, str(tmp_path)), nprocs=world, join=True)
     ranks = _ranks(tmp_path, world)
     for r in ranks:
         err = r["pack_reads_fail"]
@@ -336,6 +332,6 @@ def test_balance_save_plans_spreads_replicated_writes_by_bytes():
 def test_exchange_into_cuda_destinations(tmp_path):
     world = 2
     url = str(tmp_path / "repo")
-    mp.spawn(W.cuda_exchange_worker, args=(world, _port(), url, str(tmp_path)), nprocs=world, join=True)
+    mp.spawn(W.cuda_exchange_worker, args=(world, free_port(), url, str(tmp_path)), nprocs=world, join=True)
     for r in _ranks(tmp_path, world):
         assert r["bad"] == [] and r["stats"]["exchange"] and r["stats"]["received_bytes"] > 0, r

@@ -22,6 +22,8 @@ from ckptstore.testing.azurite import azurite_binary
 from .doc_blocks import PAGES, ROOT, DocError, Marker, read_blocks, recipe, shell_commands
 from .doc_runner import BlockFailed, PageRun
 
+pytestmark = pytest.mark.slow  # runs every block of the pages: interpreters, torchrun, servers
+
 #: Cloud and ckptstore settings of the machine running the tests never reach a page.
 _DROP = re.compile(r"^(AWS_|AZURE_|GOOGLE_|GCLOUD|CLOUDSDK_|STORAGE_EMULATOR_HOST$|CKPTSTORE_(?!AZURITE$))")
 

@@ -29,6 +29,8 @@ pytest.importorskip("gcp_storage_emulator")
 from ckptstore.storage.gcs import GCSStore, classify_error, parse_timestamp  # noqa: E402
 from ckptstore.testing.gcs_emulator import GCSEmulator  # noqa: E402
 
+pytestmark = pytest.mark.slow  # the GCS emulator, the conformance suite over HTTP
+
 BUCKET = "ckpt-gcs"
 
 

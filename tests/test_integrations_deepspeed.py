@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections import OrderedDict
@@ -25,18 +24,15 @@ import torch.multiprocessing as mp  # noqa: E402
 
 import ckptstore  # noqa: E402
 from ckptstore.errors import FormatError  # noqa: E402
+from ckptstore.testing import free_port  # noqa: E402
 
 from . import ds_workers as W  # noqa: E402
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+pytestmark = pytest.mark.slow  # DeepSpeed ZeRO on spawned gloo ranks
 
 
 def _spawn(fn, world, *args):
-    mp.spawn(fn, args=(world, _port(), *args), nprocs=world, join=True)
+    mp.spawn(fn, args=(world, free_port(), *args), nprocs=world, join=True)
 
 
 def _assert_only_bookkeeping(save_dir):

@@ -20,10 +20,13 @@ import ckptstore
 from ckptstore.integrations import hf
 from ckptstore.storage import open_store
 from ckptstore.storage.wrappers import CountingStore
+from ckptstore.testing import free_port
 
 from . import hf_lightning_workers as W
 
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM, Trainer, TrainingArguments
+
+pytestmark = pytest.mark.slow  # Hugging Face Trainer fits, spawned ranks
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -127,7 +130,7 @@ def test_tensor_parallel_from_pretrained_reads_local_slices(tmp_path):
         repo.save(_llama().state_dict(), step=1)
     out = tmp_path / "out"
     out.mkdir()
-    mp.spawn(W.hf_tensor_parallel, args=(2, W.free_port(), url, 1, str(out)), nprocs=2, join=True)
+    mp.spawn(W.hf_tensor_parallel, args=(2, free_port(), url, 1, str(out)), nprocs=2, join=True)
     for rank, r in enumerate(_results(out)):
         assert r["mismatched"] == [], f"rank {rank}"
         assert "model.layers.0.self_attn.q_proj.weight" in r["sharded"]
@@ -257,7 +260,7 @@ def test_accelerate_sharded_fsdp_saves_go_to_the_repository(tmp_path):
     url = str(tmp_path / "repo")
     out = tmp_path / "res"
     out.mkdir()
-    mp.spawn(W.hf_fsdp_route, args=(2, W.free_port(), url, str(tmp_path), str(out)), nprocs=2, join=True)
+    mp.spawn(W.hf_fsdp_route, args=(2, free_port(), url, str(tmp_path), str(out)), nprocs=2, join=True)
     for r in _results(out):
         assert r["bad"] == []
         assert r["steps"] == {"pytorch_model_fsdp_0": [7], "optimizer_0": [7]}

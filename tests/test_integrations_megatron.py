@@ -9,21 +9,17 @@ tests/mg_workers.py).
 from __future__ import annotations
 
 import importlib
-import socket
 import sys
 
 import pytest
 import torch.multiprocessing as mp
 
 import ckptstore
+from ckptstore.testing import free_port
 
 from . import mg_workers as W
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+pytestmark = pytest.mark.slow  # Megatron-Core on spawned gloo ranks
 
 
 def test_import_without_megatron_names_the_extra(monkeypatch):
@@ -39,7 +35,7 @@ def test_tp2_saved_tp1_loaded_bit_exact(tmp_path):
     # file:// only: the S3 path is CkptStoreWriter/Reader's, run against moto by tests/test_dcp.py
     # and by the DeepSpeed integration's S3 test; this keeps the suite's time in bounds.
     url, so = f"file://{tmp_path}/repo", None
-    mp.spawn(W.save_worker, args=(2, _port(), url, so, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(W.save_worker, args=(2, free_port(), url, so, str(tmp_path)), nprocs=2, join=True)
     repo = ckptstore.open(url, storage_options=so)
     assert repo.steps() == [5, 6]
     m5 = repo.manifest(5)
@@ -49,7 +45,7 @@ def test_tp2_saved_tp1_loaded_bit_exact(tmp_path):
     assert col.shape == (W.HID, W.IN) and len(col.shards) == 2
     assert m5.stats["ranks"].keys() == {"0", "1"}
     repo.close()
-    mp.spawn(W.load_worker, args=(1, _port(), url, so, str(tmp_path)), nprocs=1, join=True)
+    mp.spawn(W.load_worker, args=(1, free_port(), url, so, str(tmp_path)), nprocs=1, join=True)
 
 
 def test_load_refuses_a_torch_dist_directory(tmp_path):

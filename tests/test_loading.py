@@ -8,6 +8,7 @@ read budget's high-water mark.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import itertools
 import random
 import threading
 
@@ -495,11 +496,34 @@ def test_tensor_reader_own_staging_fetches_each_chunk_once(tmp_path):
     assert read[torch.bfloat16] == read[torch.float32], read
 
 
-def test_progress_bar(tmp_path, capsys):
-    _, repo = _repo(tmp_path)
-    repo.save(_ref().state_dict(), step=4)
+def test_progress_bar_advances_to_the_bytes_loaded(tmp_path, monkeypatch):
+    """progress=True: one bar over the bytes filled, advanced as tensors land, not once at the end."""
+    bars = []
+
+    class Bar:
+        def __init__(self, total, desc):
+            self.total, self.desc, self.steps, self.closed = total, desc, [], False
+            bars.append(self)
+
+        def update(self, n):
+            assert not self.closed
+            self.steps.append(n)
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.setattr(loading, "byte_bar", Bar)
+    _, repo = _repo(tmp_path, max_request=8192)  # tensors read in several batches (41 KiB in all)
+    ref = _ref()
+    repo.save(ref.state_dict(), step=4)
     ckptstore.load_module(_meta(), repo, progress=True)
-    assert "load step 4" in capsys.readouterr().err
+    (bar,) = bars
+    # every persistent tensor once (the tied head shares the embedding's storage)
+    total = sum(t.nbytes for t in {t.data_ptr(): t for t in ref.state_dict().values()}.values())
+    assert bar.desc == "load step 4" and bar.total == total and bar.closed
+    done = list(itertools.accumulate(bar.steps))
+    assert len(done) > 1 and all(n > 0 for n in bar.steps), bar.steps  # advances step by step
+    assert done[-1] == total, (done, total)  # ...and reaches the total
 
 
 def test_hf_model_on_meta_with_tied_embeddings(tmp_path):

@@ -33,3 +33,9 @@ def test_make_test_installs_everything(tmp_path):
     out = _dry_run("test", tmp_path)
     for wanted in ("torch==2.13.0", "[demo]", "[test]", "[integrations]", "npm install", "azurite", "pytest -q"):
         assert wanted in out, wanted
+    assert "--durations=15" in out and "not slow" not in out  # everything, then the slowest tests
+
+
+def test_make_test_fast_leaves_out_the_slow_tests(tmp_path):
+    out = _dry_run("test-fast", tmp_path)
+    assert 'pytest -q -m "not slow"' in out

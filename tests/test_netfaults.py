@@ -38,6 +38,8 @@ from ckptstore.testing.seaweedfs import SeaweedFS
 
 from .helpers import assert_tree_equal, bits_equal, flat_tensors, random_tensor
 
+pytestmark = pytest.mark.slow  # SeaweedFS behind a fault proxy, killed and restarted
+
 BUCKET = "ckpt-net"
 #: Per-request timeouts through the proxy: a stall is detected in seconds.
 TIMEOUTS = {"connect_timeout": 2, "read_timeout": 3}

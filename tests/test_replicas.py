@@ -8,6 +8,7 @@ import json
 import pytest
 
 from ckptstore.replicas import Transfer, nodes_of, plan_peer_fill, replica_peers
+from ckptstore.testing import free_port
 
 
 def test_nodes_are_told_apart_by_their_tiers_and_each_keeps_the_next_one_s_replicas():
@@ -36,7 +37,6 @@ def _run(tmp_path, replicas, write_back=False, damage="wipe"):
     import torch.multiprocessing as mp
 
     from . import replica_workers as W
-    from .hf_lightning_workers import free_port
 
     url = str(tmp_path / "repo")
     mp.spawn(W.run, args=(2, free_port(), url, str(tmp_path), replicas, write_back, damage), nprocs=2, join=True)
@@ -87,7 +87,6 @@ def test_failed_replicas_leave_the_save_committed_and_flush_raises_on_every_rank
     import torch.multiprocessing as mp
 
     from . import replica_workers as W
-    from .hf_lightning_workers import free_port
 
     url = str(tmp_path / "repo")
     mp.spawn(W.run_broken, args=(2, free_port(), url, str(tmp_path)), nprocs=2, join=True)
@@ -113,7 +112,6 @@ def test_replicas_with_async_save_beside_the_training_loop_s_collectives(tmp_pat
     import torch.multiprocessing as mp
 
     from . import replica_workers as W
-    from .hf_lightning_workers import free_port
 
     mp.spawn(W.run_async, args=(2, free_port(), str(tmp_path / "repo"), str(tmp_path)), nprocs=2, join=True)
     res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]

@@ -5,26 +5,23 @@ reads only its share of the metadata."""
 from __future__ import annotations
 
 import json
-import socket
 
+import pytest
 import torch.multiprocessing as mp
 
 import ckptstore
 from ckptstore.format.chunk_table import BLOCK_RECORDS, RECORD_SIZE
 from ckptstore.format.layout import segment_key
+from ckptstore.testing import free_port
 
 from . import dcp_workers as W
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+pytestmark = pytest.mark.slow  # 16 gloo ranks
 
 
 def test_16_ranks_save_20k_shards_8_ranks_load_their_share(tmp_path):
     url = str(tmp_path / "repo")
-    mp.spawn(W.many_shards_save_worker, args=(16, _port(), url), nprocs=16, join=True)
+    mp.spawn(W.many_shards_save_worker, args=(16, free_port(), url), nprocs=16, join=True)
     with ckptstore.open(url) as repo:
         m = repo.manifest(1)
         assert sum(t.nshards for t in m.tensors.values()) == 16 * W.MANY == 20_000
@@ -33,7 +30,7 @@ def test_16_ranks_save_20k_shards_8_ranks_load_their_share(tmp_path):
         segs = {s.id: s for s in m.segments}
     out = tmp_path / "out"
     out.mkdir()
-    mp.spawn(W.many_shards_load_worker, args=(8, _port(), url, str(out)), nprocs=8, join=True)
+    mp.spawn(W.many_shards_load_worker, args=(8, free_port(), url, str(out)), nprocs=8, join=True)
     by_key = {segment_key(i): s for i, s in segs.items()}
     for rank in range(8):
         r = json.loads((out / f"rank{rank}.json").read_text())

@@ -23,6 +23,7 @@ import os
 import random
 import time
 
+import pytest
 import torch
 
 from ckptstore.errors import RepositoryNotFoundError, StaleBaseError, StepNotFoundError, StorageError
@@ -31,6 +32,8 @@ from ckptstore.storage.faults import FaultStore, transient
 from ckptstore.storage.retry import RetryPolicy, RetryStore
 
 from .helpers import bits_equal, flat_tensors
+
+pytestmark = pytest.mark.slow  # thousands of operations under injected faults
 
 # GC re-lists (and re-reads every tombstone, one GET each) whenever half the
 # safety margin (min(10% of grace, 5 min)) has passed while it deletes; with

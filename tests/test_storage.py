@@ -15,6 +15,7 @@ from ckptstore.errors import (
     TransientStorageError,
 )
 from ckptstore.storage import LocalStore, MemoryStore, open_store
+from ckptstore.testing import free_port
 from ckptstore.testing.store_suite import StoreConformance
 
 
@@ -111,7 +112,6 @@ class TestS3Store(StoreConformance):
 
     def test_unreachable_endpoint_is_transient(self, s3):
         from ckptstore.storage.s3 import S3Store
-        from ckptstore.testing.moto import free_port
 
         opts = dict(s3.storage_options)
         opts["client_kwargs"] = dict(opts["client_kwargs"], endpoint_url=f"http://127.0.0.1:{free_port()}")

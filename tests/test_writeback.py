@@ -18,6 +18,7 @@ from ckptstore.format.layout import manifest_key
 from ckptstore.repository import Repository
 from ckptstore.storage import open_store
 from ckptstore.storage.faults import FaultStore
+from ckptstore.testing import free_port
 from ckptstore.writeback import WriteBackError
 
 from .crash_child import CHILD_OPTS, build_state
@@ -286,7 +287,6 @@ def test_dcp_write_back_commits_once_every_rank_uploaded(tmp_path, leave):
     import torch.multiprocessing as mp
 
     from . import wb_workers as W
-    from .hf_lightning_workers import free_port
 
     url, tmp = str(tmp_path / "repo"), str(tmp_path)
     mp.spawn(W.dcp_write_back, args=(2, free_port(), url, tmp, leave), nprocs=2, join=True)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ckptstore.testing import bits_equal
+
 
 class VerificationError(AssertionError):
     """A load returned data that differs from what was saved."""
@@ -11,11 +13,6 @@ class VerificationError(AssertionError):
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Same dtype, shape and bytes (exact for NaN payloads and -0.0 too)."""
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b))
 
 
 def differing_elements(a: torch.Tensor, b: torch.Tensor) -> int:

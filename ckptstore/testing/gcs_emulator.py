@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import threading
 import urllib.error
 import urllib.request
@@ -27,19 +26,14 @@ from functools import partial
 from http import server as http_server
 from urllib.parse import parse_qs, urlparse
 
+from .ports import free_port
+
 # gcsfs >= 2026 probes the bucket type over gRPC first and waits ~60 s against
 # an emulator unless this is false; it must be set before gcsfs is imported.
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 HOST = "127.0.0.1"
 PROJECT = "test"
-
-
-def free_port(host: str = HOST) -> int:
-    """A TCP port nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class _PreconditionFailed(Exception):

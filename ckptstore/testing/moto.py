@@ -9,22 +9,16 @@ from __future__ import annotations
 
 import http.client
 import logging
-import socket
 import threading
 import urllib.error
 import urllib.request
+
+from .ports import free_port
 
 HOST = "127.0.0.1"
 REGION = "us-east-1"
 #: moto accepts any credentials; these are only what the clients sign with.
 KEY = SECRET = "testing"
-
-
-def free_port(host: str = HOST) -> int:
-    """A TCP port nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class _Middleware:

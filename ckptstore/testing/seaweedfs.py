@@ -21,30 +21,16 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import sys
 import tempfile
 import time
 
+from .ports import free_ports
+
 HOST = "127.0.0.1"
 REGION = "us-east-1"
-
-
-def free_ports(n: int, host: str = HOST) -> list[int]:
-    """``n`` distinct TCP ports nothing listens on right now."""
-    socks, ports = [], []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
-            socks.append(s)
-            ports.append(s.getsockname()[1])
-    finally:
-        for s in socks:
-            s.close()
-    return ports
 
 
 def weed_binary() -> str | None:
