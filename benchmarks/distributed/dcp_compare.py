@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python -m benchmarks.dcp_compare [--size-gib 1.0] [--ranks 2] [--json OUT.json]
+    python -m benchmarks.distributed.dcp_compare [--size-gib 1.0] [--ranks 2] [--json OUT.json]
 
 ``--ranks`` processes (torch.multiprocessing spawn, gloo on 127.0.0.1) each
 hold their half (1/N) of one synthetic fp32 ``randn`` state dict, as DTensors
@@ -43,41 +43,16 @@ import torch
 
 import ckptstore
 
-from .common import data
-from .common.measure import GiB, MiB, cpu_self, dir_bytes, loadavg, proc_cpu
-from .common.report import command_line, env_line, format_table, human, write_results
-from .common.servers import S3Server, free_port, moto_process
-from .common.verify import VerificationError, bits_equal, differing_elements, scrub
+from ..common.measure import GiB, MiB, cpu_self, dir_bytes, loadavg, proc_cpu
+from ..common.report import command_line, env_line, format_table, human, write_results
+from ..common.servers import S3Server, free_port, moto_process
+from ..common.workloads import local_shape, make_dtensor, sharded_layout
+from ..common.verify import VerificationError, bits_equal, differing_elements, scrub
 
 BUCKET = "dcpbench"
 S3_PACK_SIZE = 64 * MiB
 BACKENDS = ("dcp-fs", "dcp-fs-zstd", "ckpt-local", "ckpt-s3", "dcp-fsspec-s3")
 BASELINE = "dcp-fs"
-
-
-# ---------------------------------------------------------------- data
-def layout(size_gib: float, world: int) -> list[tuple[str, tuple[int, ...]]]:
-    """Names and global shapes of ``common.data.layout``, every dim 0 divisible by ``world``.
-
-    ``world`` a power of two up to 1024 divides them all, so every rank holds
-    an equal, non-empty shard.
-    """
-    out = data.layout(size_gib)
-    for name, shape in out:
-        if shape[0] % world:
-            raise ValueError(f"--ranks {world}: {name} has {shape[0]} rows, not divisible")
-    return out
-
-
-def local_shape(shape, world):
-    return (shape[0] // world,) + tuple(shape[1:])
-
-
-def make_dtensor(local: torch.Tensor, mesh, shape):
-    from torch.distributed.tensor import DTensor, Shard
-
-    stride = torch.empty(0).new_empty(shape, device="meta").stride()
-    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=stride)
 
 
 # ---------------------------------------------------------------- worker side
@@ -113,7 +88,7 @@ def _worker_body(rank, world, mesh, cfg):
     from ckptstore.dcp import CkptStoreReader, CkptStoreWriter
 
     t_build = time.perf_counter()
-    shapes = layout(cfg["size_gib"], world)
+    shapes = sharded_layout(cfg["size_gib"], world)
     g = torch.Generator().manual_seed(cfg["seed"] * 1_000_003 + rank)
     src_local = {n: torch.randn(local_shape(s, world), generator=g, dtype=torch.float32) for n, s in shapes}
     dst_local = {n: torch.empty_like(t) for n, t in src_local.items()}  # pages touched by scrub(dst_local) below
@@ -368,7 +343,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.dcp_compare", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.distributed.dcp_compare", description=__doc__.split("\n")[0])
     ap.add_argument("--size-gib", type=float, default=1.0, help="total state dict size over all ranks (default 1.0)")
     ap.add_argument("--ranks", type=int, default=2, help="processes (gloo ranks), default 2")
     ap.add_argument("--json", metavar="OUT.json", help="write the results here")
@@ -385,18 +360,18 @@ def main(argv=None) -> int:
     if args.ranks < 1:
         ap.error("--ranks must be at least 1")
     try:
-        layout(args.size_gib, args.ranks)  # fail early on an indivisible shape
+        sharded_layout(args.size_gib, args.ranks)  # fail early on an indivisible shape
     except ValueError as e:
         ap.error(str(e))
 
-    command = command_line("benchmarks.dcp_compare", argv)
+    command = command_line("benchmarks.distributed.dcp_compare", argv)
     print(f"command: {command}", flush=True)
     print(env_line(threads=f"{args.ranks} ranks (1 torch thread each)"), flush=True)
 
     import torch.multiprocessing as mp
 
     # Spawned ranks must find the worker under its module name, not __main__.
-    target = importlib.import_module("benchmarks.dcp_compare").worker
+    target = importlib.import_module("benchmarks.distributed.dcp_compare").worker
     need_s3 = any(b in backends for b in ("ckpt-s3", "dcp-fsspec-s3"))
     tmp = tempfile.mkdtemp(prefix="dcpbench-", dir="/tmp")
     out = os.path.join(tmp, "result.json")

@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python -m benchmarks.replicated [--mib 256] [--ranks 4] [--backends moto,seaweedfs]
+    python -m benchmarks.distributed.replicated [--mib 256] [--ranks 4] [--backends moto,seaweedfs]
                                     [--repeat 2] [--json OUT.json]
 
 ``--ranks`` processes (gloo on 127.0.0.1, 1 torch thread each) hold the same
@@ -171,11 +171,11 @@ def main(argv=None) -> int:
 
     from ckptstore.testing.moto import free_port
 
-    command = f"{sys.executable} -m benchmarks.replicated" + "".join(
+    command = f"{sys.executable} -m benchmarks.distributed.replicated" + "".join(
         " " + shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     print(f"command: {command}\n{os.cpu_count()} CPUs, {args.ranks} ranks, load average at start {_loadavg()}",
           flush=True)
-    target = importlib.import_module("benchmarks.replicated").worker
+    target = importlib.import_module("benchmarks.distributed.replicated").worker
     results, bad = {}, False
     tmp = tempfile.mkdtemp(prefix="replbench-", dir="/tmp")
     for name, so in _servers(args.backends.split(",")):

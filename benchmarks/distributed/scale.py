@@ -288,8 +288,8 @@ def v1_restore(raw: bytes) -> dict:
     return {"metadata_read": len(raw), "cpu_s": secs, "peak": peak}
 
 
-from .common.measure import RssSampler as Sampler  # noqa: E402
-from .common.measure import rss_now as rss  # noqa: E402
+from ..common.measure import RssSampler as Sampler  # noqa: E402
+from ..common.measure import rss_now as rss  # noqa: E402
 
 
 def gc_bench(steps: int) -> dict:

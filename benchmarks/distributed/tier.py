@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python -m benchmarks.tier [--size-gib 1.0] [--rounds 3] [--json OUT.json] [--no-pin] [--seed 0] [--cache-decoded]
+    python -m benchmarks.distributed.tier [--size-gib 1.0] [--rounds 3] [--json OUT.json] [--no-pin] [--seed 0] [--cache-decoded]
 
 One SeaweedFS server (``weed server -s3`` on loopback, pinned to its own CPU
 unless ``--no-pin``; the ranks then run on the other CPU(s)). Ranks are
@@ -57,12 +57,12 @@ import traceback
 
 import torch
 
-from .common.measure import MiB, cpu_self, loadavg
-from .common.pinning import Pinning
-from .common.report import command_line, env_line, format_table, git_commit, human, write_results
-from .common.servers import free_port, seaweedfs
-from .common.verify import VerificationError, bits_equal, differing_elements, scrub
-from .dcp_compare import layout, local_shape, make_dtensor
+from ..common.measure import MiB, cpu_self, loadavg
+from ..common.pinning import Pinning
+from ..common.report import command_line, env_line, format_table, git_commit, human, write_results
+from ..common.servers import free_port, seaweedfs
+from ..common.verify import VerificationError, bits_equal, differing_elements, scrub
+from ..common.workloads import local_shape, make_dtensor, sharded_layout
 
 BUCKET = "tierbench"
 PACK_SIZE = 64 * MiB
@@ -76,7 +76,7 @@ def rank_shards(cfg: dict, rank: int, world: int) -> dict[str, torch.Tensor]:
     """The local shards of ``rank`` of the ``world``-rank save (one seeded generator per rank)."""
     g = torch.Generator().manual_seed(cfg["seed"] * 1_000_003 + rank)
     return {n: torch.randn(local_shape(s, world), generator=g, dtype=torch.float32)
-            for n, s in layout(cfg["size_gib"], cfg["save_world"])}
+            for n, s in sharded_layout(cfg["size_gib"], cfg["save_world"])}
 
 
 def expected_shards(cfg: dict, rank: int, world: int) -> dict[str, torch.Tensor]:
@@ -131,7 +131,7 @@ class Rank:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         self.dist, self.rank, self.world, self.cfg = dist, rank, world, cfg
         self.mesh = init_device_mesh("cpu", (world,))
-        self.shapes = layout(cfg["size_gib"], cfg["save_world"])
+        self.shapes = sharded_layout(cfg["size_gib"], cfg["save_world"])
         self.rows: list[dict] = []
 
     def dtensors(self, local: dict) -> dict:
@@ -416,7 +416,7 @@ def wiped_table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.tier", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.distributed.tier", description=__doc__.split("\n")[0])
     ap.add_argument("--size-gib", type=float, default=1.0, help="the step's size over all ranks (default 1.0)")
     ap.add_argument("--rounds", type=int, default=3, help="restores of each system per phase (default 3)")
     ap.add_argument("--json", metavar="OUT.json", help="write the results here")
@@ -428,13 +428,13 @@ def main(argv=None) -> int:
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
     world = 2 * NODE_RANKS
-    layout(args.size_gib, world)
+    sharded_layout(args.size_gib, world)
 
     import torch.multiprocessing as mp
 
     from ckptstore.options import RepoOptions
 
-    command = command_line("benchmarks.tier", argv)
+    command = command_line("benchmarks.distributed.tier", argv)
     commit = git_commit()
     pinning = Pinning(enabled=not args.no_pin)
     print(f"command: {command}", flush=True)
@@ -443,7 +443,7 @@ def main(argv=None) -> int:
                 f"{','.join(map(str, sorted(pinning.client_cpus)))} in every phase, local restores included"
                 if pinning.enabled else "pinning: off (--no-pin, or a single CPU)")
     print(pin_text, flush=True)
-    mod = importlib.import_module("benchmarks.tier")  # spawned ranks import the workers by this name
+    mod = importlib.import_module("benchmarks.distributed.tier")  # spawned ranks import the workers by this name
     tmp = tempfile.mkdtemp(prefix="tierbench-", dir="/tmp")
     cfg = {"size_gib": args.size_gib, "seed": args.seed, "rounds": args.rounds, "tmp": tmp, "save_world": world,
            "fs_path": os.path.join(tmp, "dcp-fs"), "one_node": os.path.join(tmp, "one-node"),

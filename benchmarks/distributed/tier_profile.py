@@ -2,12 +2,12 @@
 
 Run from the repository root, under a sampling profiler::
 
-    .venv/bin/python -m benchmarks.tier_profile --dir DIR --prepare [--size-gib 1.0] [--world 4]
-    py-spy record --native -r 250 -f raw -o tier.raw -- .venv/bin/python -m benchmarks.tier_profile \\
+    .venv/bin/python -m benchmarks.distributed.tier_profile --dir DIR --prepare [--size-gib 1.0] [--world 4]
+    py-spy record --native -r 250 -f raw -o tier.raw -- .venv/bin/python -m benchmarks.distributed.tier_profile \\
         --dir DIR [--size-gib 1.0] [--world 4] [--repeat 5] [--only ckpt-tier] [--cpus 0]
-    .venv/bin/python -m benchmarks.tier_profile --summarize tier.raw
+    .venv/bin/python -m benchmarks.distributed.tier_profile --summarize tier.raw
 
-``--prepare`` saves rank 0's share of ``benchmarks.tier``'s state dict (the
+``--prepare`` saves rank 0's share of ``benchmarks.distributed.tier``'s state dict (the
 same ``dcp_compare`` layout and seed, plain tensors: one process, no process
 group) through ``CkptStoreWriter`` to a local-directory repository with a
 ``cache_dir`` under DIR (write-through), and with DCP's ``FileSystemWriter``;
@@ -31,8 +31,8 @@ import warnings
 
 import torch
 
-from .common.verify import bits_equal, scrub
-from .dcp_compare import layout, local_shape
+from ..common.verify import bits_equal, scrub
+from ..common.workloads import local_shape, sharded_layout
 
 #: Phases of a restore, by the frames that name them; a sample goes to the innermost frame that names one.
 PHASES = (
@@ -66,7 +66,7 @@ def run(args) -> int:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     g = torch.Generator().manual_seed(0 * 1_000_003 + 0)
-    src = {n: torch.randn(local_shape(s, args.world), generator=g) for n, s in layout(args.size_gib, args.world)}
+    src = {n: torch.randn(local_shape(s, args.world), generator=g) for n, s in sharded_layout(args.size_gib, args.world)}
     repo, cache, fs = (os.path.join(args.dir, d) for d in ("repo", "tier", "fs"))
     nbytes = sum(t.numel() * 4 for t in src.values())
     print(f"{len(src)} tensors, {nbytes / 2**20:.0f} MiB (rank 0 of {args.world})", flush=True)
@@ -122,11 +122,11 @@ def summarize(path: str, restores: int = 10, hz: int = 250) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.tier_profile", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.distributed.tier_profile", description=__doc__.split("\n")[0])
     ap.add_argument("--size-gib", type=float, default=1.0, help="the whole step's size; one rank's share is restored")
     ap.add_argument("--world", type=int, default=4, help="ranks of the save whose rank 0 share is used (default 4)")
     ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--cpus", default="0", help="CPUs to run on (default 0, as benchmarks.tier's pinned ranks; '' all)")
+    ap.add_argument("--cpus", default="0", help="CPUs to run on (default 0, as benchmarks.distributed.tier's pinned ranks; '' all)")
     ap.add_argument("--dir", help="where the prepared checkpoints are")
     ap.add_argument("--prepare", action="store_true", help="save the checkpoints under --dir, then exit")
     ap.add_argument("--only", choices=["ckpt-tier", "dcp-fs"], help="restore only this way")

@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python -m benchmarks.tier_soak [--saves 20] [--seconds 60] [--seed N] [--json OUT.json]
+    python -m benchmarks.distributed.tier_soak [--saves 20] [--seconds 60] [--seed N] [--json OUT.json]
 
 Everything runs against local-directory repositories (plain paths) and
 tiers under one temporary directory; packs of 1 MiB and chunks of 64 KiB,
@@ -64,8 +64,8 @@ import threading
 import time
 import traceback
 
-from .common.measure import MiB, dir_bytes, loadavg
-from .common.report import command_line, env_line, format_table, git_commit, human, write_results
+from ..common.measure import MiB, dir_bytes, loadavg
+from ..common.report import command_line, env_line, format_table, git_commit, human, write_results
 
 KiB = 1 << 10
 CHUNK_SIZE = 64 << 10
@@ -103,7 +103,7 @@ def state(seed: int, step: int, n: int, nbytes: int, fresh: int, rotating: int, 
 
 def same(expected: dict, got) -> str | None:
     """None when ``got`` holds exactly ``expected``'s tensors bit for bit, else what differs."""
-    from .common.verify import VerificationError, verify
+    from ..common.verify import VerificationError, verify
 
     try:
         verify(expected, got, "load")
@@ -463,7 +463,7 @@ def _errors(doc: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.tier_soak", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.distributed.tier_soak", description=__doc__.split("\n")[0])
     ap.add_argument("--saves", type=int, default=20, help="saves of the budget run, each mode (default 20)")
     ap.add_argument("--seconds", type=float, default=60.0, help="length of the 2-process soak (default 60)")
     ap.add_argument("--seed", type=int, default=None, help="data seed (default: random, printed)")
@@ -472,7 +472,7 @@ def main(argv=None) -> int:
     if args.saves < 1 or args.seconds <= 0:
         ap.error("--saves must be at least 1 and --seconds positive")
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
-    command = command_line("benchmarks.tier_soak", argv)
+    command = command_line("benchmarks.distributed.tier_soak", argv)
     commit = git_commit()
     print(f"command: {command}", flush=True)
     print(env_line() + f", commit {commit}", flush=True)

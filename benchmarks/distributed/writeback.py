@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python -m benchmarks.writeback [--size-gib 1.0] [--rounds 3] [--no-pin] [--json OUT.json]
+    python -m benchmarks.distributed.writeback [--size-gib 1.0] [--rounds 3] [--no-pin] [--json OUT.json]
 
 One process builds workload a (``--size-gib`` of fp32 ``randn``, as
 ``benchmarks.run``), starts SeaweedFS (pinned to the upper half of the CPUs,
@@ -35,12 +35,13 @@ import sys
 import tempfile
 import time
 
-from .common.measure import Timer, loadavg, median
-from .common.pinning import Pinning
-from .common.report import env_info, format_table, human, write_results
-from .common.servers import seaweedfs
-from .common.verify import VerificationError, verify
-from .run import data_a, raw_put
+from ..common.measure import Timer, loadavg, median
+from ..common.pinning import Pinning
+from ..common.report import env_info, format_table, human, write_results
+from ..common.servers import seaweedfs
+from ..common.systems import raw_put
+from ..common.verify import VerificationError, verify
+from ..common.workloads import data_a
 
 BUCKET = "ckptbench"
 
@@ -118,7 +119,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-pin", action="store_true")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
-    command = "python -m benchmarks.writeback " + shlex.join(argv if argv is not None else sys.argv[1:])
+    command = "python -m benchmarks.distributed.writeback " + shlex.join(argv if argv is not None else sys.argv[1:])
     print(f"load average at start: {loadavg()}", flush=True)
     pinning = Pinning(enabled=not args.no_pin)
     print(pinning.describe(), flush=True)

@@ -16,7 +16,7 @@ element) and the compression ratios they bound:
 Compared with ``codec.encode``'s ratio on the same chunks. Run from the
 repository root::
 
-    python -m benchmarks.adam_bounds
+    python -m benchmarks.experiments.adam_bounds
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ import zstandard
 
 from ckptstore.format import codec
 
-from .codec_real import CHUNK, adam_state, model_weights
-from .common.report import format_table
+from ..common.workloads import adam_state, model_weights
+from ..micro.codec_real import CHUNK
+from ..common.report import format_table
 
 
 def _h(x: np.ndarray, n: int) -> float:
@@ -84,7 +85,7 @@ def main() -> int:
         "exp_avg_sq": {k: v for k, v in adam.items() if k.endswith(".exp_avg_sq")},
         "both": adam,
     }
-    print("command: python -m benchmarks.adam_bounds")
+    print("command: python -m benchmarks.experiments.adam_bounds")
     lines = []
     for name, ts in groups.items():
         r = analyse(ts)

@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python -m benchmarks.gc_deletes [--server seaweedfs|moto] [--objects 8000] [--rounds 2]
+    python -m benchmarks.experiments.gc_deletes [--server seaweedfs|moto] [--objects 8000] [--rounds 2]
 
 Starts the server (pinned to CPU 1, this process on CPU 0, as in
 ``benchmarks.run``), writes ``--objects`` 1 KiB objects under a prefix
@@ -17,7 +17,7 @@ Starts the server (pinned to CPU 1, this process on CPU 0, as in
   four ``DeleteObjects`` requests of 1000 keys in flight.
 
 Prints seconds per 1000 keys for each and what that makes of the 975,000
-packs and 990,000 segments the ``benchmarks.scale --gc-steps 1000`` plan
+packs and 990,000 segments the ``benchmarks.distributed.scale --gc-steps 1000`` plan
 deletes. Every delete is checked by listing the prefix afterwards.
 """
 
@@ -29,10 +29,10 @@ import time
 
 from ckptstore.storage import open_store
 
-from .common.measure import median
-from .common.pinning import Pinning
-from .common.report import env_line, git_commit
-from .common.servers import start_server
+from ..common.measure import median
+from ..common.pinning import Pinning
+from ..common.report import env_line, git_commit
+from ..common.servers import start_server
 
 BUCKET = "ckptgcdel"
 SCALE_DELETES = 975_000 + 990_000

@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python -m benchmarks.load_ab [--workload a] [--rounds 5] [--variant NAME:opt=val,...]
+    python -m benchmarks.experiments.load_ab [--workload a] [--rounds 5] [--variant NAME:opt=val,...]
 
 Starts SeaweedFS pinned to CPU 1 (this process on CPU 0 while it talks to
 the server, as in ``benchmarks.run``), saves the workload once with
@@ -26,13 +26,13 @@ import statistics
 
 import ckptstore
 
-from .common.measure import Timer
-from .common.pinning import Pinning
-from .common.report import command_line, env_line, git_commit
-from .common.servers import start_server
-from .common.verify import scrub, verify
-from .common.data import build_small_state_dict
-from .run import BUCKET, CkptSystem, S3tcSystem, data_a, data_b, optional_peers
+from ..common.measure import Timer
+from ..common.pinning import Pinning
+from ..common.report import command_line, env_line, git_commit
+from ..common.servers import start_server
+from ..common.systems import BUCKET, CkptSystem, S3tcSystem, optional_peers
+from ..common.verify import scrub, verify
+from ..common.workloads import build
 
 
 def _parse_variant(text: str) -> tuple[str, dict]:
@@ -57,15 +57,15 @@ class Variant(CkptSystem):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.load_ab", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.experiments.load_ab", description=__doc__.split("\n")[0])
     ap.add_argument("--workload", default="a", choices=("a", "e", "b"))
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:opt=val,...")
     ap.add_argument("--no-peer", action="store_true", help="skip s3torchconnector")
     a = ap.parse_args(argv)
-    print(f"command: {command_line('benchmarks.load_ab', argv)}")
+    print(f"command: {command_line('benchmarks.experiments.load_ab', argv)}")
     print(env_line() + f", commit {git_commit()}")
-    sd = {"a": lambda: data_a(1.0), "e": build_small_state_dict, "b": data_b}[a.workload]()
+    sd = build(a.workload)
     like = {k: v.clone() for k, v in sd.items()} if a.workload != "b" else None
     if like is None:
         import copy

@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python -m benchmarks.load_staged [--where s3|local] [--gib 1] [--rounds 3]
+    python -m benchmarks.experiments.load_staged [--where s3|local] [--gib 1] [--rounds 3]
 
 Saves workload a (``--gib`` of random fp32, as in ``benchmarks.run``) once,
 to SeaweedFS (pinned to CPU 1, this process on CPU 0, as in
@@ -36,12 +36,13 @@ import torch
 
 from ckptstore.reader import Checkpoint
 
-from .common.measure import RssSampler, rss_now
-from .common.pinning import pin
-from .common.report import command_line, git_commit
-from .common.servers import start_server
-from .common.verify import scrub, verify
-from .run import BUCKET, CkptSystem, data_a
+from ..common.measure import RssSampler, rss_now
+from ..common.pinning import pin
+from ..common.report import command_line, git_commit
+from ..common.servers import start_server
+from ..common.verify import scrub, verify
+from ..common.systems import BUCKET, CkptSystem
+from ..common.workloads import data_a
 
 MiB = 1 << 20
 
@@ -76,12 +77,12 @@ def run(system, args, want) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.load_staged", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.experiments.load_staged", description=__doc__.split("\n")[0])
     ap.add_argument("--where", default="s3", choices=("s3", "local"))
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
-    print(f"command: {command_line('benchmarks.load_staged', argv)}")
+    print(f"command: {command_line('benchmarks.experiments.load_staged', argv)}")
     print(f"commit {git_commit()}, {os.cpu_count()} CPUs, workload a {args.gib} GiB fp32 loaded into bf16, "
           f"{args.where}")
     sd = data_a(args.gib)

@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python -m benchmarks.load_stages [--workload a] [--rounds 3] [--timeline]
+    python -m benchmarks.experiments.load_stages [--workload a] [--rounds 3] [--timeline]
 
 Starts SeaweedFS pinned to CPU 1 (this process on CPU 0, as in
 ``benchmarks.run``), saves the workload once, then loads it ``--rounds``
@@ -35,13 +35,13 @@ import ckptstore
 from ckptstore.format import codec
 from ckptstore.storage import s3 as s3mod
 
-from .common.data import build_small_state_dict
-from .common.measure import proc_cpu
-from .common.pinning import Pinning
-from .common.report import command_line, env_line, git_commit
-from .common.servers import start_server
-from .common.verify import verify
-from .run import BUCKET, S3_PACK_SIZE, data_a, data_b
+from ..common.measure import proc_cpu
+from ..common.pinning import Pinning
+from ..common.report import command_line, env_line, git_commit
+from ..common.servers import start_server
+from ..common.systems import BUCKET, S3_PACK_SIZE
+from ..common.verify import verify
+from ..common.workloads import build
 
 _acc: collections.Counter = collections.Counter()
 _events: list[tuple[str, float, float]] = []
@@ -85,15 +85,15 @@ def _timeline(t0: float, end: float) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.load_stages", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.experiments.load_stages", description=__doc__.split("\n")[0])
     ap.add_argument("--workload", default="a", choices=("a", "e", "b"))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--timeline", action="store_true")
     a = ap.parse_args(argv)
-    print(f"command: {command_line('benchmarks.load_stages', argv)}")
+    print(f"command: {command_line('benchmarks.experiments.load_stages', argv)}")
     print(env_line() + f", commit {git_commit()}")
     _instrument()
-    sd = {"a": lambda: data_a(1.0), "e": build_small_state_dict, "b": data_b}[a.workload]()
+    sd = build(a.workload)
     import copy
 
     like = copy.deepcopy(sd)

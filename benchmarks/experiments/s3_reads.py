@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python -m benchmarks.s3_reads [--server seaweedfs] [--mib 512] [--rounds 3] [--threads 16]
+    python -m benchmarks.experiments.s3_reads [--server seaweedfs] [--mib 512] [--rounds 3] [--threads 16]
 
 Puts ``--mib`` of random bytes as 16 MiB objects, then reads them back as 8
 MiB ranges, ``--threads`` at once, three ways: ``get_ranges`` through an
@@ -30,8 +30,8 @@ import numpy as np
 
 from ckptstore.storage.s3 import S3Store
 
-from .common.pinning import pin
-from .common.servers import SERVERS, start_server
+from ..common.pinning import pin
+from ..common.servers import SERVERS, start_server
 
 OBJECT = 16 << 20
 RANGE = 8 << 20

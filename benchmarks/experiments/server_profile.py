@@ -2,13 +2,13 @@
 
 Run from the repository root::
 
-    python -m benchmarks.server_profile [--size-gib 1] [--rounds 3]
+    python -m benchmarks.experiments.server_profile [--size-gib 1] [--rounds 3]
         [--writers ckptstore,ckptstore-raw,s3torchconnector,dcp-fsspec,raw-put]
 
 Starts SeaweedFS with ``-debug`` (Go's pprof endpoints on a free loopback
 port), pinned to CPU 1, with this process on CPU 0 while it saves, as in
 ``benchmarks.run``. After one unmeasured save, each round saves workload a
-(``common.data.build_state_dict``, fp32 ``randn``) once per writer while
+(``common.workloads.build_state_dict``, fp32 ``randn``) once per writer while
 ``/debug/pprof/profile`` records the server for ``--window`` seconds:
 
 - ``ckptstore``: ``Repository.save`` with 64 MiB packs (``benchmarks.run``'s
@@ -37,13 +37,13 @@ import threading
 import time
 import urllib.request
 
-from .common.data import build_state_dict
-from .common.measure import GiB, Timer, median, median_sample
-from .common.pinning import Pinning
-from .common.pprof import Profile
-from .common.report import env_line, git_commit
-from .common.servers import seaweedfs
-from .run import BUCKET, CkptSystem, FsspecSystem, S3tcSystem, optional_peers, raw_put, settle_disk
+from ..common.measure import GiB, Timer, median, median_sample
+from ..common.pinning import Pinning
+from ..common.pprof import Profile
+from ..common.report import env_line, git_commit
+from ..common.servers import seaweedfs
+from ..common.systems import BUCKET, CkptSystem, FsspecSystem, S3tcSystem, optional_peers, raw_put, settle_disk
+from ..common.workloads import build_state_dict
 
 #: (bucket, substrings of Go function names), tried in order against each
 #: sample's frames from the leaf up: the first frame that matches any rule

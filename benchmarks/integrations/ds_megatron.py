@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python -m benchmarks.integrations_ds_megatron [--hidden 1024] [--layers 8] [--steps 5]
+    python -m benchmarks.integrations.ds_megatron [--hidden 1024] [--layers 8] [--steps 5]
                                                   [--stages 2,3] [--only ds|megatron] [--json OUT.json]
 
 Two CPU processes (gloo on 127.0.0.1) fine-tune a model whose first half of
@@ -296,7 +296,7 @@ def main(argv=None) -> int:
               f"{mib(r['stored_bytes']):>23}")
         if "new_bytes_per_step" in r:
             print(f"{'':<16} {'  new bytes per step':<28} " + ", ".join(mib(b) for b in r["new_bytes_per_step"]))
-    command = "python -m benchmarks.integrations_ds_megatron " + shlex.join(argv if argv is not None else sys.argv[1:])
+    command = "python -m benchmarks.integrations.ds_megatron " + shlex.join(argv if argv is not None else sys.argv[1:])
     print(f"\ncommand: {command.strip()}; load average at the end: {loadavg()}")
     if args.json:
         write_results(args.json, command.strip(), {"args": vars(args), "rows": rows})

@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python -m benchmarks.integrations_hf_lightning [--hidden 512] [--layers 8] [--steps 5] [--json OUT.json]
+    python -m benchmarks.integrations.hf_lightning [--hidden 512] [--layers 8] [--steps 5] [--json OUT.json]
 
 One GPT-2 model built from a config (no hub; ``--hidden``/``--layers``, fp32,
 dropout 0.1) is fine-tuned for ``--steps`` optimizer steps with its
@@ -43,9 +43,9 @@ import time
 
 import torch
 
-from .common.measure import Timer, dir_bytes, loadavg, median
-from .common.report import env_info, format_table, human, write_results
-from .common.verify import VerificationError, verify
+from ..common.measure import Timer, dir_bytes, loadavg, median
+from ..common.report import env_info, format_table, human, write_results
+from ..common.verify import VerificationError, verify
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -278,7 +278,7 @@ def main(argv=None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the temp folder (printed)")
     p.add_argument("--only", choices=["hf", "lightning"], help="run one stack")
     args = p.parse_args(argv)
-    command = "python -m benchmarks.integrations_hf_lightning " + shlex.join(argv if argv is not None else sys.argv[1:])
+    command = "python -m benchmarks.integrations.hf_lightning " + shlex.join(argv if argv is not None else sys.argv[1:])
     print(f"load average at start: {loadavg()}")
     tmp = tempfile.mkdtemp(prefix="ckpt-integ-bench-")
     try:

@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python -m benchmarks.fail_bounds [--mib 24]
+    python -m benchmarks.micro.fail_bounds [--mib 24]
 
 SeaweedFS (``ckptstore.testing.seaweedfs``) holds one saved step; a
 :class:`~ckptstore.testing.faultproxy.FaultProxy` sits in front. Two cases,
@@ -32,7 +32,7 @@ from ckptstore.errors import StorageError
 from ckptstore.testing.faultproxy import Fault, FaultProxy
 from ckptstore.testing.seaweedfs import SeaweedFS
 
-from .common.measure import Timer
+from ..common.measure import Timer
 
 BUCKET = "failbounds"
 

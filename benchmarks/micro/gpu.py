@@ -26,7 +26,7 @@ medians, and the ratios the issue names: ckptstore's save and load over
 DCP's, and the blocking part of an async save over a blocking save (target
 at most 0.1).
 
-    python -m benchmarks.gpu [--gib 4] [--device cuda:0] [--rounds 2] [--dir DIR] [--json PATH]
+    python -m benchmarks.micro.gpu [--gib 4] [--device cuda:0] [--rounds 2] [--dir DIR] [--json PATH]
 
 Without a CUDA device, ``--device cuda...`` prints ``skipped: no CUDA
 device`` and exits 0. ``--device cpu`` runs the same steps on CPU tensors
@@ -47,9 +47,9 @@ import torch
 
 import ckptstore
 
-from .common.report import git_commit, write_results
-from .common.verify import scrub, verify
-from .run import _dcp
+from ..common.report import git_commit, write_results
+from ..common.verify import scrub, verify
+from ..common.systems import quiet_dcp
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -80,7 +80,7 @@ def timed(fn, device) -> float:
 def dcp_round(sd, like, tmp, device, out: dict) -> None:
     from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
-    dcp = _dcp()
+    dcp = quiet_dcp()
     path = os.path.join(tmp, "dcp")
     try:
         out.setdefault("dcp-fs save", []).append(timed(lambda: dcp.save(sd, storage_writer=FileSystemWriter(path)),
@@ -180,7 +180,7 @@ def main(argv=None) -> int:
         like = {k: torch.empty_like(v) for k, v in sd.items()}
         nbytes = sum(t.numel() * t.element_size() for t in sd.values())
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-        print(f"# benchmarks.gpu: {len(sd)} tensors, {nbytes / GiB:.2f} GiB fp32 on {args.device} ({name}), "
+        print(f"# benchmarks.micro.gpu: {len(sd)} tensors, {nbytes / GiB:.2f} GiB fp32 on {args.device} ({name}), "
               f"{os.cpu_count()} CPUs, {args.rounds} rounds, into {tmp} (commit {git_commit()})", flush=True)
         out: dict[str, list] = {}
         for rnd in range(args.rounds):
@@ -199,7 +199,7 @@ def main(argv=None) -> int:
         for e in out.get("errors", []):
             print("error:", e)
         if args.json:
-            write_results(args.json, "python -m benchmarks.gpu " + " ".join(argv if argv is not None else sys.argv[1:]),
+            write_results(args.json, "python -m benchmarks.micro.gpu " + " ".join(argv if argv is not None else sys.argv[1:]),
                           {"device": args.device, "device_name": name, "bytes": nbytes, "rounds": out,
                            "medians": med, "ratios": rat})
     finally:

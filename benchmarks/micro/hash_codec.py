@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python -m benchmarks.hash_codec [--hash-mib 256] [--codec-mib 64] [--json OUT.json]
+    python -m benchmarks.micro.hash_codec [--hash-mib 256] [--codec-mib 64] [--json OUT.json]
 
 * Hashes: single-threaded throughput over ``--hash-mib`` MiB of random bytes,
   best of 3 (``hashlib.sha256``, ``blake3`` with ``max_threads=1``, which is
@@ -32,8 +32,8 @@ import numpy as np
 import torch
 import zstandard
 
-from .common.measure import GiB, MiB, best_of, loadavg
-from .common.report import command_line, format_table, write_results
+from ..common.measure import GiB, MiB, best_of, loadavg
+from ..common.report import command_line, format_table, write_results
 
 CHUNK = 4 * MiB
 
@@ -108,12 +108,12 @@ def table(head, rows) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.hash_codec", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.micro.hash_codec", description=__doc__.split("\n")[0])
     ap.add_argument("--hash-mib", type=int, default=256, help="random bytes hashed (default 256 MiB)")
     ap.add_argument("--codec-mib", type=int, default=64, help="tensor bytes compressed per dtype (default 64 MiB)")
     ap.add_argument("--json", metavar="OUT.json")
     args = ap.parse_args(argv)
-    command = command_line("benchmarks.hash_codec", argv)
+    command = command_line("benchmarks.micro.hash_codec", argv)
     print(f"command: {command}")
     print(f"python {platform.python_version()}, blake3 {getattr(blake3, '__version__', '?')}, "
           f"zstandard {zstandard.__version__} (libzstd {zstandard.ZSTD_VERSION}), {os.cpu_count()} CPUs, "

@@ -24,7 +24,7 @@ to the repository's read budget (half of ``max_inflight_bytes``); for
 ckptstore also the read budget's high-water mark. Every phase checks its
 parameters bit for bit against regenerated weights (after the timing).
 
-    nice -n 10 python -m benchmarks.load_module [--size-gib 2] [--budget-mib 512]
+    nice -n 10 python -m benchmarks.micro.load_module [--size-gib 2] [--budget-mib 512]
         [--device cpu] [--dir DIR] [--json docs/data/load_module_2gib.json]
 """
 
@@ -45,9 +45,9 @@ from torch import nn
 
 import ckptstore
 
-from .common.measure import RssSampler as Sampler
-from .common.measure import rss_now as rss
-from .common.report import write_results
+from ..common.measure import RssSampler as Sampler
+from ..common.measure import rss_now as rss
+from ..common.report import write_results
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -156,7 +156,7 @@ def main(argv=None) -> int:
     if args.phase:  # a child process: one measurement, JSON on stdout's last line
         print(json.dumps(measure(args, args.layers)))
         return 0
-    command = " ".join(shlex.quote(a) for a in [sys.executable, "-m", "benchmarks.load_module",
+    command = " ".join(shlex.quote(a) for a in [sys.executable, "-m", "benchmarks.micro.load_module",
                                                 *(argv if argv is not None else sys.argv[1:])])
     print("command:", command)
     tmp = None
@@ -171,7 +171,7 @@ def main(argv=None) -> int:
         print(f"read budget: {budget / MiB:.0f} MiB (max_inflight_bytes {args.budget_mib} MiB); device {args.device}")
         rows = []
         for phase in ("ckpt", "ckpt-cast", "torch-mmap"):
-            cmd = [sys.executable, "-m", "benchmarks.load_module", "--phase", phase, "--layers", str(prep["layers"]),
+            cmd = [sys.executable, "-m", "benchmarks.micro.load_module", "--phase", phase, "--layers", str(prep["layers"]),
                    "--hidden", str(args.hidden), "--budget-mib", str(args.budget_mib), "--device", args.device,
                    "--dir", args.dir]
             res = subprocess.run(cmd, check=True, capture_output=True, text=True)

@@ -6,7 +6,7 @@ process's resident set size every 5 ms. Reports the peak RSS above the level
 just before the save started, next to the configured ``max_inflight_bytes``
 budget; also for a load into preallocated tensors.
 
-    python -m benchmarks.peak_memory [--size-gib 4] [--budget-mib 512] [--url PATH]
+    python -m benchmarks.micro.peak_memory [--size-gib 4] [--budget-mib 512] [--url PATH]
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ import torch
 
 import ckptstore
 
-from .common.measure import MiB, RssSampler, rss_now
-from .common.report import command_line, write_results
-from .common.verify import bits_equal
+from ..common.measure import MiB, RssSampler, rss_now
+from ..common.report import command_line, write_results
+from ..common.verify import bits_equal
 
-# main's benchmarks/load_module.py and scale.py (written after this branch
+# main's benchmarks/micro/load_module.py and scale.py (written after this branch
 # forked) import these two names from here; they are the shared helpers.
 # Once they import from .common.measure, these aliases can go.
 
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     if tmp:
         shutil.rmtree(tmp, ignore_errors=True)
     logical = info.logical_bytes
-    command = command_line("benchmarks.peak_memory", argv)
+    command = command_line("benchmarks.micro.peak_memory", argv)
     print("command:", command)
     print(f"state dict {logical / 2**30:.2f} GiB in {len(sd)} tensors; budget max_inflight_bytes = {args.budget_mib} MiB")
     print(f"save: {save_s:.1f} s, peak RSS above the state dict: {save_extra / MiB:.0f} MiB")

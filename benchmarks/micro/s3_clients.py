@@ -39,8 +39,8 @@ import numpy as np
 
 from ckptstore.storage.s3 import S3Store
 
-from .common.pinning import pin
-from .common.servers import SERVERS, start_server
+from ..common.pinning import pin
+from ..common.servers import SERVERS, start_server
 
 OBJECT = 64 << 20
 RANGE = 8 << 20

@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python -m benchmarks.ab --lib before=/tmp/ckpt-main --lib after=. [--workloads a,e,b]
+    python -m benchmarks.tools.ab --lib before=/tmp/ckpt-main --lib after=. [--workloads a,e,b]
                             [--repeat 3] [--stages] [--json OUT]
 
 Each ``--lib NAME=PATH`` names a directory holding a ``ckptstore`` package
@@ -44,7 +44,7 @@ import time
 
 MiB = 1 << 20
 GiB = 1 << 30
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # ---------------------------------------------------------------- stage accounting (workers)
@@ -153,15 +153,11 @@ def build(wl: str, bfile: str | None):
     import torch
 
     sys.path.insert(0, ROOT)
-    from benchmarks.common.data import build_small_state_dict, build_state_dict
+    from benchmarks.common.workloads import build
 
-    if wl == "a":
-        return build_state_dict(1.0, seed=0)
-    if wl == "e":
-        return build_small_state_dict()
-    if wl == "b":
+    if wl == "b":  # built once by the parent (see main), so that every tree loads the same bytes
         return torch.load(bfile, weights_only=True)
-    raise ValueError(wl)
+    return build(wl, 1.0)
 
 
 def worker(lib: str, bfile: str | None, stages_on: bool) -> int:
@@ -296,7 +292,7 @@ def stage_table(r: dict, op: str, nbytes: int) -> list[str]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.ab", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.tools.ab", description=__doc__.split("\n")[0])
     ap.add_argument("--lib", action="append", default=[], metavar="NAME=PATH",
                     help="a library tree to measure (repeat; at least one)")
     ap.add_argument("--workloads", default="a,e,b", help="comma-separated subset of a,e,b")
@@ -321,7 +317,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, ROOT)
     from benchmarks.common.report import env_line
 
-    print(f"command: python -m benchmarks.ab {' '.join(argv if argv is not None else sys.argv[1:])}")
+    print(f"command: python -m benchmarks.tools.ab {' '.join(argv if argv is not None else sys.argv[1:])}")
     print(env_line() + f", load average at start {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     bfile = None
     tmpdir = tempfile.mkdtemp(prefix="ckpt-ab-b-", dir="/tmp")
@@ -329,7 +325,7 @@ def main(argv=None) -> int:
         if "b" in wls:
             import torch
 
-            from benchmarks.run import data_b
+            from benchmarks.common.workloads import data_b
 
             t0 = time.perf_counter()
             bfile = os.path.join(tmpdir, "b.pt")

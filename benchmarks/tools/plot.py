@@ -1,15 +1,15 @@
 """Charts for docs/performance.md from the benchmark JSON files.
 
-    .venv/bin/python -m benchmarks.plot [--data docs/data] [--out docs/img]
+    .venv/bin/python -m benchmarks.tools.plot [--data docs/data] [--out docs/img]
 
 Reads (any that is missing is skipped with a message):
 
 - ``save_load_1gib.json`` (``python -m benchmarks.save_load --json``)
   -> ``save_load_1gib.png``: save and load seconds per method, 1 GiB fp32.
-- ``dcp_compare_1gib.json`` (``python -m benchmarks.dcp_compare --json``)
+- ``dcp_compare_1gib.json`` (``python -m benchmarks.distributed.dcp_compare --json``)
   -> ``dcp_compare_1gib.png``: seconds per backend (save, re-save, load) and
   bytes stored, multi-rank DCP.
-- ``codec_real.json`` (``python -m benchmarks.codec_real --json``)
+- ``codec_real.json`` (``python -m benchmarks.micro.codec_real --json``)
   -> ``codec_real.png``: compression ratio of real weights and optimizer
   state, plain zstd against ckptstore's codec.
 
@@ -23,7 +23,7 @@ import json
 import os
 import sys
 
-from .common.measure import MiB
+from ..common.measure import MiB
 
 # One colour per kind of operation, used in every chart.
 C_SAVE = "#4C72B0"
@@ -39,7 +39,7 @@ def _import_pyplot():
         import matplotlib
     except ImportError:
         sys.stderr.write(
-            "benchmarks.plot needs matplotlib, which ckptstore does not depend on.\n"
+            "benchmarks.tools.plot needs matplotlib, which ckptstore does not depend on.\n"
             "Install it into the venv:  .venv/bin/pip install matplotlib\n"
         )
         raise SystemExit(2)
@@ -216,7 +216,7 @@ def plot_codec_real(plt, rows: list, out: str) -> str:
     ax.set_title("Compression of real weights (all-MiniLM-L6-v2) and AdamW state, 4 MiB chunks")
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, fontsize=8)
     ax.grid(axis="x", alpha=0.3)
-    fig.text(0.01, 0.01, "python -m benchmarks.codec_real; one thread", fontsize=7, color="#555555")
+    fig.text(0.01, 0.01, "python -m benchmarks.micro.codec_real; one thread", fontsize=7, color="#555555")
     fig.tight_layout(rect=(0, 0.03, 1, 1))
     path = os.path.join(out, "codec_real.png")
     fig.savefig(path, dpi=110)
@@ -225,7 +225,7 @@ def plot_codec_real(plt, rows: list, out: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.plot", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.tools.plot", description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", default=os.path.join("docs", "data"), help="folder of benchmark JSONs (default docs/data)")
     ap.add_argument("--out", default=os.path.join("docs", "img"), help="folder for the PNGs (default docs/img)")
     args = ap.parse_args(argv)

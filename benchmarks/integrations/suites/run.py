@@ -2,9 +2,9 @@
 
 ::
 
-    python -m benchmarks.suites.run deepspeed --src DS_CHECKOUT [--side both|stock|ckptstore] [-k EXPR]
-    python -m benchmarks.suites.run lightning --src PL_CHECKOUT ...
-    python -m benchmarks.suites.run compare OUT_DIR          # the table of a finished run
+    python -m benchmarks.integrations.suites.run deepspeed --src DS_CHECKOUT [--side both|stock|ckptstore] [-k EXPR]
+    python -m benchmarks.integrations.suites.run lightning --src PL_CHECKOUT ...
+    python -m benchmarks.integrations.suites.run compare OUT_DIR          # the table of a finished run
 
 ``--src`` is a checkout (or ``git archive``) of the framework's sources at
 the installed release; nothing of it is committed here (see README.md).
@@ -25,7 +25,7 @@ import time
 import xml.etree.ElementTree as ET
 
 BOOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "boot")
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 #: framework -> (folder to run pytest in, relative to --src; test paths; files left out; environment)
 SUITES = {

@@ -1,6 +1,6 @@
-"""Imported by every Python process of a framework-suite run (``benchmarks/suites``).
+"""Imported by every Python process of a framework-suite run (``benchmarks/integrations/suites``).
 
-``benchmarks.suites.run`` puts this folder first on ``PYTHONPATH``, so the
+``benchmarks.integrations.suites.run`` puts this folder first on ``PYTHONPATH``, so the
 pytest process and every worker it starts (DeepSpeed's forkserver pool,
 Lightning's ``ddp_spawn`` children) import it at start-up. It
 
