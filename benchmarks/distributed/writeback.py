@@ -17,7 +17,7 @@ nothing is deduplicated), times:
                  ``write_back=True``: the time the save blocks, then the time until
                  ``repo.flush()`` returns (the packs uploaded and the step committed)
 ``raw-put``      boto3 PUTs of the write-back step's stored bytes as 16 MiB objects
-                 (``benchmarks.run.raw_put``, 8 threads): the upload yardstick
+                 (``common.systems.raw_put``, 8 threads): the upload yardstick
 
 Issue 26's targets: the write-back save blocks at most 1.1x the local save;
 its commit follows within 1.1x the raw PUT time of the stored bytes. Every

@@ -1,6 +1,6 @@
 """How small can AdamW state get when every 4 MiB chunk is coded on its own?
 
-Splits each fp32 element of the AdamW state of ``codec_real.adam_state``
+Splits each fp32 element of the AdamW state of ``common.workloads.adam_state``
 (all-MiniLM-L6-v2 after five real AdamW steps) into the streams a
 per-chunk coder sees: the zero mask, and for non-zero elements the sign,
 the 8 exponent bits, the top 7 mantissa bits and the low 16 mantissa bits.

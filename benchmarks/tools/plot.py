@@ -4,7 +4,7 @@
 
 Reads (any that is missing is skipped with a message):
 
-- ``save_load_1gib.json`` (``python -m benchmarks.save_load --json``)
+- ``save_load_1gib.json`` (the retired ``benchmarks.save_load``; see docs/data/README.md)
   -> ``save_load_1gib.png``: save and load seconds per method, 1 GiB fp32.
 - ``dcp_compare_1gib.json`` (``python -m benchmarks.distributed.dcp_compare --json``)
   -> ``dcp_compare_1gib.png``: seconds per backend (save, re-save, load) and
