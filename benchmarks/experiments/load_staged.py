@@ -47,8 +47,10 @@ from ..common.workloads import data_a
 MiB = 1 << 20
 
 
-def copy_per_tensor(self, keys, dests):
-    """The reference: each tensor through a host copy of its own (``Checkpoint.read_into``)."""
+def copy_per_tensor(self, keys, dests, on_bytes=None):
+    """The reference: each tensor through a host copy of its own (``Checkpoint.read_into``).
+
+    ``on_bytes`` (progress, since ``eb6be3a``) is not reported: the loads here pass none."""
     self.repo.runtime.map_tensors(lambda k: self.read_into(k, dests[k]), keys)
 
 
