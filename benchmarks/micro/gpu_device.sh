@@ -7,7 +7,7 @@
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl zstandard==0.25.0 blake3==1.0.11
-# Then: run(command="bash benchmarks/gpu_device.sh", carry=[".whl"], timeout_s=420)
+# Then: run(command="bash benchmarks/micro/gpu_device.sh", carry=[".whl"], timeout_s=420)
 # Results come back under $OUT (tests.txt, gpu_4gib.txt, gpu_4gib.json).
 set -o pipefail
 OUT=${OUT:-/tmp/gpu-out}
