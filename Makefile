@@ -55,8 +55,10 @@ test-fast: setup
 demo: $(CORE_STAMP)
 	$(VENV)/bin/ckptstore demo
 
+# The suite's quick mode: every system on 256 MiB workloads, moto and SeaweedFS
+# (benchmarks/README.md; --full is the run docs/performance.md quotes).
 bench: setup
-	$(PY) -m benchmarks.save_load
+	$(PY) -m benchmarks.run --quick
 
 clean:
 	rm -rf $(VENV) $(NODE_DIR) .pytest_cache .hypothesis build *.egg-info

@@ -6,7 +6,7 @@ Run from the repository root::
 
 Workloads (``--quick`` / ``--full``):
 
-* ``a``: synthetic fp32 ``randn`` state dict (``common.data.build_state_dict``),
+* ``a``: synthetic fp32 ``randn`` state dict (``common.workloads.build_state_dict``),
   256 MiB / 1 GiB: one save, one load.
 * ``e``: the small checkpoint, 256 MiB of fp32 ``randn`` in 12 tensors (both
   modes): one save, one load.
@@ -37,363 +37,29 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import shutil
 import sys
 import tempfile
 import time
 import traceback
-import warnings
 from contextlib import ExitStack
 
 import torch
 
-import ckptstore
-
-from .common.data import build_small_state_dict, build_state_dict
-from .common.measure import MiB, Timer, dir_bytes, fsync_path, loadavg, median_sample
+from .common.measure import MiB, Timer, loadavg, median_sample
 from .common.pinning import Pinning
 from .common.report import command_line, env_line, format_table, git_commit, human, write_results
-from .common.servers import REGION, SERVERS, S3Server, aws_env, start_server
+from .common.servers import SERVERS, S3Server, start_server
+from .common.systems import (BUCKET, LOCAL_PEERS, OPTIONAL_PEERS, RAW_PUT_CONCURRENCY, RAW_PUT_OBJECT, S3_PACK_SIZE,
+                             S3_PEERS, CkptSystem, DcpFsSystem, FsspecSystem, RawPut, SafetensorsSystem, System,
+                             TorchSystem, optional_peers, raw_put, settle_disk)
 from .common.verify import VerificationError, nbytes, scrub, verify
-
-BUCKET = "ckptrun"
-S3_PACK_SIZE = 64 * MiB
-C_STEPS = 10
+from .common.workloads import C_STEPS, data_a, data_b, data_c, data_d, data_e, step_c
 
 PROFILES = {
     "quick": {"a_gib": 0.25, "c_mib": 64, "d_rows": 4096, "b": False},
     "full": {"a_gib": 1.0, "c_mib": 256, "d_rows": 8192, "b": True},
 }
-
-LOCAL_PEERS = ("torch", "safetensors", "dcp-fs", "dcp-fs-zstd")
-#: Peers on every S3 server: DCP through fsspec, and the optional ones
-#: (skipped with the reason printed when their package is not installed).
-S3_PEERS = ("dcp-fsspec", "s3torchconnector", "torchsnapshot")
-
-
-# ---------------------------------------------------------------- workloads' data
-def data_a(gib: float) -> dict:
-    return build_state_dict(gib, seed=0)
-
-
-def data_b() -> dict:
-    from .codec_real import adam_state, model_weights
-
-    w = model_weights()
-    sd = {f"fp32.{k}": v.contiguous() for k, v in w.items()}
-    sd.update({f"bf16.{k}": v.bfloat16().contiguous() for k, v in w.items()})
-    n = torch.get_num_threads()
-    adam = adam_state(w, steps=5)
-    torch.set_num_threads(n)
-    sd.update({f"adamw.{k}": v.contiguous() for k, v in adam.items()})
-    return sd
-
-
-def data_c(mib: int) -> tuple[dict, list[str]]:
-    """90% of the bytes in frozen 4 MiB matrices, 10% in 1 MiB trainable ones."""
-    g = torch.Generator().manual_seed(2)
-    n_frozen = max(1, round(0.9 * mib * MiB / (4 * MiB)))
-    n_train = max(1, round(0.1 * mib * MiB / MiB))
-    sd = {f"frozen.{i}.weight": torch.randn(1024, 1024, generator=g) for i in range(n_frozen)}
-    train = [f"adapter.{i}.weight" for i in range(n_train)]
-    for k in train:
-        sd[k] = torch.randn(256, 1024, generator=g)
-    return sd, train
-
-
-def step_c(sd: dict, train: list[str], step: int) -> None:
-    g = torch.Generator().manual_seed(1000 + step)
-    for k in train:
-        sd[k].add_(torch.randn(sd[k].shape, generator=g), alpha=1e-3)
-
-
-# ---------------------------------------------------------------- systems
-class System:
-    """save(sd, where, step) -> bytes written; load(where, step, like) -> dict."""
-
-    name = ""
-    server: S3Server | None = None
-
-    def location(self, wl: str) -> str: ...
-
-    @property
-    def remote(self) -> bool:
-        """Talks to an S3 server (its operations run on the client CPUs when pinned)."""
-        return self.server is not None
-
-
-class LocalSystem(System):
-    def __init__(self, name: str, tmp: str):
-        self.name = name
-        self.tmp = tmp
-
-    def location(self, wl):
-        return os.path.join(self.tmp, f"{wl}-{self.name}")
-
-    def stored(self, wl):
-        return dir_bytes(self.location(wl))
-
-    def cleanup(self, wl):
-        shutil.rmtree(self.location(wl), ignore_errors=True)
-
-
-class TorchSystem(LocalSystem):
-    def save(self, sd, wl, step):
-        os.makedirs(self.location(wl), exist_ok=True)
-        path = os.path.join(self.location(wl), f"step{step}.pt")
-        with open(path, "wb") as f:
-            torch.save(sd, f)
-            f.flush()
-            os.fsync(f.fileno())
-
-    def load(self, wl, step, like):
-        return torch.load(os.path.join(self.location(wl), f"step{step}.pt"), weights_only=True)
-
-
-class SafetensorsSystem(LocalSystem):
-    touch = True  # False in workload d: only the slice's pages are read
-
-    def save(self, sd, wl, step):
-        from safetensors.torch import save_file
-
-        os.makedirs(self.location(wl), exist_ok=True)
-        path = os.path.join(self.location(wl), f"step{step}.safetensors")
-        save_file(sd, path)
-        fsync_path(path)
-
-    def load(self, wl, step, like):
-        from safetensors.torch import load_file
-
-        out = load_file(os.path.join(self.location(wl), f"step{step}.safetensors"))
-        if self.touch:
-            # load_file maps the file: pages are read on first touch. Touch
-            # one byte per 4 KiB page so that the load row pays for the read.
-            for t in out.values():
-                b = t.reshape(-1).view(torch.uint8)
-                int(b[::4096].sum())
-        return out
-
-
-def _dcp():
-    import torch.distributed.checkpoint as dcp
-
-    warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-    warnings.filterwarnings("ignore", message=".*(process group|ProcessGroup).*")
-    return dcp
-
-
-class DcpFsSystem(LocalSystem):
-    def __init__(self, name, tmp, zstd: bool):
-        super().__init__(name, tmp)
-        self.zstd = zstd
-
-    def save(self, sd, wl, step):
-        from torch.distributed.checkpoint import FileSystemWriter
-
-        dcp = _dcp()
-        path = os.path.join(self.location(wl), f"step{step}")
-        if self.zstd:
-            from torch.distributed.checkpoint._extension import ZStandard
-
-            writer = FileSystemWriter(path, _extensions=[ZStandard()])
-        else:
-            writer = FileSystemWriter(path)  # sync_files=True: fsyncs
-        dcp.save(sd, storage_writer=writer)
-
-    def load(self, wl, step, like):
-        from torch.distributed.checkpoint import FileSystemReader
-
-        dcp = _dcp()
-        dcp.load(like, storage_reader=FileSystemReader(os.path.join(self.location(wl), f"step{step}")))
-        return like
-
-
-class FsspecSystem(System):
-    def __init__(self, server: S3Server):
-        self.server = server
-        self.name = f"dcp-fsspec-{server.name}"
-
-    def location(self, wl):
-        return f"fsspec-{wl}"
-
-    def save(self, sd, wl, step):
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
-        dcp = _dcp()
-        url = f"s3://{BUCKET}/{self.location(wl)}/step{step}"
-        dcp.save(sd, storage_writer=FsspecWriter(url, **self.server.storage_options()))
-
-    def load(self, wl, step, like):
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-        dcp = _dcp()
-        url = f"s3://{BUCKET}/{self.location(wl)}/step{step}"
-        dcp.load(like, storage_reader=FsspecReader(url, **self.server.storage_options()))
-        return like
-
-    def stored(self, wl):
-        return self.server.prefix_bytes(self.location(wl))
-
-    def cleanup(self, wl):
-        self.server.delete_prefix(self.location(wl))
-
-
-class S3PeerSystem(System):
-    """A peer on an S3 server: one checkpoint per step under ``<name>-<wl>/step<N>``."""
-
-    prefix = ""
-
-    def __init__(self, server: S3Server):
-        self.server = server
-        self.name = f"{self.prefix}-{server.name}"
-
-    def location(self, wl):
-        return f"{self.prefix}-{wl}"
-
-    def url(self, wl, step):
-        return f"s3://{BUCKET}/{self.location(wl)}/step{step}"
-
-    def stored(self, wl):
-        return self.server.prefix_bytes(self.location(wl))
-
-    def cleanup(self, wl):
-        self.server.delete_prefix(self.location(wl))
-
-
-class S3tcSystem(S3PeerSystem):
-    """s3torchconnector's DCP ``S3StorageWriter`` / ``S3StorageReader`` (AWS's CRT client), defaults
-    but for path-style addressing; its client finds the server through ``AWS_ENDPOINT_URL``."""
-
-    prefix = "s3torchconnector"
-
-    def _config(self):
-        from s3torchconnector import S3ClientConfig
-
-        return S3ClientConfig(force_path_style=True)
-
-    def save(self, sd, wl, step):
-        from s3torchconnector.dcp import S3StorageWriter
-
-        dcp = _dcp()
-        with aws_env(self.server):
-            dcp.save(sd, storage_writer=S3StorageWriter(REGION, self.url(wl, step), s3client_config=self._config()))
-
-    def load(self, wl, step, like):
-        from s3torchconnector.dcp import S3StorageReader
-
-        dcp = _dcp()
-        with aws_env(self.server):
-            dcp.load(like, storage_reader=S3StorageReader(REGION, self.url(wl, step), s3client_config=self._config()))
-        return like
-
-
-class TorchsnapshotSystem(S3PeerSystem):
-    """torchsnapshot's ``Snapshot.take`` / ``Snapshot.restore`` (in place) on ``s3://``; its S3 plugin
-    ignores storage options and finds the server through the ``AWS_*`` environment."""
-
-    prefix = "torchsnapshot"
-
-    def save(self, sd, wl, step):
-        from torchsnapshot import Snapshot, StateDict
-
-        with aws_env(self.server):
-            Snapshot.take(path=self.url(wl, step), app_state={"model": StateDict(**sd)})
-
-    def load(self, wl, step, like):
-        from torchsnapshot import Snapshot, StateDict
-
-        state = StateDict(**like)
-        with aws_env(self.server):
-            Snapshot(self.url(wl, step)).restore(app_state={"model": state})
-        if all(state[k] is v for k, v in like.items()):
-            return like
-        return dict(state)
-
-
-#: Optional peers: system class, the modules it needs, how to install them.
-OPTIONAL_PEERS = {
-    "s3torchconnector": (S3tcSystem, ("s3torchconnector", "s3torchconnector.dcp"), "make setup-bench"),
-    "torchsnapshot": (TorchsnapshotSystem, ("torchsnapshot",), "make setup-bench"),
-}
-
-
-def optional_peers() -> tuple[list[type], list[str]]:
-    """The optional peer classes that import here, and a line for each one that does not."""
-    import importlib
-
-    usable, skipped = [], []
-    for name, (cls, modules, how) in OPTIONAL_PEERS.items():
-        try:
-            for m in modules:
-                importlib.import_module(m)
-        except Exception as e:
-            skipped.append(f"{name}: skipped: {type(e).__name__}: {e} ({how})")
-            continue
-        usable.append(cls)
-    return usable, skipped
-
-
-class CkptSystem(System):
-    """ckptstore: one handle per save sequence; a fresh handle for every load."""
-
-    def __init__(self, tmp: str | None = None, server: S3Server | None = None, codec: str | None = None):
-        self.tmp, self.server = tmp, server
-        self.name = "ckptstore-local" if server is None else f"ckptstore-s3-{server.name}"
-        self.options = {} if server is None else {"pack_size": S3_PACK_SIZE}
-        self.suffix = ""
-        if codec is not None:
-            self.options["codec"] = codec
-            self.suffix = "-nocompress" if codec == "raw" else f"-{codec}"
-            self.name += self.suffix
-        self.so = None if server is None else server.storage_options()
-        self.repo = None
-        self.infos: list = []
-
-    def location(self, wl):
-        return os.path.join(self.tmp, f"{wl}-ckpt{self.suffix}") if self.server is None else f"ckpt-{wl}{self.suffix}"
-
-    def url(self, wl):
-        return self.location(wl) if self.server is None else f"s3://{BUCKET}/{self.location(wl)}"
-
-    def open(self, wl, count: bool = False):
-        if not count:
-            return ckptstore.open(self.url(wl), storage_options=self.so, **self.options)
-        from ckptstore.repository import Repository
-        from ckptstore.storage import open_store
-        from ckptstore.storage.wrappers import CountingStore
-
-        return Repository(CountingStore(open_store(self.url(wl), self.so)), **self.options)
-
-    def save(self, sd, wl, step):
-        if self.repo is None:
-            self.repo = self.open(wl)
-            self.infos = []
-        self.infos.append(self.repo.save(sd, step=step))
-        return self.infos[-1].uploaded_bytes
-
-    def end_saves(self):
-        if self.repo is not None:
-            self.repo.close()
-            self.repo = None
-
-    def load(self, wl, step, like):
-        # In place, like DCP's loads (same work: no fresh 1 GiB to fault in).
-        with self.open(wl) as repo:
-            repo.load(step, into=like)
-        return like
-
-    def stored(self, wl):
-        if self.server is None:
-            return dir_bytes(self.location(wl))
-        return self.server.prefix_bytes(self.location(wl))
-
-    def cleanup(self, wl):
-        self.end_saves()
-        if self.server is None:
-            shutil.rmtree(self.location(wl), ignore_errors=True)
-        else:
-            self.server.delete_prefix(self.location(wl))
 
 
 # ---------------------------------------------------------------- the run
@@ -437,16 +103,6 @@ def ckpt_note(infos) -> str:
 
 #: An operation whose first run took longer than this is not repeated.
 REPEAT_LIMIT_S = 30.0
-
-
-def settle_disk() -> None:
-    """Write out every dirty page before a timed save (``os.sync``, outside the timing).
-
-    Otherwise a save pays for the write-back of what the row before it
-    wrote (a 1 GiB DCP directory, a server's volume files), and which
-    system follows which decides part of its time.
-    """
-    os.sync()
 
 
 def bench_save_load(run: Run, wl: str, sd: dict, like: dict, systems: list[System], repeat: int = 1) -> None:
@@ -526,56 +182,6 @@ def bench_save_load(run: Run, wl: str, sd: dict, like: dict, systems: list[Syste
                 run.add(wl, RawPut(s.server), f"raw put x{conc}",
                         f"raw PUTs x{conc} of {human(rbytes)} ({RAW_PUT_OBJECT >> 20} MiB objects)", rtm, rbytes,
                         extra={**all_s(raws[(s.server.name, conc)]), "uploaded_bytes": rbytes})
-
-
-#: Threads for the raw-PUT yardstick (the best is taken; on a loopback
-#: server sharing two cores fewer threads are often faster).
-RAW_PUT_CONCURRENCY = (4, 16)
-RAW_PUT_OBJECT = 16 * MiB
-
-
-class RawPut:
-    """Row label for raw PUTs against one server."""
-
-    def __init__(self, server: S3Server):
-        self.server = server
-        self.name = f"raw-put-{server.name}"
-
-
-def raw_put(server: S3Server, nbytes: int, concurrency: int) -> Timer:
-    """PUT ``nbytes`` as 16 MiB objects from ``concurrency`` threads; returns the Timer.
-
-    One reused random buffer (no data preparation in the timed part); boto3
-    with the same integrity settings as ckptstore's S3 store (CRC32 header,
-    no SHA-256 payload signing), so the yardstick is as cheap as an upload
-    can be for this client.
-    """
-    import concurrent.futures as cf
-
-    import boto3
-    from botocore.config import Config
-
-    client = boto3.client("s3", endpoint_url=server.endpoint, region_name="us-east-1",
-                          aws_access_key_id=server.key, aws_secret_access_key=server.secret,
-                          config=Config(proxies={}, max_pool_connections=max(10, concurrency),
-                                        retries={"max_attempts": 1}, s3={"payload_signing_enabled": False}))
-    body = os.urandom(RAW_PUT_OBJECT)
-    sizes = [RAW_PUT_OBJECT] * (nbytes // RAW_PUT_OBJECT) + ([nbytes % RAW_PUT_OBJECT] if nbytes % RAW_PUT_OBJECT else [])
-    mv = memoryview(body)
-
-    def put(i):
-        client.put_object(Bucket=BUCKET, Key=f"rawput/{i}", Body=mv[: sizes[i]].tobytes()
-                          if sizes[i] != RAW_PUT_OBJECT else body)
-
-    try:
-        settle_disk()
-        with Timer(server.pid) as tm:
-            with cf.ThreadPoolExecutor(concurrency) as ex:
-                list(ex.map(put, range(len(sizes))))
-    finally:
-        server.delete_prefix("rawput")
-        client.close()
-    return tm
 
 
 def bench_sequence(run: Run, wl: str, sd0: dict, train: list[str], like: dict, systems: list[System]) -> None:
@@ -972,11 +578,11 @@ def main(argv=None) -> int:
                 t0 = time.perf_counter()
                 if wl == "a":
                     sd = data_a(prof["a_gib"])
-                    data_info["a"] = f"{len(sd)} fp32 randn tensors, {human(nbytes(sd))} (common.data.build_state_dict)"
+                    data_info["a"] = f"{len(sd)} fp32 randn tensors, {human(nbytes(sd))} (common.workloads.build_state_dict)"
                 elif wl == "e":
-                    sd = build_small_state_dict()
+                    sd = data_e()
                     data_info["e"] = (f"{len(sd)} fp32 randn tensors, {human(nbytes(sd))} (4 of 4096x2048, "
-                                      f"8 of 4096x1024; common.data.build_small_state_dict)")
+                                      f"8 of 4096x1024; common.workloads.build_small_state_dict)")
                 elif wl == "b":
                     try:
                         sd = data_b()
@@ -999,8 +605,7 @@ def main(argv=None) -> int:
                                       f"trainable 256x1024 tensors changed every step")
                 else:
                     n = prof["d_rows"]
-                    g = torch.Generator().manual_seed(3)
-                    sd = {"weight": torch.randn(n, n, generator=g)}
+                    sd = data_d(n)
                     data_info["d"] = (f"one fp32 {n}x{n} tensor ({human(nbytes(sd))}); read rows 0:{n // 16} "
                                       f"({human(nbytes(sd) // 16)})")
                 print(f"workload {wl}: {data_info[wl]} (built in {time.perf_counter() - t0:.1f} s)", flush=True)

@@ -217,7 +217,7 @@ class Checkpoint:
         # Half the read budget (reserved in it, so memory stays within the
         # budget). Each block is its own fetch: load_module's smaller default
         # (a quarter, at most 64 MiB) was slower than a host copy per tensor
-        # here; this is faster (benchmarks/load_staged.py, docs/performance.md).
+        # here; this is faster (benchmarks/experiments/load_staged.py, docs/performance.md).
         nbytes = self.repo.runtime.read_budget().limit // 2
         with make_staging(self, pin=pin, room=room, chunk=chunk, staging_bytes=nbytes) as staging:
             reader = TensorReader(self, staging)

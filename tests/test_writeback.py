@@ -380,7 +380,7 @@ def test_a_save_that_does_not_fit_waits_for_uploads_and_one_that_never_can_fails
 
 
 def test_write_back_saves_keep_the_tier_within_its_budget(tmp_path):
-    """Found by benchmarks/tier_soak.py: a write-back save's files are counted only once its step is
+    """Found by benchmarks/distributed/tier_soak.py: a write-back save's files are counted only once its step is
     committed, so room is made before it writes (they used to come on top of a full cache)."""
     from ckptstore.tier import tier_files
 

@@ -328,7 +328,7 @@ def _plane_compressor() -> zstandard.ZstdCompressor:
     # the Huffman-coded literals; a tiny hash table keeps it fast. Measured
     # on all-MiniLM-L6-v2's bf16 exponents in 2M-element chunks: 2.65
     # bits/element at ~790 MB/s (order-0 entropy 2.65), against 2.90 bits at
-    # ~300 MB/s for level 1 (benchmarks/codec_real.py).
+    # ~300 MB/s for level 1 (benchmarks/micro/codec_real.py).
     c = getattr(_tls, "plane", None)
     if c is None:
         params = zstandard.ZstdCompressionParameters(

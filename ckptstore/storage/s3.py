@@ -8,7 +8,7 @@ go through a threaded botocore client built from the same options
 (``_upload_client_spec``), because aiohttp on Python < 3.12.9 copies every
 body into fresh memory two or three times, which made the S3 transport the
 largest client CPU cost of a save after the codec, and of a load after
-decoding (8 MiB ranged GETs from SeaweedFS, ``benchmarks/s3_reads.py``:
+decoding (8 MiB ranged GETs from SeaweedFS, ``benchmarks/experiments/s3_reads.py``:
 0.95-1.0 client CPU-s per GiB through s3fs, 0.57-0.68 through the threaded
 client). Uploads
 send a CRC32 of the body that the server checks, and skip botocore's
