@@ -1,6 +1,6 @@
 """Metadata at scale: format 2.x roots and chunk-table segments against 1.0 manifests.
 
-    python -m benchmarks.scale [--sizes 100GB,1TB,10TB] [--fsdp] [--gc-steps 1000]
+    python -m benchmarks.distributed.scale [--sizes 100GB,1TB,10TB] [--fsdp] [--gc-steps 1000]
                                [--v1 100GB,1TB] [--json OUT]
 
 Drives the real save/commit/load/GC code with synthetic chunk hashes (no
@@ -396,7 +396,7 @@ def main(argv=None) -> int:
     names = [s for s in a.sizes.split(",") if s] + (["fsdp"] if a.fsdp else [])
     v1 = {s for s in a.v1.split(",") if s}
     rows = []
-    print(f"command: python -m benchmarks.scale {' '.join(argv if argv is not None else sys.argv[1:])}")
+    print(f"command: python -m benchmarks.distributed.scale {' '.join(argv if argv is not None else sys.argv[1:])}")
     for name in names:
         layout = Layout(name)
         store = CountingStore(MemoryStore())
