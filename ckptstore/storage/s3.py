@@ -1,61 +1,63 @@
-"""Amazon S3 (and S3-compatible services) through s3fs.
+"""Amazon S3 (and S3-compatible services) through obstore; multipart uploads through botocore.
 
-Requests go through ``S3FileSystem._call_s3`` / ``call_s3``, s3fs's wrapper
-around one aiobotocore client running on fsspec's I/O loop (safe to call
-from many threads at once), except those carrying a body (``PutObject``,
-``UploadPart``) and ranged reads of data (:meth:`S3Store.get_ranges`): they
-go through a threaded botocore client built from the same options
-(``_upload_client_spec``), because aiohttp on Python < 3.12.9 copies every
-body into fresh memory two or three times, which made the S3 transport the
-largest client CPU cost of a save after the codec, and of a load after
-decoding (8 MiB ranged GETs from SeaweedFS, ``benchmarks/s3_reads.py``:
-0.95-1.0 client CPU-s per GiB through s3fs, 0.57-0.68 through the threaded
-client). Uploads
-send a CRC32 of the body that the server checks, and skip botocore's
-SHA-256 payload signature (see ``S3Store.__init__``).
+Every request but those of multipart uploads goes through obstore (the
+Python bindings of the Rust ``object_store`` crate): get, ranged reads
+(streamed into the caller's buffer), head, list, put, the conditional create
+of :meth:`S3Store.put_if_absent` (``If-None-Match: *``), delete and
+``DeleteObjects``. It was chosen by measurement (``benchmarks/s3_clients.py``,
+``docs/performance.md``, "One S3 client"): about half botocore's client CPU
+per GiB on PUTs and ranged GETs; the loader's streamed reads, which botocore
+read straight from the socket into the buffer, cost more (the figures are
+there). obstore exposes no explicit multipart
+parts (only its own streamed uploads) and cannot list or abort unfinished
+uploads, which GC must do for crashed savers; so :meth:`S3Store.create_multipart`,
+:meth:`S3Store.list_multipart` and :meth:`S3Store.abort_multipart` use a
+botocore client built lazily from the same options, and nothing else does.
+Part bodies carry a CRC32 the server checks and no SHA-256 payload signature
+(botocore's default over HTTPS; over plain HTTP it would hash every body);
+obstore PUTs are sent with ``UNSIGNED-PAYLOAD`` likewise (the loader checks
+every chunk's hash). ``config_kwargs={"s3": {"payload_signing_enabled":
+True}}`` signs both.
 
-s3fs translates ``ClientError`` into built-in exceptions and keeps the
-original as ``__cause__``; :func:`classify_error` looks at that S3 error code
-(not at the built-in type, which depends on the s3fs version and on whether
-the server sent a ``Condition`` field) to pick the ckptstore exception.
+``storage_options`` keep s3fs's names (:data:`OPTIONS`): ``key``, ``secret``,
+``token``, ``anon``, ``profile``, ``endpoint_url``, ``region_name``,
+``client_kwargs``, ``config_kwargs``, ``connect_timeout``, ``read_timeout``,
+``requester_pays`` and a few more; any other key raises ``ValueError``
+naming it (a typo never passes silently). Credentials: explicit ones, else
+botocore's chain (environment, ``profile`` / ``AWS_PROFILE`` and
+``~/.aws``, SSO, instance roles) through obstore's ``credential_provider``,
+else obstore's own environment chain.
 
 Retries and timeouts, so that no request waits forever and a dead server
 fails in bounded time: every request has a connect timeout
-(:data:`CONNECT_TIMEOUT`) and a read timeout (:data:`READ_TIMEOUT`, the
-longest wait for the next bytes of an answer or for the server to take more
-of a body), the threaded upload client included; botocore tries a request
-at most 3 times (:data:`BOTOCORE_RETRIES`, standard mode: 5xx, throttling,
-connection errors and timeouts, backoff at most 1 s then 2 s); s3fs's own retry loop around
-botocore's (``S3FileSystem.retries``, 5 by default, multiplying botocore's)
-is set to one attempt. Each of these is a storage option
-(``connect_timeout``, ``read_timeout``, ``config_kwargs={"retries": {...}}``).
-The errors left over are classified as transient or permanent for
-ckptstore's retry wrapper (:class:`~ckptstore.storage.retry.RetryStore`),
-the one layer with a bound on total time. Before these defaults botocore's
-legacy mode (5 attempts, backoff up to 8 s) under s3fs made one call against
-a killed server take up to ~15 s, and a load then failed after 77-95 s.
+(:data:`CONNECT_TIMEOUT`), a read timeout (:data:`READ_TIMEOUT`: the
+longest wait for the next bytes of an answer) and an overall limit
+(:data:`REQUEST_TIMEOUT`, for a body the server stops taking); obstore tries
+a request at most :data:`TRIES` times (5xx, connection errors, timeouts of
+safe requests; backoff at most 2 s) within :data:`RETRY_TIMEOUT`, botocore
+likewise (standard mode). A conditional create goes through a second
+obstore client that never retries: an attempt that landed with its answer
+lost would otherwise come back as "already exists" from obstore's own
+retry, where ckptstore's :class:`~ckptstore.storage.retry.RetryStore` (the
+one layer with a bound on total time) knows to read the object back and
+accept it if identical. What is left is classified as transient or
+permanent (:func:`classify_error`, by the S3 error code and HTTP status in
+the reply, or the kind of transport failure).
 
-Stores that bring explicit credentials share one process-wide botocore
-session, so opening a store does not reload the S3 service model each time,
-and stores with exactly the same options (credentials, endpoint, every
-client setting) share their clients too (:class:`_SharedClients`): a fresh
-repository handle on the same bucket reuses the warm connections of the
-previous one instead of paying a new client and new TCP connections on its
-first requests. Stores whose credentials come from the environment chain
-never share (the same rule as for the session).
+obstore runs one tokio runtime per process, which does not survive
+``fork``: a process forked from one that used this module (DataLoader
+workers, ``multiprocessing``'s fork start method) gets a
+:class:`~ckptstore.errors.CkptStoreError` on first use instead of a hang.
 """
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures as cf
-import collections
-import hashlib
-import json
+import datetime
 import os
 import re
+import socket
 import threading
-import weakref
 from typing import Iterator, Sequence
 
 from ..errors import (
@@ -76,40 +78,22 @@ from .base import (
     check_key,
     check_range_reply,
     check_ranges,
-    each_limited,
-    gather_limited,
 )
 
-#: Keys per ``DeleteObjects`` request (S3's limit) and such requests in flight at once.
+#: Keys per ``DeleteObjects`` request (S3's limit).
 DELETE_BATCH = 1000
-DELETE_REQUESTS = 4
 
 #: S3 error codes that are worth retrying: throttling, server-side failures,
 #: and conflicting concurrent conditional writes (S3 answers those with 409
 #: ConditionalRequestConflict and asks the client to retry).
 TRANSIENT_CODES = frozenset(
     {
-        "SlowDown",
-        "InternalError",
-        "ServiceUnavailable",
-        "RequestTimeout",
-        "RequestTimeoutException",
-        "Throttling",
-        "ThrottlingException",
-        "ThrottledException",
-        "TooManyRequests",
-        "TooManyRequestsException",
-        "RequestLimitExceeded",
-        "RequestThrottled",
-        "BandwidthLimitExceeded",
-        "OperationAborted",
-        "ConditionalRequestConflict",
-        "InternalServerError",
-        "BadGateway",
-        "GatewayTimeout",
+        "SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout", "RequestTimeoutException",
+        "Throttling", "ThrottlingException", "ThrottledException", "TooManyRequests", "TooManyRequestsException",
+        "RequestLimitExceeded", "RequestThrottled", "BandwidthLimitExceeded", "OperationAborted",
+        "ConditionalRequestConflict", "InternalServerError", "BadGateway", "GatewayTimeout",
         # The body arrived damaged (its checksum did not match): send again.
-        "BadDigest",
-        "XAmzContentSHA256Mismatch",
+        "BadDigest", "XAmzContentSHA256Mismatch",
     }
 )
 
@@ -120,46 +104,111 @@ TRANSIENT_CODES = frozenset(
 #: missing object would make an empty repository out of it.
 NOT_FOUND_CODES = frozenset({"NoSuchKey", "NoSuchUpload", "404", "NotFound"})
 
-#: Seconds to wait for a TCP connection (s3fs's default, applied to uploads too).
+#: Seconds to wait for a TCP connection.
 CONNECT_TIMEOUT = 5.0
-#: Seconds without progress on a request before it fails (s3fs's default,
-#: applied to uploads too; botocore's own default is 60).
+#: Seconds without a byte of an answer before a request fails.
 READ_TIMEOUT = 15.0
-#: botocore's tries of one request, the first included (botocore's
-#: ``max_attempts`` counts retries only: ``{"max_attempts": 2}`` is 3 tries).
-BOTOCORE_RETRIES = {"mode": "standard", "total_max_attempts": 3}
-#: s3fs's attempts around each botocore call.
-S3FS_ATTEMPTS = 1
+#: Seconds one request may take in all (obstore), for a body the server stops taking.
+REQUEST_TIMEOUT = 300.0
+#: Tries of one request, the first included (obstore and botocore).
+TRIES = 3
+#: Seconds after a request's first try past which obstore starts no other.
+RETRY_TIMEOUT = 60.0
+
+#: The storage options understood, by where they go (s3fs's names).
+OPTIONS = frozenset({"key", "secret", "token", "username", "password", "anon", "profile", "endpoint_url",
+                     "region_name", "client_kwargs", "config_kwargs", "connect_timeout", "read_timeout",
+                     "request_timeout", "requester_pays", "use_ssl"})
+#: s3fs options about its own caches: accepted and ignored (this store has no cache).
+IGNORED_OPTIONS = frozenset({"skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths",
+                             "default_block_size", "default_fill_cache", "default_cache_type", "cache_regions"})
+CLIENT_KWARGS = frozenset({"endpoint_url", "region_name", "verify", "use_ssl", "aws_access_key_id",
+                           "aws_secret_access_key", "aws_session_token"})
+CONFIG_KWARGS = frozenset({"proxies", "retries", "connect_timeout", "read_timeout", "max_pool_connections", "s3",
+                           "request_checksum_calculation", "user_agent_extra"})
+S3_CONFIG = frozenset({"addressing_style", "payload_signing_enabled"})
+
+
+# ------------------------------------------------------------------ fork guard
+_PID: int | None = None  # the process that first used obstore through this module
+
+
+def _check_fork(where: str) -> None:
+    """Raise in a process forked from one whose obstore runtime is running (it would hang)."""
+    global _PID
+    pid = os.getpid()
+    if _PID is None:
+        _PID = pid
+    elif _PID != pid:
+        raise CkptStoreError(
+            f"{where}: S3 used in a process forked from one that already used S3 (pid {_PID}); obstore's "
+            "runtime does not survive fork. Open the repository in a spawn-started process "
+            "(multiprocessing.get_context('spawn'), DataLoader(multiprocessing_context='spawn')), or only "
+            "in the children")
+
+
+# ------------------------------------------------------------------ errors
+_STATUS = re.compile(r"status code: (\d{3})")
+_CODE = re.compile(r"<Code>([^<]{1,80})</Code>")
+_MESSAGE = re.compile(r"<Message>([^<]*)</Message>")
+_NETWORK_KIND = re.compile(r"kind: (Connect|Request|Timeout|Interrupted|Decode|Body)\b|HTTP error|error decoding")
+_DNS = re.compile(r"dns error.*?failed to lookup address information: ([^\"\n]*)", re.S)
+_URL_HOST = re.compile(r"https?://([^/:\s]+)")
 
 
 def _client_error(exc: BaseException):
     """The botocore ``ClientError`` behind ``exc`` (itself or a cause), or None."""
-    from botocore.exceptions import ClientError
+    types = optional_types("botocore.exceptions:ClientError")
+    return in_chain(exc, lambda e: e if types and isinstance(e, types) else None)
 
-    return in_chain(exc, lambda e: e if isinstance(e, ClientError) else None)
+
+def _obstore_error(exc: BaseException) -> bool:
+    return type(exc).__module__.startswith("obstore") or "Error performing" in str(exc)
 
 
 def error_code(exc: BaseException) -> tuple[str, int | None, str]:
     """``(code, http_status, message)`` of the S3 error behind ``exc``; ``("", None, "")`` if none."""
     ce = _client_error(exc)
-    if ce is None:
+    if ce is not None:
+        resp = getattr(ce, "response", None) or {}
+        err = resp.get("Error") or {}
+        status = (resp.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+        return str(err.get("Code") or ""), status, str(err.get("Message") or "")
+    if not _obstore_error(exc):
         return "", None, ""
-    resp = getattr(ce, "response", None) or {}
-    err = resp.get("Error") or {}
-    status = (resp.get("ResponseMetadata") or {}).get("HTTPStatusCode")
-    return str(err.get("Code") or ""), status, str(err.get("Message") or "")
+    text = str(exc)
+    status = _STATUS.search(text)
+    code = _CODE.search(text)
+    message = _MESSAGE.search(text)
+    return (code.group(1) if code else "", int(status.group(1)) if status else None,
+            message.group(1) if message else "")
 
 
 def _is_connection_error(exc: BaseException) -> bool:
     """Network-level failures (resets, timeouts, truncated bodies): retryable."""
+    if _obstore_error(exc) and _NETWORK_KIND.search(str(exc)):
+        return True
     return is_network_error(exc, optional_types(
         "botocore.exceptions:ConnectionError", "botocore.exceptions:HTTPClientError",
         "botocore.exceptions:IncompleteReadError", "botocore.exceptions:ReadTimeoutError",
-        "botocore.exceptions:ResponseStreamingError", "aiohttp:ClientError"))
+        "botocore.exceptions:ResponseStreamingError"))
+
+
+def _unresolved(exc: BaseException, where: str, op: str):
+    found = host_not_resolved(exc, where, f"S3 {op}")
+    if found is not None or not _obstore_error(exc):
+        return found
+    m = _DNS.search(str(exc))
+    if m is None:
+        return None
+    reason = m.group(1).strip()
+    host = _URL_HOST.search(str(exc))
+    errno = socket.EAI_AGAIN if "emporar" in reason else socket.EAI_NONAME
+    return host_not_resolved(socket.gaierror(errno, reason), where, f"S3 {op}", host=host and host.group(1))
 
 
 def classify_error(exc: BaseException, where: str, op: str, exists_on_412: bool = False) -> Exception:
-    """Turn an exception from s3fs/botocore into a ckptstore exception.
+    """Turn an exception from obstore or botocore into a ckptstore exception.
 
     Parameters
     ----------
@@ -183,7 +232,7 @@ def classify_error(exc: BaseException, where: str, op: str, exists_on_412: bool 
     """
     if isinstance(exc, CkptStoreError):
         return exc
-    dns = host_not_resolved(exc, where, f"S3 {op}")
+    dns = _unresolved(exc, where, op)
     if dns is not None:
         return dns
     code, status, message = error_code(exc)
@@ -200,9 +249,9 @@ def classify_error(exc: BaseException, where: str, op: str, exists_on_412: bool 
         if code in TRANSIENT_CODES or (status is not None and (status >= 500 or status == 429)):
             return TransientStorageError(text)
         return StorageError(text)
-    # No S3 response: s3fs's own translation or a network failure.
-    detail = f"{type(exc).__name__}: {str(exc)[:MAX_MESSAGE]}"
-    if exists_on_412 and isinstance(exc, FileExistsError):
+    # No S3 reply: the first line of obstore's message (the rest is its debug dump).
+    detail = f"{type(exc).__name__}: {str(exc).splitlines()[0][:MAX_MESSAGE] if str(exc) else ''}"
+    if exists_on_412 and (isinstance(exc, FileExistsError) or type(exc).__name__ == "AlreadyExistsError"):
         return ObjectExistsError(f"{where}: object already exists (S3 {op})")
     if isinstance(exc, FileNotFoundError):
         return ObjectNotFoundError(f"{where}: no such object (S3 {op})")
@@ -211,290 +260,171 @@ def classify_error(exc: BaseException, where: str, op: str, exists_on_412: bool 
     return StorageError(f"{where}: S3 {op} failed: {detail}")
 
 
-def _errors_to_classify() -> tuple[type[BaseException], ...]:
-    return (OSError, asyncio.TimeoutError, *optional_types(
-        "botocore.exceptions:BotoCoreError", "botocore.exceptions:ClientError", "aiohttp:ClientError"))
+# ------------------------------------------------------------------ options
+def _seconds(value) -> float:
+    return float(value.total_seconds() if isinstance(value, datetime.timedelta) else value)
 
 
-_CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)")
+def _tries(retries: dict | None) -> int:
+    """Tries of a request from botocore's ``retries`` option (``max_attempts`` counts retries only)."""
+    retries = retries or {}
+    if "total_max_attempts" in retries:
+        return max(1, int(retries["total_max_attempts"]))
+    if "max_attempts" in retries:
+        return max(1, int(retries["max_attempts"]) + 1)
+    return TRIES
 
 
-def _total_size(content_range: str | None) -> int | None:
-    m = _CONTENT_RANGE.match(content_range or "")
-    if m is None or m.group(3) == "*":
-        return None
-    return int(m.group(3))
+class _Options:
+    """``storage_options`` (s3fs's names) checked and translated for obstore and botocore.
 
-
-def _copy_dicts(obj):
-    """``obj`` with every nested dict and list copied (other values as they are)."""
-    if isinstance(obj, dict):
-        return {k: _copy_dicts(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_copy_dicts(v) for v in obj]
-    return obj
-
-
-def _body(data):
-    # aiobotocore sends bytes and bytearray as they are; anything else
-    # (memoryview, numpy buffers) is copied once into bytes.
-    if isinstance(data, (bytes, bytearray)):
-        return data
-    return memoryview(data).cast("B").tobytes()
-
-
-_SESSIONS: dict[str, object] = {}
-_SESSION_LOCK = threading.Lock()
-#: S3FileSystem arguments that do not reach the botocore session; any other
-#: key is forwarded to ``AioSession`` (``profile``...) and needs its own.
-_FS_ARGS = frozenset(
-    {
-        "anon", "key", "secret", "token", "use_ssl", "client_kwargs", "requester_pays",
-        "default_block_size", "default_fill_cache", "default_cache_type", "version_aware",
-        "config_kwargs", "s3_additional_kwargs", "endpoint_url", "use_listings_cache",
-        "listings_expiry_time", "max_paths", "skip_instance_cache", "cache_regions",
-        "max_concurrency", "fixed_upload_size", "username",
-        "password", "connect_timeout", "read_timeout",
-    }
-)
-
-
-def _can_share_session(opts: dict) -> bool:
-    """Whether this store may use the process-wide botocore session.
-
-    A botocore session loads the S3 service model (tens of thousands of
-    objects, ~0.1 s) and caches credentials found through the environment
-    chain. Sharing it is safe only when the store brings its own credentials
-    (or none, anonymous) and no session-level option such as ``profile``.
-    """
-    if "session" in opts or set(opts) - _FS_ARGS:
-        return False
-    explicit = (opts.get("key") or opts.get("username")) and (opts.get("secret") or opts.get("password"))
-    return bool(explicit or opts.get("anon"))
-
-
-def _shared_session(kind: str = "aio"):
-    """The process-wide session: ``"aio"`` (aiobotocore, for s3fs) or ``"sync"`` (botocore, uploads)."""
-    with _SESSION_LOCK:
-        session = _SESSIONS.get(kind)
-        if session is None:
-            if kind == "aio":
-                import aiobotocore.session
-
-                session = aiobotocore.session.AioSession()
-            else:
-                import botocore.session
-
-                session = botocore.session.Session()
-            _SESSIONS[kind] = session
-        return session
-
-
-#: Idle shared clients kept open (least recently used ones beyond it are closed).
-SHARED_CLIENTS_IDLE = 8
-
-
-def _client_key(opts: dict, upload_client: bool = False) -> str | None:
-    """A digest of the exact client options when stores with them may share clients, else None.
-
-    Only options that are plain values (so that equal options mean equal
-    clients) and only stores allowed the shared session (explicit
-    credentials or anonymous): two stores share only when every option,
-    the credentials included, is the same (and whether uploads go through
-    a separate client, ``upload_client``).
-    """
-    if not _can_share_session(opts):
-        return None
-    try:
-        canon = json.dumps([opts, upload_client], sort_keys=True, allow_nan=False)
-    except (TypeError, ValueError):
-        return None
-    return hashlib.sha256(canon.encode()).hexdigest()
-
-
-class _SharedClients:
-    """Process-wide S3 clients (s3fs's file system object and the upload client), by :func:`_client_key`.
-
-    A store holds its entry while open (a count of users); entries nobody
-    holds stay open for the next store with the same options, at most
-    :data:`SHARED_CLIENTS_IDLE` of them (older idle ones are closed).
+    Raises ``ValueError`` naming any key not understood.
     """
 
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._entries: collections.OrderedDict[str, dict] = collections.OrderedDict()
+    def __init__(self, opts: dict, max_concurrency: int):
+        def refuse(unknown, where, known):
+            if unknown:
+                raise ValueError(f"S3 storage option(s) {sorted(unknown)}{where} not supported; "
+                                 f"supported: {sorted(known)}")
 
-    def forget(self) -> None:
-        """Drop every entry without closing it (in a forked child: the parent's
-        connections and event loop are not the child's to use or close)."""
-        self._lock = threading.Lock()
-        self._entries = collections.OrderedDict()
+        refuse(set(opts) - OPTIONS - IGNORED_OPTIONS, "", OPTIONS)
+        ck = dict(opts.get("client_kwargs") or {})
+        refuse(set(ck) - CLIENT_KWARGS, " in client_kwargs", CLIENT_KWARGS)
+        cfg = dict(opts.get("config_kwargs") or {})
+        refuse(set(cfg) - CONFIG_KWARGS, " in config_kwargs", CONFIG_KWARGS)
+        s3cfg = dict(cfg.get("s3") or {})
+        refuse(set(s3cfg) - S3_CONFIG, " in config_kwargs['s3']", S3_CONFIG)
+        self.key = opts.get("key") or opts.get("username") or ck.get("aws_access_key_id")
+        self.secret = opts.get("secret") or opts.get("password") or ck.get("aws_secret_access_key")
+        self.token = opts.get("token") or ck.get("aws_session_token")
+        self.anon = bool(opts.get("anon"))
+        self.profile = opts.get("profile")
+        # The environment's endpoint too (botocore reads it as well): obstore needs allow_http for it.
+        self.endpoint = opts.get("endpoint_url") or ck.get("endpoint_url") or next(
+            (os.environ[k] for k in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL") if os.environ.get(k)), None)
+        self.region = opts.get("region_name") or ck.get("region_name")
+        self.verify = ck.get("verify", True)
+        self.connect = _seconds(opts.get("connect_timeout") or cfg.get("connect_timeout") or CONNECT_TIMEOUT)
+        self.read = _seconds(opts.get("read_timeout") or cfg.get("read_timeout") or READ_TIMEOUT)
+        self.total = _seconds(opts.get("request_timeout") or REQUEST_TIMEOUT)
+        self.tries = _tries(cfg.get("retries"))
+        self.proxies = dict(cfg.get("proxies") or {})
+        self.pool = int(cfg.get("max_pool_connections") or max(10, max_concurrency))
+        self.path_style = s3cfg.get("addressing_style", "path" if self.endpoint else "auto") == "path"
+        self.sign_payload = bool(s3cfg.get("payload_signing_enabled")) or str(
+            cfg.get("request_checksum_calculation", "when_supported")).lower() == "when_required"
+        self.requester_pays = bool(opts.get("requester_pays"))
+        if self.endpoint and opts.get("use_ssl", ck.get("use_ssl", True)) is False:
+            self.endpoint = self.endpoint.replace("https://", "http://", 1)
+        #: Kept only to scrub them from error messages, never printed.
+        self.secrets = tuple(str(s) for s in (self.secret, self.token) if s)
 
-    def acquire(self, key: str, make_fs) -> dict:
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
-                entry = self._entries[key] = {"fs": make_fs(), "upload": None, "users": 0,
-                                              "lock": threading.Lock()}
-            self._entries.move_to_end(key)
-            entry["users"] += 1
-            idle = [k for k, e in self._entries.items() if e["users"] == 0]
-            evict = [self._entries.pop(k) for k in idle[: max(0, len(idle) - SHARED_CLIENTS_IDLE)]]
-        for e in evict:
-            _close_clients(e["fs"], e["upload"])
-        return entry
+    def obstore_store(self, bucket: str, retries: bool = True):
+        """An ``obstore.store.S3Store`` for ``bucket`` (``retries=False``: one try per call)."""
+        from obstore.store import S3Store as ObS3
 
-    def release(self, key: str) -> None:
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is not None and entry["users"] > 0:
-                entry["users"] -= 1
-
-    def clear(self) -> None:
-        """Close every idle shared client (tests; the next store opens new ones)."""
-        with self._lock:
-            idle = [k for k, e in self._entries.items() if e["users"] == 0]
-            evict = [self._entries.pop(k) for k in idle]
-        for e in evict:
-            _close_clients(e["fs"], e["upload"])
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-
-_SHARED = _SharedClients()
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_SHARED.forget)
-
-
-def _close_clients(fs, upload) -> None:
-    """Close an s3fs file system's client and an upload client (either may be None)."""
-    from fsspec.asyn import sync
-
-    if upload is not None:
-        try:
-            upload.close()
-        except Exception:
-            pass
-    creator = getattr(fs, "_s3creator", None) if fs is not None else None
-    if fs is None or getattr(fs, "_s3", None) is None or creator is None:
-        return
-    try:
-        sync(fs.loop, creator.__aexit__, None, None, None, timeout=10)
-    except Exception:
-        pass
-    fs._s3 = None
-
-
-#: ``client_kwargs`` keys botocore's ``create_client`` takes as they are.
-_CLIENT_ARGS = frozenset({"region_name", "endpoint_url", "verify", "use_ssl", "api_version",
-                          "aws_access_key_id", "aws_secret_access_key", "aws_session_token"})
-#: storage options that only steer s3fs's caches and file objects.
-_CACHE_ARGS = frozenset({"skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths",
-                         "default_block_size", "default_fill_cache", "default_cache_type", "version_aware",
-                         "fixed_upload_size", "cache_regions", "max_concurrency"})
-
-
-def _upload_client_spec(opts: dict) -> dict | None:
-    """How to build a plain (threaded) botocore client equivalent to s3fs's, or None.
-
-    Uploads go through it: aiohttp on Python < 3.12.9 copies every request
-    body two or three times into fresh memory (header join, ``data[n:]``,
-    transport buffer), where botocore's urllib3 connection hands the part
-    buffer to ``sendall`` as it is (the client CPU of both, measured:
-    ``docs/performance.md``, "Two figures the code's docstrings used to carry"). Options this
-    cannot reproduce exactly (a caller's own session, unknown keys) keep
-    uploads on s3fs.
-    """
-    if "session" in opts or set(opts) - (_FS_ARGS | _CACHE_ARGS | {"profile"}):
-        return None
-    ck = dict(opts.get("client_kwargs") or {})
-    if set(ck) - _CLIENT_ARGS:
-        return None
-    key = opts.get("key") or opts.get("username")
-    secret = opts.get("secret") or opts.get("password")
-    if key:
-        ck["aws_access_key_id"] = key
-    if secret:
-        ck["aws_secret_access_key"] = secret
-    if opts.get("token"):
-        ck["aws_session_token"] = opts["token"]
-    if opts.get("endpoint_url"):
-        ck["endpoint_url"] = opts["endpoint_url"]
-    if "use_ssl" in opts:
-        ck["use_ssl"] = opts["use_ssl"]
-    config = dict(opts.get("config_kwargs") or {})
-    for k in ("connect_timeout", "read_timeout"):
-        if opts.get(k) is not None:
-            config.setdefault(k, opts[k])
-    extra = dict(opts.get("s3_additional_kwargs") or {})
-    if opts.get("requester_pays"):
-        extra["RequestPayer"] = "requester"
-    return {"client": ck, "config": config, "anon": bool(opts.get("anon")), "profile": opts.get("profile"),
-            "share": _can_share_session(opts), "extra": extra}
-
-
-def _make_upload_client(spec: dict):
-    import botocore.session
-    from botocore import UNSIGNED
-    from botocore.config import Config
-
-    config = dict(spec["config"])
-    if spec["anon"]:
-        config["signature_version"] = UNSIGNED
-    # The same sharing rule as s3fs's session: a session caches credentials
-    # found through the environment chain, so only stores that bring their
-    # own (or none) share one.
-    if spec["share"]:
-        session = _shared_session("sync")
-    else:
-        session = botocore.session.Session(profile=spec["profile"])
-    with _SESSION_LOCK:  # botocore's create_client is not thread-safe on one session
-        return session.create_client("s3", config=Config(**config), **spec["client"])
-
-
-def _stream_body(body, mv: memoryview, progress) -> tuple[int, bool]:
-    """Read a botocore ``StreamingBody`` into ``mv`` piece by piece.
-
-    Straight into ``mv`` through the ``http.client`` response under urllib3's
-    (one copy, from the socket), when the body is a plain length-delimited
-    one; otherwise through ``body.read`` (a copy more). Returns ``(bytes
-    read, at end)``: at end, the body held exactly ``len(mv)`` bytes and its
-    connection went back to the pool; otherwise the caller closes it. (A
-    botocore response-checksum wrapper would be bypassed too; S3 sends no
-    checksum for ranged GETs, and the loader checks every chunk's BLAKE3.)
-    """
-    raw = getattr(body, "_raw_stream", None)
-    fp = getattr(raw, "_fp", None)
-    direct = (fp is not None and hasattr(fp, "readinto") and hasattr(fp, "isclosed")
-              and hasattr(raw, "release_conn") and not getattr(fp, "chunked", False)
-              and not (raw.headers or {}).get("content-encoding"))
-    n, got = len(mv), 0
-    while got < n:
-        piece = mv[got : min(n, got + READ_PIECE)]
-        if direct:
-            k = fp.readinto(piece)
+        config: dict = {"unsigned_payload": not self.sign_payload}
+        if self.endpoint:
+            config["endpoint"] = self.endpoint
+        if self.region:
+            config["region"] = self.region
+        if self.path_style:
+            config["virtual_hosted_style_request"] = False
+        if self.requester_pays:
+            config["request_payer"] = True
+        provider = None
+        if self.anon:
+            config["skip_signature"] = True
+        elif self.key and self.secret:
+            config.update(access_key_id=self.key, secret_access_key=self.secret)
+            if self.token:
+                config["session_token"] = self.token
         else:
-            data = body.read(len(piece))
-            k = len(data)
-            piece[:k] = data
-        if not k:
-            return got, False
-        got += k
-        if progress is not None:
-            progress(got)
-    if direct:
-        if not fp.isclosed():  # more than Content-Length said, or no length
-            return got, False
-        raw.release_conn()
-        return got, True
-    return got, not body.read(1)
+            provider = _botocore_credentials(self.profile)
+            if provider is not None and not self.region and provider.region:
+                config["region"] = provider.region
+        client = {"connect_timeout": datetime.timedelta(seconds=self.connect),
+                  "read_timeout": datetime.timedelta(seconds=self.read),
+                  "timeout": datetime.timedelta(seconds=self.total),
+                  "pool_max_idle_per_host": str(self.pool),
+                  "allow_http": bool(self.endpoint and self.endpoint.startswith("http://"))}
+        if self.verify is False:
+            client["allow_invalid_certificates"] = True
+        proxy = self.proxies.get("https" if not client["allow_http"] else "http")
+        if proxy:
+            client["proxy_url"] = proxy
+        retry = {"max_retries": self.tries - 1 if retries else 0,
+                 "retry_timeout": datetime.timedelta(seconds=RETRY_TIMEOUT),
+                 "backoff": {"init_backoff": datetime.timedelta(seconds=0.5),
+                             "max_backoff": datetime.timedelta(seconds=2), "base": 2}}
+        return ObS3(bucket, config=config, client_options=client, retry_config=retry,
+                    credential_provider=provider)
+
+    def botocore_client(self):
+        """A threaded botocore client with the same options (multipart uploads only)."""
+        import botocore.session
+        from botocore import UNSIGNED
+        from botocore.config import Config
+
+        config = {"connect_timeout": self.connect, "read_timeout": self.read,
+                  "retries": {"mode": "standard", "total_max_attempts": self.tries},
+                  "max_pool_connections": self.pool, "proxies": self.proxies,
+                  "s3": {"addressing_style": "path" if self.path_style else "auto",
+                         "payload_signing_enabled": self.sign_payload}}
+        if self.anon:
+            config["signature_version"] = UNSIGNED
+        kwargs = {"endpoint_url": self.endpoint, "region_name": self.region, "verify": self.verify}
+        if self.key and self.secret:
+            kwargs.update(aws_access_key_id=self.key, aws_secret_access_key=self.secret,
+                          aws_session_token=self.token)
+        with _SESSION_LOCK:  # create_client is not thread-safe on one session
+            if self.anon or (self.key and self.secret and not self.profile):
+                # Loading the S3 service model costs ~0.1 s: stores that bring
+                # their own credentials share one session (a session caches
+                # credentials found through the chain: the others never share).
+                session = _SESSION.get("shared") or _SESSION.setdefault("shared", botocore.session.Session())
+            else:
+                session = botocore.session.Session(profile=self.profile)
+            return session.create_client("s3", config=Config(**config), **kwargs)
 
 
+_SESSION_LOCK = threading.Lock()
+_SESSION: dict[str, object] = {}
+
+
+class _BotocoreCredentials:
+    """obstore's ``credential_provider`` over botocore's chain (``~/.aws``, profiles, SSO, roles)."""
+
+    def __init__(self, creds, region: str | None):
+        self.creds = creds
+        self.region = region
+
+    def __call__(self) -> dict:
+        frozen = self.creds.get_frozen_credentials()  # refreshes temporary credentials when due
+        expires = None
+        if hasattr(self.creds, "refresh_needed"):
+            expires = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(minutes=5)
+        return {"access_key_id": frozen.access_key, "secret_access_key": frozen.secret_key,
+                "token": frozen.token, "expires_at": expires}
+
+
+def _botocore_credentials(profile: str | None) -> _BotocoreCredentials | None:
+    """botocore's credentials for ``profile`` (None: the default chain), or None where there are none."""
+    try:
+        import botocore.session
+    except ImportError:
+        if profile:
+            raise ImportError("the S3 option 'profile' needs botocore: pip install 'ckptstore[s3]'") from None
+        return None
+    session = botocore.session.Session(profile=profile)
+    creds = session.get_credentials()
+    if creds is None:
+        return None
+    return _BotocoreCredentials(creds, session.get_config_variable("region"))
+
+
+# ------------------------------------------------------------------ the store
 class S3Store(ObjectStore):
-    mtime_resolution = 1.0  # Last-Modified has whole seconds
-    remote = True
-
     """Objects under ``s3://bucket/prefix``.
 
     Parameters
@@ -502,25 +432,20 @@ class S3Store(ObjectStore):
     path:
         ``"bucket"`` or ``"bucket/prefix"`` (an ``s3://`` scheme is accepted).
     storage_options:
-        Passed to :class:`s3fs.S3FileSystem` (``key``, ``secret``, ``token``,
-        ``endpoint_url``, ``client_kwargs``, ``config_kwargs``, ``profile``...).
-        Instance and listing caches are always disabled so that no stale
-        cache hides an object.
+        s3fs's names (module docstring, :data:`OPTIONS`): ``key``,
+        ``secret``, ``token``, ``anon``, ``profile``, ``endpoint_url``,
+        ``client_kwargs`` (``endpoint_url``, ``region_name``...),
+        ``config_kwargs`` (``retries``, ``proxies``...), ``connect_timeout``,
+        ``read_timeout``. An unknown key raises ``ValueError``.
     max_concurrency:
         Most range requests of one :meth:`get_ranges` call in flight at once;
         also the floor of the HTTP connection pool size.
-    upload_client:
-        Send object and part bodies, and fetch the ranges of
-        :meth:`get_ranges`, through a threaded botocore client built from
-        the same options (default), instead of s3fs's aiohttp one, which
-        copies each body several times; everything else, and stores whose
-        options it cannot reproduce, go through s3fs.
     """
 
-    def __init__(self, path: str, storage_options: dict | None = None, max_concurrency: int = 16,
-                 upload_client: bool = True):
-        import s3fs
+    mtime_resolution = 1.0  # Last-Modified has whole seconds
+    remote = True
 
+    def __init__(self, path: str, storage_options: dict | None = None, max_concurrency: int = 16):
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         if path.startswith("s3://"):
@@ -539,73 +464,13 @@ class S3Store(ObjectStore):
         self._root = f"{prefix}/" if prefix else ""
         self.url = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
         self.max_concurrency = max_concurrency
-
-        # Nested option dicts copied too: botocore rewrites a ``retries`` dict
-        # in place, which changed the caller's options (and this store's
-        # client key) after the first client was made.
-        opts = _copy_dicts(dict(storage_options or {}))
-        opts["skip_instance_cache"] = True
-        opts["use_listings_cache"] = False
-        config = dict(opts.get("config_kwargs") or {})
-        config.setdefault("max_pool_connections", max(10, max_concurrency))
-        # Every request has timeouts and a small retry budget (module docstring).
-        config.setdefault("connect_timeout", opts.pop("connect_timeout", None) or CONNECT_TIMEOUT)
-        config.setdefault("read_timeout", opts.pop("read_timeout", None) or READ_TIMEOUT)
-        config.setdefault("retries", dict(BOTOCORE_RETRIES))
-        if _checksums_on(config):
-            # Over plain HTTP botocore otherwise SHA-256-hashes every body to
-            # sign it (1.8 GB/s: the largest client CPU cost of a save to a
-            # loopback or on-premises endpoint), on top of the CRC32 it sends
-            # in x-amz-checksum-crc32 (4 GB/s), which the server checks
-            # against the body. One check suffices; the CRC header is itself
-            # signed. Over HTTPS this is botocore's default already.
-            s3cfg = dict(config.get("s3") or {})
-            s3cfg.setdefault("payload_signing_enabled", False)
-            config["s3"] = s3cfg
-        opts["config_kwargs"] = config
-        # Kept only to scrub them from error messages, never printed.
-        self._secrets = tuple(
-            str(opts[k]) for k in ("secret", "password", "token", "session_token") if opts.get(k)
-        )
-        self._upload_spec = _upload_client_spec(opts) if upload_client else None
-        self._upload = None
-        self._upload_kwargs: dict[str, dict] = {}
-        self._upload_lock = threading.Lock()
-        key = _client_key(opts, self._upload_spec is not None)
-        if _can_share_session(opts):
-            opts["session"] = _shared_session()
-
-        def make_fs():
-            fs = s3fs.S3FileSystem(**opts)
-            fs.retries = S3FS_ATTEMPTS
-            return fs
-
-        self._make_fs = make_fs
-        self._key = key
-        self._own_fs = make_fs() if key is None else None
-        self._shared: dict | None = None  # the entry of _SHARED this store holds
-        self._release = None
-        self._catch = _errors_to_classify()
-
-    @property
-    def _fs(self):
-        """s3fs's file system: this store's own, or the shared one of its options
-        (held from the first use until :meth:`close`; a use after it holds it again)."""
-        if self._key is None:
-            return self._own_fs
-        return self._entry()["fs"]
-
-    def _entry(self) -> dict:
-        """The shared entry this store holds (taken again after :meth:`close`)."""
-        entry = self._shared
-        if entry is None:
-            with self._upload_lock:
-                if self._shared is None:
-                    self._shared = _SHARED.acquire(self._key, self._make_fs)
-                    # Released on close, or when the store is collected unclosed.
-                    self._release = weakref.finalize(self, _SHARED.release, self._key)
-                entry = self._shared
-        return entry
+        self._opts = _Options(dict(storage_options or {}), max_concurrency)
+        self._secrets = self._opts.secrets
+        self._lock = threading.Lock()
+        self._stores: dict[bool, object] = {}  # obstore stores: retrying, and one-try (creates)
+        self._mp = None  # the botocore client of multipart uploads
+        self._catch = (OSError, *optional_types("obstore.exceptions:BaseError", "botocore.exceptions:BotoCoreError",
+                                                "botocore.exceptions:ClientError"))
 
     def __repr__(self) -> str:
         return f"S3Store({self.url!r})"
@@ -617,145 +482,103 @@ class S3Store(ObjectStore):
     def _where(self, key: str | None = None) -> str:
         return f"{self.url}/{key}" if key else self.url
 
-    def _error(self, exc: BaseException, key: str | None, op: str, exists_on_412: bool = False) -> Exception:
-        return scrub(classify_error(exc, self._where(key), op, exists_on_412), exc, self._secrets)
-
     def _raise(self, exc: BaseException, key: str | None, op: str, exists_on_412: bool = False):
-        err = self._error(exc, key, op, exists_on_412)
+        err = scrub(classify_error(exc, self._where(key), op, exists_on_412), exc, self._secrets)
         if err is exc:
             raise exc
         raise err from exc
 
-    def _call(self, op: str, key: str | None, exists_on_412: bool = False, **kwargs):
+    def _store(self, retries: bool = True):
+        """obstore's store (the one-try one for creates), made on first use; checks for a fork first."""
+        _check_fork(self.url)
+        store = self._stores.get(retries)
+        if store is None:
+            with self._lock:
+                store = self._stores.get(retries)
+                if store is None:
+                    store = self._stores[retries] = self._opts.obstore_store(self.bucket, retries)
+        return store
+
+    def _client(self):
+        """The botocore client of multipart uploads (made on first use)."""
+        if self._mp is None:
+            with self._lock:
+                if self._mp is None:
+                    self._mp = self._opts.botocore_client()
+        return self._mp
+
+    def _call(self, op: str, key: str | None, **kwargs):
+        """A botocore request (multipart uploads)."""
         try:
-            return self._fs.call_s3(op, Bucket=self.bucket, **kwargs)
+            return getattr(self._client(), op)(Bucket=self.bucket, **kwargs)
         except self._catch as e:
-            self._raise(e, key, op, exists_on_412)
-
-    def _run(self, coro_fn, *args):
-        from fsspec.asyn import sync
-
-        return sync(self._fs.loop, coro_fn, *args)
+            self._raise(e, key, op)
 
     # ------------------------------------------------------------ reads
-    async def _aget(self, full: str, key: str) -> bytes:
-        resp = await self._fs._call_s3("get_object", Bucket=self.bucket, Key=full)
-        try:
-            data = await resp["Body"].read()
-        finally:
-            resp["Body"].close()
-        expected = resp.get("ContentLength")
-        if expected is not None and len(data) != expected:
-            raise TransientStorageError(
-                f"{self._where(key)}: short read, got {len(data)} of {expected} bytes"
-            )
-        return data
-
     def get(self, key: str) -> bytes:
+        import obstore
+
         full = self._full(key)
         try:
-            return self._run(self._aget, full, key)
+            res = obstore.get(self._store(), full)
+            data = res.bytes()
         except self._catch as e:
             self._raise(e, key, "GetObject")
+        if len(data) != res.meta["size"]:
+            raise TransientStorageError(f"{self._where(key)}: short read, got {len(data)} of {res.meta['size']} bytes")
+        return bytes(data)
 
-    async def _aget_ranges(self, full: str, key: str, ranges: list[tuple[int, int]]):
-        sem = asyncio.Semaphore(self.max_concurrency)
-        out: list[bytes] = [b""] * len(ranges)
-        sizes: list[int] = []
+    def _get_range(self, key: str, start: int, end: int):
+        """One ranged GET: obstore's result and the object's size.
 
-        async def one(i: int, start: int, end: int) -> None:
-            async with sem:
-                try:
-                    resp = await self._fs._call_s3(
-                        "get_object", Bucket=self.bucket, Key=full, Range=f"bytes={start}-{end - 1}"
-                    )
-                except self._catch as e:
-                    code, _, _ = error_code(e)
-                    if code == "InvalidRange":
-                        # S3 refuses a range starting at or past the end.
-                        raise RangeReplyError(
-                            f"{self._where(key)}: range [{start}, {end}) past end of object"
-                        ) from None
-                    raise
-                try:
-                    data = await resp["Body"].read()
-                finally:
-                    resp["Body"].close()
-            total = _total_size(resp.get("ContentRange"))
-            if total is not None:
-                sizes.append(total)
-            check_range_reply(self._where(key), start, end, len(data), total)
-            out[i] = data
+        A range past the end raises :class:`RangeReplyError`.
+        """
+        import obstore
 
-        tasks = [asyncio.ensure_future(one(i, s, e)) for i, (s, e) in enumerate(ranges) if e > s]
         try:
-            await asyncio.gather(*tasks)
-        except BaseException:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
-        return out, (sizes[0] if sizes else None)
-
-    def _ranged_get(self, client, full: str, key: str, start: int, end: int) -> dict:
-        """One ranged GetObject through the threaded client; a range past the end raises :class:`RangeReplyError`."""
-        try:
-            return client.get_object(Bucket=self.bucket, Key=full, Range=f"bytes={start}-{end - 1}",
-                                     **self._op_kwargs(client, "get_object"))
+            res = obstore.get(self._store(), self._full(key), options={"range": (start, end)})
         except self._catch as e:
             if error_code(e)[0] == "InvalidRange":
                 raise RangeReplyError(f"{self._where(key)}: range [{start}, {end}) past end of object") from None
             raise
+        size = int(res.meta["size"])
+        r0, r1 = res.range
+        check_range_reply(self._where(key), start, end, r1 - r0, size)
+        return res, size
 
-    def _get_range(self, client, full: str, key: str, start: int, end: int, sizes: list[int]) -> bytes:
-        """One ranged GET through the threaded client (the checks of :meth:`_aget_ranges`)."""
-        resp = self._ranged_get(client, full, key, start, end)
-        body = resp["Body"]
-        try:
-            data = body.read()  # botocore checks the length against Content-Length
-        finally:
-            body.close()
-        total = _total_size(resp.get("ContentRange"))
-        if total is not None:
-            sizes.append(total)
-        check_range_reply(self._where(key), start, end, len(data), total)
-        return data
-
-    def _get_ranges_threaded(self, full: str, key: str, ranges: list[tuple[int, int]]):
-        client = self._upload_client()
-        sizes: list[int] = []
-        todo = [(i, s, e) for i, (s, e) in enumerate(ranges) if e > s]
-        out: list[bytes] = [b""] * len(ranges)
-        if len(todo) <= 1 or self.max_concurrency == 1:
-            # The loader's fetcher asks for one range per call from its own
-            # I/O threads: no pool needed.
-            for i, s, e in todo:
-                out[i] = self._get_range(client, full, key, s, e, sizes)
-        else:
-            with cf.ThreadPoolExecutor(min(self.max_concurrency, len(todo)),
-                                       thread_name_prefix="ckptstore-s3-get") as ex:
-                futs = [(i, ex.submit(self._get_range, client, full, key, s, e, sizes)) for i, s, e in todo]
-                try:
-                    for i, f in futs:
-                        out[i] = f.result()
-                finally:
-                    for _, f in futs:
-                        f.cancel()
-        return out, (sizes[0] if sizes else None)
+    def _range_bytes(self, key: str, start: int, end: int) -> tuple[bytes, int]:
+        res, size = self._get_range(key, start, end)
+        data = res.bytes()
+        check_range_reply(self._where(key), start, end, len(data), size)
+        return bytes(data), size
 
     def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        """Each range by its own GET (obstore's ``get_ranges`` merges neighbours and caps
+        its requests at 10); at most ``max_concurrency`` at once on a pool of this call."""
         ranges = check_ranges(ranges)
-        full = self._full(key)
+        todo = [(i, s, e) for i, (s, e) in enumerate(ranges) if e > s]
+        out: list[bytes] = [b""] * len(ranges)
+        size = None
         try:
-            if self._upload_spec is not None:
-                out, size = self._get_ranges_threaded(full, key, ranges)
+            if len(todo) <= 1 or self.max_concurrency == 1:
+                # The loader asks for one range per call from its own I/O threads.
+                for i, s, e in todo:
+                    out[i], size = self._range_bytes(key, s, e)
             else:
-                out, size = self._run(self._aget_ranges, full, key, ranges)
+                with cf.ThreadPoolExecutor(min(self.max_concurrency, len(todo)),
+                                           thread_name_prefix="ckptstore-s3-get") as ex:
+                    futs = [(i, ex.submit(self._range_bytes, key, s, e)) for i, s, e in todo]
+                    try:
+                        for i, f in futs:
+                            out[i], size = f.result()
+                    finally:
+                        for _, f in futs:
+                            f.cancel()
         except RangeReplyError as e:
             raise ValueError(str(e)) from None
         except self._catch as e:
             self._raise(e, key, "GetObject")
-        if any(e == s for s, e in ranges) or not ranges:
+        if len(todo) < len(ranges) or not ranges:
             # Empty ranges need no bytes, but they must exist and lie inside
             # the object, like in every other store.
             if size is None:
@@ -766,157 +589,113 @@ class S3Store(ObjectStore):
         return out
 
     def read_range_into(self, key: str, start: int, out, progress=None) -> None:
-        """Stream one ranged GET into ``out`` (threaded client; s3fs's reads whole, as the default)."""
+        """Stream one ranged GET into ``out``, reporting every :data:`READ_PIECE` bytes or so."""
         mv = memoryview(out).cast("B")
         n = len(mv)
-        if self._upload_spec is None or n == 0 or start < 0:
+        if n == 0 or start < 0:
             return super().read_range_into(key, start, out, progress)
-        full, end = self._full(key), start + n
-        body = None
+        end, got = start + n, 0
         try:
-            resp = self._ranged_get(self._upload_client(), full, key, start, end)
-            body = resp["Body"]
-            total = _total_size(resp.get("ContentRange"))
-            length = resp.get("ContentLength")
-            # Before any byte is read: the size and length the headers state.
-            check_range_reply(self._where(key), start, end, n if length is None else length, total)
-            got, at_end = _stream_body(body, mv, progress)
-            if at_end:
-                body = None  # its connection went back to the pool
-            elif got == n:
-                raise RangeReplyError(f"{self._where(key)}: range [{start}, {end}) returned more than {n} bytes")
-            else:
-                check_range_reply(self._where(key), start, end, got, total)  # a body cut short: raises
+            res, size = self._get_range(key, start, end)
+            for piece in res.stream(min_chunk_size=READ_PIECE):
+                k = len(piece)
+                if got + k > n:
+                    raise RangeReplyError(f"{self._where(key)}: range [{start}, {end}) returned more than {n} bytes")
+                mv[got : got + k] = piece
+                got += k
+                if progress is not None:
+                    progress(got)
+            check_range_reply(self._where(key), start, end, got, size)  # a body cut short: raises
         except self._catch as e:
             self._raise(e, key, "GetObject")
-        finally:
-            if body is not None:
-                body.close()  # not read to its end: drop the connection
 
     def head(self, key: str) -> ObjectInfo:
-        resp = self._call("head_object", key, Key=self._full(key))
-        return ObjectInfo(key, int(resp["ContentLength"]), resp["LastModified"].timestamp())
+        import obstore
+
+        try:
+            meta = obstore.head(self._store(), self._full(key))
+        except self._catch as e:
+            self._raise(e, key, "HeadObject")
+        return ObjectInfo(key, int(meta["size"]), meta["last_modified"].timestamp())
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        # S3 lists keys in UTF-8 byte order, which is code point order: the
-        # same order as sorting the str keys, so pages are yielded as they come.
-        kwargs = {"Prefix": self._root + prefix}
-        while True:
-            resp = self._call("list_objects_v2", prefix or None, **kwargs)
-            for obj in resp.get("Contents", ()):
-                rel = obj["Key"][len(self._root) :]
-                try:
-                    check_key(rel)
-                except ValueError:
-                    # "dir/" markers and the like, made by other tools: not
-                    # addressable through this API, so not listed.
-                    continue
-                yield ObjectInfo(rel, int(obj["Size"]), obj["LastModified"].timestamp())
-            token = resp.get("NextContinuationToken")
-            if not resp.get("IsTruncated") or not token:
-                return
-            kwargs["ContinuationToken"] = token
+        """Pages as they come (S3 lists keys in code point order, that of sorted str keys).
+
+        obstore lists "directories": a prefix not ending in ``/`` lists its
+        parent directory from just before it and stops past the prefix.
+        """
+        import obstore
+
+        want = self._root + prefix
+        parent = want[: want.rfind("/") + 1] if not want.endswith("/") else want
+        start_after = None
+        if want != parent:
+            start_after = want[:-1] + chr(ord(want[-1]) - 1) if ord(want[-1]) > 1 else parent
+        try:
+            pages = obstore.list(self._store(), prefix=parent.rstrip("/") or None, offset=start_after,
+                                 chunk_size=1000)
+            for page in pages:
+                for meta in page:
+                    path = meta["path"]
+                    if not path.startswith(want):
+                        if path[: len(want)] > want:
+                            return
+                        continue
+                    rel = path[len(self._root) :]
+                    try:
+                        check_key(rel)
+                    except ValueError:
+                        # "dir/" markers and the like, made by other tools: not
+                        # addressable through this API, so not listed.
+                        continue
+                    yield ObjectInfo(rel, int(meta["size"]), meta["last_modified"].timestamp())
+        except self._catch as e:
+            self._raise(e, prefix or None, "ListObjectsV2")
 
     # ------------------------------------------------------------ writes
+    def _put(self, key: str, data, create: bool) -> None:
+        import obstore
+
+        full = self._full(key)
+        body = data if isinstance(data, (bytes, bytearray)) else memoryview(data).cast("B")
+        try:
+            obstore.put(self._store(not create), full, body, mode="create" if create else "overwrite",
+                        use_multipart=False)
+        except self._catch as e:
+            self._raise(e, key, "PutObject", exists_on_412=create)
+
     def put(self, key: str, data) -> None:
-        self._send("put_object", key, Key=self._full(key), Body=_body(data))
+        self._put(key, data, create=False)
 
     def put_if_absent(self, key: str, data) -> None:
-        self._send("put_object", key, exists_on_412=True, Key=self._full(key), Body=_body(data), IfNoneMatch="*")
-
-    def _upload_client(self):
-        up = self._upload
-        if up is not None:
-            return up
-        if self._key is not None:
-            shared = self._entry()
-            with shared["lock"]:
-                if shared["upload"] is None:
-                    shared["upload"] = _make_upload_client(self._upload_spec)
-                up = shared["upload"]
-            with self._upload_lock:
-                if self._shared is shared:  # not closed meanwhile
-                    self._upload = up
-            return up
-        with self._upload_lock:
-            if self._upload is None:
-                self._upload = _make_upload_client(self._upload_spec)
-            return self._upload
-
-    def _op_kwargs(self, client, op: str) -> dict:
-        """``s3_additional_kwargs`` (and requester pays) that ``op`` takes, as s3fs applies them."""
-        extra = self._upload_kwargs.get(op)
-        if extra is None:
-            model = client.meta.service_model.operation_model(client.meta.method_to_api_mapping[op])
-            members = model.input_shape.members
-            extra = self._upload_kwargs[op] = {
-                k: v for k, v in self._upload_spec["extra"].items() if k in members}
-        return extra
-
-    def _send(self, op: str, key: str, exists_on_412: bool = False, **kwargs):
-        """A request carrying a body: through the upload client when there is one."""
-        if self._upload_spec is None:
-            return self._call(op, key, exists_on_412, **kwargs)
-        try:
-            client = self._upload_client()
-            return getattr(client, op)(Bucket=self.bucket, **self._op_kwargs(client, op), **kwargs)
-        except self._catch as e:
-            self._raise(e, key, op, exists_on_412)
+        """``If-None-Match: *``, one try (module docstring); the server's 412 raises ObjectExistsError."""
+        self._put(key, data, create=True)
 
     def delete(self, key: str) -> None:
+        import obstore
+
         try:
-            self._call("delete_object", key, Key=self._full(key))
-        except ObjectNotFoundError:
+            obstore.delete(self._store(), self._full(key))
+        except FileNotFoundError:
             pass
+        except self._catch as e:
+            self._raise(e, key, "DeleteObject")
 
     def delete_many(self, keys: Sequence[str]) -> None:
-        """``DeleteObjects`` of up to :data:`DELETE_BATCH` keys a request, a few requests at a time.
+        """``DeleteObjects`` of up to :data:`DELETE_BATCH` keys a request (obstore's bulk delete).
 
-        A server without ``DeleteObjects`` (``NotImplemented``) gets one
-        ``DeleteObject`` per key instead, ``max_concurrency`` at a time.
-        Keys the reply lists as failed raise (transient when every code is
-        one S3 asks to retry), naming the first of them.
+        A failure names the first key of the batch it happened in.
         """
+        import obstore
+
         fulls = [self._full(k) for k in keys]
-        if not fulls:
-            return
-        batches = [fulls[i : i + DELETE_BATCH] for i in range(0, len(fulls), DELETE_BATCH)]
-        try:
-            failed = self._run(self._adelete_batches, batches)
-        except self._catch as e:
-            if error_code(e)[0] != "NotImplemented":
-                self._raise(e, keys[0], "DeleteObjects")
-            failed, failed_at = [], []
+        for i in range(0, len(fulls), DELETE_BATCH):
             try:
-                self._run(each_limited, self._adelete_one, fulls, self.max_concurrency, failed_at)
-            except self._catch as e2:
-                self._raise(e2, keys[failed_at[0]] if failed_at else None, "DeleteObject")
-        if failed:
-            full, code, message = failed[0]
-            key = full[len(self._root) :] if full.startswith(self._root) else full
-            text = (f"{self._where(key)}: S3 DeleteObjects failed for {len(failed)} of {len(fulls)} object(s); "
-                    f"this one: {code}: {message[:MAX_MESSAGE]}")
-            transient = all(c in TRANSIENT_CODES for _, c, _ in failed)
-            raise (TransientStorageError if transient else StorageError)(text)
+                obstore.delete(self._store(), fulls[i : i + DELETE_BATCH])
+            except self._catch as e:
+                self._raise(e, keys[i], "DeleteObjects")
 
-    async def _adelete_batches(self, batches: list[list[str]]) -> list[tuple[str, str, str]]:
-        async def one(batch):
-            resp = await self._fs._call_s3("delete_objects", Bucket=self.bucket,
-                                           Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True})
-            return [(str(e.get("Key") or ""), str(e.get("Code") or ""), str(e.get("Message") or ""))
-                    for e in resp.get("Errors") or () if e.get("Code") != "NoSuchKey"]
-
-        got = await gather_limited([one(b) for b in batches], min(self.max_concurrency, DELETE_REQUESTS))
-        return [f for fs in got for f in fs]
-
-    async def _adelete_one(self, full: str) -> None:
-        try:
-            await self._fs._call_s3("delete_object", Bucket=self.bucket, Key=full)
-        except self._catch as e:
-            if error_code(e)[0] != "NoSuchKey" and not isinstance(e, FileNotFoundError):
-                raise
-
-    # ------------------------------------------------------------ multipart
+    # ------------------------------------------------------------ multipart (botocore)
     def create_multipart(self, key: str, part_size: int) -> MultipartUpload:
         return _S3Multipart(self, check_key(key), part_size)
 
@@ -946,27 +725,15 @@ class S3Store(ObjectStore):
 
     # ------------------------------------------------------------ lifetime
     def close(self) -> None:
-        """Close the HTTP clients; a later call opens new ones.
-
-        Shared clients (:class:`_SharedClients`) go back to the process-wide
-        cache instead, open for the next store with the same options; a
-        later call on this store takes them again.
-        """
-        with self._upload_lock:
-            up, self._upload = self._upload, None
-            release, self._release, self._shared = self._release, None, None
-        if self._key is not None:
-            if release is not None:
-                release()
-            return
-        _close_clients(self._own_fs, up)
-
-
-def _checksums_on(config: dict) -> bool:
-    """Whether botocore will send a body checksum with uploads."""
-    setting = config.get("request_checksum_calculation") or os.environ.get(
-        "AWS_REQUEST_CHECKSUM_CALCULATION", "when_supported")
-    return str(setting).lower() == "when_supported"
+        """Drop the clients (their connections close); a later call makes new ones."""
+        with self._lock:
+            mp, self._mp = self._mp, None
+            self._stores = {}
+        if mp is not None:
+            try:
+                mp.close()
+            except Exception:
+                pass
 
 
 class _S3Multipart(MultipartUpload):
@@ -974,7 +741,9 @@ class _S3Multipart(MultipartUpload):
         super().__init__(key, part_size)
         self.store = store
         self._full = store._full(key)
-        resp = store._call("create_multipart_upload", key, Key=self._full)
+        extra = {"RequestPayer": "requester"} if store._opts.requester_pays else {}
+        self._extra = extra
+        resp = store._call("create_multipart_upload", key, Key=self._full, **extra)
         self.upload_id: str = resp["UploadId"]
         self._lock = threading.Lock()
         self._etags: dict[int, str] = {}
@@ -986,14 +755,10 @@ class _S3Multipart(MultipartUpload):
         if self._aborted:
             raise ObjectNotFoundError(f"{self.store._where(self.key)}: multipart upload was aborted")
         size = len(data)
-        resp = self.store._send(
-            "upload_part",
-            self.key,
-            Key=self._full,
-            UploadId=self.upload_id,
-            PartNumber=number,
-            Body=_body(data),
-        )
+        # botocore sends bytes and bytearray as they are; anything else is copied once.
+        body = data if isinstance(data, (bytes, bytearray)) else memoryview(data).cast("B").tobytes()
+        resp = self.store._call("upload_part", self.key, Key=self._full, UploadId=self.upload_id,
+                                PartNumber=number, Body=body, **self._extra)
         with self._lock:
             self._etags[number] = resp["ETag"]
             self._sizes[number] = size
@@ -1009,13 +774,8 @@ class _S3Multipart(MultipartUpload):
                 if self._sizes[n] != self.part_size:
                     raise ValueError(f"{self.key}: part {n} is {self._sizes[n]} bytes, not {self.part_size}")
             parts = [{"PartNumber": n, "ETag": self._etags[n]} for n in range(1, nparts + 1)]
-        self.store._call(
-            "complete_multipart_upload",
-            self.key,
-            Key=self._full,
-            UploadId=self.upload_id,
-            MultipartUpload={"Parts": parts},
-        )
+        self.store._call("complete_multipart_upload", self.key, Key=self._full, UploadId=self.upload_id,
+                         MultipartUpload={"Parts": parts}, **self._extra)
 
     def abort(self) -> None:
         self._aborted = True
