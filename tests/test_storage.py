@@ -240,6 +240,8 @@ def test_unknown_storage_options_are_refused_by_name():
                        ({**base, "config_kwargs": {"s3": {"adressing_style": "path"}}}, "adressing_style")]:
         with pytest.raises(ValueError, match=name):
             S3Store("b/p", opts)
+    with pytest.raises(ValueError, match="verify"):
+        S3Store("b/p", {**base, "client_kwargs": {"verify": "/etc/ca.pem"}})
     # s3fs's cache switches mean nothing here: accepted.
     S3Store("b/p", {**base, "skip_instance_cache": True, "use_listings_cache": False})
 

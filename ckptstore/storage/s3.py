@@ -304,6 +304,9 @@ class _Options:
             (os.environ[k] for k in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL") if os.environ.get(k)), None)
         self.region = opts.get("region_name") or ck.get("region_name")
         self.verify = ck.get("verify", True)
+        if not isinstance(self.verify, bool):
+            raise ValueError("S3 option client_kwargs['verify'] takes True or False here (a CA bundle path is "
+                             "not supported: add the CA to the system's trust store)")
         self.connect = _seconds(opts.get("connect_timeout") or cfg.get("connect_timeout") or CONNECT_TIMEOUT)
         self.read = _seconds(opts.get("read_timeout") or cfg.get("read_timeout") or READ_TIMEOUT)
         self.total = _seconds(opts.get("request_timeout") or REQUEST_TIMEOUT)
