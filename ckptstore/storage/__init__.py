@@ -1,7 +1,7 @@
 """Object stores: the :class:`ObjectStore` interface and its backends.
 
 :func:`open_store` turns a URL into a store. ``S3Store``, ``GCSStore`` and ``AzureStore`` are
-imported on first use so that importing this package does not import obstore, gcsfs or adlfs.
+imported on first use so that importing this package does not import botocore, gcsfs or adlfs.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ _MISTYPED = re.compile(r"^(" + "|".join(SCHEMES) + r"):(?!//)(.*)$", re.IGNORECA
 
 def __getattr__(name: str):
     if name == "S3Store":
-        _require("obstore", "s3", "s3")
+        _require("botocore", "s3", "s3")
         from .s3 import S3Store
 
         return S3Store
@@ -174,7 +174,7 @@ def open_store(url: str, storage_options: dict | None = None) -> ObjectStore:
             raise StoreURLError("s3:// URL needs a bucket, e.g. s3://bucket/prefix")
         if "?" in location or "#" in location:
             raise StoreURLError("s3:// URL must not carry a query or fragment")
-        _require("obstore", "s3", scheme)
+        _require("botocore", "s3", scheme)
         from .s3 import S3Store
 
         return S3Store(location, storage_options)

@@ -1,23 +1,20 @@
-"""Amazon S3 (and S3-compatible services) through obstore; multipart uploads through botocore.
+"""Amazon S3 (and S3-compatible services) through botocore alone.
 
-Every request but those of multipart uploads goes through obstore (the
-Python bindings of the Rust ``object_store`` crate): get, ranged reads
-(streamed into the caller's buffer), head, list, put, the conditional create
-of :meth:`S3Store.put_if_absent` (``If-None-Match: *``), delete and
-``DeleteObjects``. It was chosen by measurement (``benchmarks/s3_clients.py``,
-``docs/performance.md``, "One S3 client"): about half botocore's client CPU
-per GiB on PUTs and ranged GETs; the loader's streamed reads, which botocore
-read straight from the socket into the buffer, cost more (the figures are
-there). obstore exposes no explicit multipart
-parts (only its own streamed uploads) and cannot list or abort unfinished
-uploads, which GC must do for crashed savers; so :meth:`S3Store.create_multipart`,
-:meth:`S3Store.list_multipart` and :meth:`S3Store.abort_multipart` use a
-botocore client built lazily from the same options, and nothing else does.
-Part bodies carry a CRC32 the server checks and no SHA-256 payload signature
-(botocore's default over HTTPS; over plain HTTP it would hash every body);
-obstore PUTs are sent with ``UNSIGNED-PAYLOAD`` likewise (the loader checks
-every chunk's hash). ``config_kwargs={"s3": {"payload_signing_enabled":
-True}}`` signs both.
+Every request goes through one threaded botocore client per store (a
+second, one-try client for conditional creates, below), built on first use
+from s3fs-style ``storage_options``: get, ranged reads, head, list, put,
+:meth:`S3Store.put_if_absent` (``If-None-Match: *``), delete,
+``DeleteObjects``, multipart uploads and GC's list/abort of unfinished ones.
+It was chosen by measurement over obstore (``benchmarks/s3_clients.py``,
+``docs/performance.md``, "One S3 client"): obstore cut client CPU only for
+single PUTs, which carry manifests and segments (small); packs go through
+multipart uploads, which obstore cannot do with explicit parts, and a load
+through obstore cost more client CPU than botocore, whose ranged GETs are
+read here straight from the socket into the loader's buffer
+(:func:`_stream_body`). Bodies carry a CRC32 the server checks and no
+SHA-256 payload signature (botocore's default over HTTPS; over plain HTTP it
+would hash every body at 1.8 GB/s); ``config_kwargs={"s3":
+{"payload_signing_enabled": True}}`` signs them.
 
 ``storage_options`` keep s3fs's names (:data:`OPTIONS`): ``key``, ``secret``,
 ``token``, ``anon``, ``profile``, ``endpoint_url``, ``region_name``,
@@ -25,29 +22,30 @@ True}}`` signs both.
 ``requester_pays`` and a few more; any other key raises ``ValueError``
 naming it (a typo never passes silently). Credentials: explicit ones, else
 botocore's chain (environment, ``profile`` / ``AWS_PROFILE`` and
-``~/.aws``, SSO, instance roles) through obstore's ``credential_provider``,
-else obstore's own environment chain.
+``~/.aws``, SSO, instance roles); the endpoint: the options, else
+``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``.
 
 Retries and timeouts, so that no request waits forever and a dead server
 fails in bounded time: every request has a connect timeout
-(:data:`CONNECT_TIMEOUT`), a read timeout (:data:`READ_TIMEOUT`: the
-longest wait for the next bytes of an answer) and an overall limit
-(:data:`REQUEST_TIMEOUT`, for a body the server stops taking); obstore tries
-a request at most :data:`TRIES` times (5xx, connection errors, timeouts of
-safe requests; backoff at most 2 s) within :data:`RETRY_TIMEOUT`, botocore
-likewise (standard mode). A conditional create goes through a second
-obstore client that never retries: an attempt that landed with its answer
-lost would otherwise come back as "already exists" from obstore's own
+(:data:`CONNECT_TIMEOUT`) and a read timeout (:data:`READ_TIMEOUT`, the
+longest wait for the next bytes of an answer or for the server to take more
+of a body); botocore tries a request at most :data:`TRIES` times (standard
+mode: 5xx, throttling, connection errors and timeouts; backoff at most 1 s
+then 2 s). Before these defaults botocore's legacy mode (5 attempts, backoff
+up to 8 s) under s3fs made one call against a killed server take up to
+~15 s, and a load then failed after 77-95 s. A conditional create goes
+through a client that never retries: an attempt that landed with its answer
+lost would otherwise come back as "already exists" from botocore's own
 retry, where ckptstore's :class:`~ckptstore.storage.retry.RetryStore` (the
 one layer with a bound on total time) knows to read the object back and
 accept it if identical. What is left is classified as transient or
-permanent (:func:`classify_error`, by the S3 error code and HTTP status in
+permanent (:func:`classify_error`, by the S3 error code and HTTP status of
 the reply, or the kind of transport failure).
 
-obstore runs one tokio runtime per process, which does not survive
-``fork``: a process forked from one that used this module (DataLoader
-workers, ``multiprocessing``'s fork start method) gets a
-:class:`~ckptstore.errors.CkptStoreError` on first use instead of a hang.
+Clients hold urllib3 connection pools, which must not be shared across
+``fork``: a store used in a process forked from the one that made its
+clients (DataLoader workers, ``multiprocessing``'s fork start method) makes
+its own there on first use and leaves the parent's alone.
 """
 
 from __future__ import annotations
@@ -56,9 +54,10 @@ import concurrent.futures as cf
 import datetime
 import os
 import re
-import socket
 import threading
 from typing import Iterator, Sequence
+
+from botocore.exceptions import BotoCoreError, ClientError
 
 from ..errors import (
     CkptStoreError,
@@ -106,19 +105,15 @@ NOT_FOUND_CODES = frozenset({"NoSuchKey", "NoSuchUpload", "404", "NotFound"})
 
 #: Seconds to wait for a TCP connection.
 CONNECT_TIMEOUT = 5.0
-#: Seconds without a byte of an answer before a request fails.
+#: Seconds without a byte of an answer (or the server taking none of a body) before a request fails.
 READ_TIMEOUT = 15.0
-#: Seconds one request may take in all (obstore), for a body the server stops taking.
-REQUEST_TIMEOUT = 300.0
-#: Tries of one request, the first included (obstore and botocore).
+#: botocore's tries of one request, the first included (its ``max_attempts`` counts retries only).
 TRIES = 3
-#: Seconds after a request's first try past which obstore starts no other.
-RETRY_TIMEOUT = 60.0
 
 #: The storage options understood, by where they go (s3fs's names).
 OPTIONS = frozenset({"key", "secret", "token", "username", "password", "anon", "profile", "endpoint_url",
                      "region_name", "client_kwargs", "config_kwargs", "connect_timeout", "read_timeout",
-                     "request_timeout", "requester_pays", "use_ssl"})
+                     "requester_pays", "use_ssl"})
 #: s3fs options about its own caches: accepted and ignored (this store has no cache).
 IGNORED_OPTIONS = frozenset({"skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths",
                              "default_block_size", "default_fill_cache", "default_cache_type", "cache_regions"})
@@ -129,86 +124,33 @@ CONFIG_KWARGS = frozenset({"proxies", "retries", "connect_timeout", "read_timeou
 S3_CONFIG = frozenset({"addressing_style", "payload_signing_enabled"})
 
 
-# ------------------------------------------------------------------ fork guard
-_PID: int | None = None  # the process that first used obstore through this module
-
-
-def _check_fork(where: str) -> None:
-    """Raise in a process forked from one whose obstore runtime is running (it would hang)."""
-    global _PID
-    pid = os.getpid()
-    if _PID is None:
-        _PID = pid
-    elif _PID != pid:
-        raise CkptStoreError(
-            f"{where}: S3 used in a process forked from one that already used S3 (pid {_PID}); obstore's "
-            "runtime does not survive fork. Open the repository in a spawn-started process "
-            "(multiprocessing.get_context('spawn'), DataLoader(multiprocessing_context='spawn')), or only "
-            "in the children")
-
-
 # ------------------------------------------------------------------ errors
-_STATUS = re.compile(r"status code: (\d{3})")
-_CODE = re.compile(r"<Code>([^<]{1,80})</Code>")
-_MESSAGE = re.compile(r"<Message>([^<]*)</Message>")
-_NETWORK_KIND = re.compile(r"kind: (Connect|Request|Timeout|Interrupted|Decode|Body)\b|HTTP error|error decoding")
-_DNS = re.compile(r"dns error.*?failed to lookup address information: ([^\"\n]*)", re.S)
-_URL_HOST = re.compile(r"https?://([^/:\s]+)")
-
-
 def _client_error(exc: BaseException):
     """The botocore ``ClientError`` behind ``exc`` (itself or a cause), or None."""
-    types = optional_types("botocore.exceptions:ClientError")
-    return in_chain(exc, lambda e: e if types and isinstance(e, types) else None)
-
-
-def _obstore_error(exc: BaseException) -> bool:
-    return type(exc).__module__.startswith("obstore") or "Error performing" in str(exc)
+    return in_chain(exc, lambda e: e if isinstance(e, ClientError) else None)
 
 
 def error_code(exc: BaseException) -> tuple[str, int | None, str]:
     """``(code, http_status, message)`` of the S3 error behind ``exc``; ``("", None, "")`` if none."""
     ce = _client_error(exc)
-    if ce is not None:
-        resp = getattr(ce, "response", None) or {}
-        err = resp.get("Error") or {}
-        status = (resp.get("ResponseMetadata") or {}).get("HTTPStatusCode")
-        return str(err.get("Code") or ""), status, str(err.get("Message") or "")
-    if not _obstore_error(exc):
+    if ce is None:
         return "", None, ""
-    text = str(exc)
-    status = _STATUS.search(text)
-    code = _CODE.search(text)
-    message = _MESSAGE.search(text)
-    return (code.group(1) if code else "", int(status.group(1)) if status else None,
-            message.group(1) if message else "")
+    resp = getattr(ce, "response", None) or {}
+    err = resp.get("Error") or {}
+    status = (resp.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+    return str(err.get("Code") or ""), status, str(err.get("Message") or "")
 
 
 def _is_connection_error(exc: BaseException) -> bool:
     """Network-level failures (resets, timeouts, truncated bodies): retryable."""
-    if _obstore_error(exc) and _NETWORK_KIND.search(str(exc)):
-        return True
     return is_network_error(exc, optional_types(
         "botocore.exceptions:ConnectionError", "botocore.exceptions:HTTPClientError",
         "botocore.exceptions:IncompleteReadError", "botocore.exceptions:ReadTimeoutError",
         "botocore.exceptions:ResponseStreamingError"))
 
 
-def _unresolved(exc: BaseException, where: str, op: str):
-    found = host_not_resolved(exc, where, f"S3 {op}")
-    if found is not None or not _obstore_error(exc):
-        return found
-    m = _DNS.search(str(exc))
-    if m is None:
-        return None
-    reason = m.group(1).strip()
-    host = _URL_HOST.search(str(exc))
-    errno = socket.EAI_AGAIN if "emporar" in reason else socket.EAI_NONAME
-    return host_not_resolved(socket.gaierror(errno, reason), where, f"S3 {op}", host=host and host.group(1))
-
-
 def classify_error(exc: BaseException, where: str, op: str, exists_on_412: bool = False) -> Exception:
-    """Turn an exception from obstore or botocore into a ckptstore exception.
+    """Turn an exception from botocore into a ckptstore exception.
 
     Parameters
     ----------
@@ -232,7 +174,7 @@ def classify_error(exc: BaseException, where: str, op: str, exists_on_412: bool 
     """
     if isinstance(exc, CkptStoreError):
         return exc
-    dns = _unresolved(exc, where, op)
+    dns = host_not_resolved(exc, where, f"S3 {op}")
     if dns is not None:
         return dns
     code, status, message = error_code(exc)
@@ -249,9 +191,8 @@ def classify_error(exc: BaseException, where: str, op: str, exists_on_412: bool 
         if code in TRANSIENT_CODES or (status is not None and (status >= 500 or status == 429)):
             return TransientStorageError(text)
         return StorageError(text)
-    # No S3 reply: the first line of obstore's message (the rest is its debug dump).
-    detail = f"{type(exc).__name__}: {str(exc).splitlines()[0][:MAX_MESSAGE] if str(exc) else ''}"
-    if exists_on_412 and (isinstance(exc, FileExistsError) or type(exc).__name__ == "AlreadyExistsError"):
+    detail = f"{type(exc).__name__}: {str(exc)[:MAX_MESSAGE]}"
+    if exists_on_412 and isinstance(exc, FileExistsError):
         return ObjectExistsError(f"{where}: object already exists (S3 {op})")
     if isinstance(exc, FileNotFoundError):
         return ObjectNotFoundError(f"{where}: no such object (S3 {op})")
@@ -276,7 +217,7 @@ def _tries(retries: dict | None) -> int:
 
 
 class _Options:
-    """``storage_options`` (s3fs's names) checked and translated for obstore and botocore.
+    """``storage_options`` (s3fs's names) checked and translated for botocore.
 
     Raises ``ValueError`` naming any key not understood.
     """
@@ -299,81 +240,42 @@ class _Options:
         self.token = opts.get("token") or ck.get("aws_session_token")
         self.anon = bool(opts.get("anon"))
         self.profile = opts.get("profile")
-        # The environment's endpoint too (botocore reads it as well): obstore needs allow_http for it.
+        # The environment's endpoint too, so that path-style addressing follows it.
         self.endpoint = opts.get("endpoint_url") or ck.get("endpoint_url") or next(
             (os.environ[k] for k in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL") if os.environ.get(k)), None)
         self.region = opts.get("region_name") or ck.get("region_name")
-        self.verify = ck.get("verify", True)
-        if not isinstance(self.verify, bool):
-            raise ValueError("S3 option client_kwargs['verify'] takes True or False here (a CA bundle path is "
-                             "not supported: add the CA to the system's trust store)")
+        self.verify = ck.get("verify")  # None: botocore's default; False; or a CA bundle path
         self.connect = _seconds(opts.get("connect_timeout") or cfg.get("connect_timeout") or CONNECT_TIMEOUT)
         self.read = _seconds(opts.get("read_timeout") or cfg.get("read_timeout") or READ_TIMEOUT)
-        self.total = _seconds(opts.get("request_timeout") or REQUEST_TIMEOUT)
         self.tries = _tries(cfg.get("retries"))
         self.proxies = dict(cfg.get("proxies") or {})
-        self.pool = int(cfg.get("max_pool_connections") or max(10, max_concurrency))
+        self.pool = max(int(cfg.get("max_pool_connections") or 10), max_concurrency)
         self.path_style = s3cfg.get("addressing_style", "path" if self.endpoint else "auto") == "path"
-        self.sign_payload = bool(s3cfg.get("payload_signing_enabled")) or str(
-            cfg.get("request_checksum_calculation", "when_supported")).lower() == "when_required"
+        self.checksums = str(cfg.get("request_checksum_calculation") or os.environ.get(
+            "AWS_REQUEST_CHECKSUM_CALCULATION") or "when_supported").lower()
+        # Without a CRC32 the server checks, the SHA-256 payload signature is the body's only check.
+        self.sign_payload = bool(s3cfg.get("payload_signing_enabled")) or self.checksums == "when_required"
+        self.user_agent_extra = cfg.get("user_agent_extra")
         self.requester_pays = bool(opts.get("requester_pays"))
         if self.endpoint and opts.get("use_ssl", ck.get("use_ssl", True)) is False:
             self.endpoint = self.endpoint.replace("https://", "http://", 1)
         #: Kept only to scrub them from error messages, never printed.
         self.secrets = tuple(str(s) for s in (self.secret, self.token) if s)
 
-    def obstore_store(self, bucket: str, retries: bool = True):
-        """An ``obstore.store.S3Store`` for ``bucket`` (``retries=False``: one try per call)."""
-        from obstore.store import S3Store as ObS3
-
-        config: dict = {"unsigned_payload": not self.sign_payload}
-        if self.endpoint:
-            config["endpoint"] = self.endpoint
-        if self.region:
-            config["region"] = self.region
-        if self.path_style:
-            config["virtual_hosted_style_request"] = False
-        if self.requester_pays:
-            config["request_payer"] = True
-        provider = None
-        if self.anon:
-            config["skip_signature"] = True
-        elif self.key and self.secret:
-            config.update(access_key_id=self.key, secret_access_key=self.secret)
-            if self.token:
-                config["session_token"] = self.token
-        else:
-            provider = _botocore_credentials(self.profile)
-            if provider is not None and not self.region and provider.region:
-                config["region"] = provider.region
-        client = {"connect_timeout": datetime.timedelta(seconds=self.connect),
-                  "read_timeout": datetime.timedelta(seconds=self.read),
-                  "timeout": datetime.timedelta(seconds=self.total),
-                  "pool_max_idle_per_host": str(self.pool),
-                  "allow_http": bool(self.endpoint and self.endpoint.startswith("http://"))}
-        if self.verify is False:
-            client["allow_invalid_certificates"] = True
-        proxy = self.proxies.get("https" if not client["allow_http"] else "http")
-        if proxy:
-            client["proxy_url"] = proxy
-        retry = {"max_retries": self.tries - 1 if retries else 0,
-                 "retry_timeout": datetime.timedelta(seconds=RETRY_TIMEOUT),
-                 "backoff": {"init_backoff": datetime.timedelta(seconds=0.5),
-                             "max_backoff": datetime.timedelta(seconds=2), "base": 2}}
-        return ObS3(bucket, config=config, client_options=client, retry_config=retry,
-                    credential_provider=provider)
-
-    def botocore_client(self):
-        """A threaded botocore client with the same options (multipart uploads only)."""
+    def client(self, retries: bool = True):
+        """A botocore S3 client (thread-safe) with these options; ``retries=False``: one try per request."""
         import botocore.session
         from botocore import UNSIGNED
         from botocore.config import Config
 
         config = {"connect_timeout": self.connect, "read_timeout": self.read,
-                  "retries": {"mode": "standard", "total_max_attempts": self.tries},
+                  "retries": {"mode": "standard", "total_max_attempts": self.tries if retries else 1},
                   "max_pool_connections": self.pool, "proxies": self.proxies,
+                  "request_checksum_calculation": self.checksums,
                   "s3": {"addressing_style": "path" if self.path_style else "auto",
                          "payload_signing_enabled": self.sign_payload}}
+        if self.user_agent_extra:
+            config["user_agent_extra"] = self.user_agent_extra
         if self.anon:
             config["signature_version"] = UNSIGNED
         kwargs = {"endpoint_url": self.endpoint, "region_name": self.region, "verify": self.verify}
@@ -388,42 +290,86 @@ class _Options:
                 session = _SESSION.get("shared") or _SESSION.setdefault("shared", botocore.session.Session())
             else:
                 session = botocore.session.Session(profile=self.profile)
-            return session.create_client("s3", config=Config(**config), **kwargs)
+            client = session.create_client("s3", config=Config(**config), **kwargs)
+        if self.requester_pays:
+            client.meta.events.register("before-parameter-build.s3", _request_payer)
+        return client
+
+
+def _request_payer(params: dict, model, **kwargs) -> None:
+    """``RequestPayer=requester`` on every request whose operation takes it."""
+    if "RequestPayer" in model.input_shape.members:
+        params.setdefault("RequestPayer", "requester")
 
 
 _SESSION_LOCK = threading.Lock()
 _SESSION: dict[str, object] = {}
 
 
-class _BotocoreCredentials:
-    """obstore's ``credential_provider`` over botocore's chain (``~/.aws``, profiles, SSO, roles)."""
-
-    def __init__(self, creds, region: str | None):
-        self.creds = creds
-        self.region = region
-
-    def __call__(self) -> dict:
-        frozen = self.creds.get_frozen_credentials()  # refreshes temporary credentials when due
-        expires = None
-        if hasattr(self.creds, "refresh_needed"):
-            expires = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(minutes=5)
-        return {"access_key_id": frozen.access_key, "secret_access_key": frozen.secret_key,
-                "token": frozen.token, "expires_at": expires}
+def _after_fork_in_child() -> None:
+    global _SESSION_LOCK
+    _SESSION_LOCK = threading.Lock()  # another thread of the parent may have held it
 
 
-def _botocore_credentials(profile: str | None) -> _BotocoreCredentials | None:
-    """botocore's credentials for ``profile`` (None: the default chain), or None where there are none."""
-    try:
-        import botocore.session
-    except ImportError:
-        if profile:
-            raise ImportError("the S3 option 'profile' needs botocore: pip install 'ckptstore[s3]'") from None
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+# ------------------------------------------------------------------ bodies
+_CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)")
+
+
+def _total_size(content_range: str | None) -> int | None:
+    m = _CONTENT_RANGE.match(content_range or "")
+    if m is None or m.group(3) == "*":
         return None
-    session = botocore.session.Session(profile=profile)
-    creds = session.get_credentials()
-    if creds is None:
-        return None
-    return _BotocoreCredentials(creds, session.get_config_variable("region"))
+    return int(m.group(3))
+
+
+def _body(data):
+    # botocore sends bytes and bytearray as they are; anything else
+    # (memoryview, numpy buffers) is copied once into bytes.
+    if isinstance(data, (bytes, bytearray)):
+        return data
+    return memoryview(data).cast("B").tobytes()
+
+
+def _stream_body(body, mv: memoryview, progress) -> tuple[int, bool]:
+    """Read a botocore ``StreamingBody`` into ``mv`` piece by piece.
+
+    Straight into ``mv`` through the ``http.client`` response under urllib3's
+    (one copy, from the socket), when the body is a plain length-delimited
+    one; otherwise through ``body.read`` (a copy more). Returns ``(bytes
+    read, at end)``: at end, the body held exactly ``len(mv)`` bytes and its
+    connection went back to the pool; otherwise the caller closes it. (A
+    botocore response-checksum wrapper would be bypassed too; S3 sends no
+    checksum for ranged GETs, and the loader checks every chunk's BLAKE3.)
+    """
+    raw = getattr(body, "_raw_stream", None)
+    fp = getattr(raw, "_fp", None)
+    direct = (fp is not None and hasattr(fp, "readinto") and hasattr(fp, "isclosed")
+              and hasattr(raw, "release_conn") and not getattr(fp, "chunked", False)
+              and not (raw.headers or {}).get("content-encoding"))
+    n, got = len(mv), 0
+    while got < n:
+        piece = mv[got : min(n, got + READ_PIECE)]
+        if direct:
+            k = fp.readinto(piece)
+        else:
+            data = body.read(len(piece))
+            k = len(data)
+            piece[:k] = data
+        if not k:
+            return got, False
+        got += k
+        if progress is not None:
+            progress(got)
+    if direct:
+        if not fp.isclosed():  # more than Content-Length said, or no length
+            return got, False
+        raw.release_conn()
+        return got, True
+    return got, not body.read(1)
 
 
 # ------------------------------------------------------------------ the store
@@ -469,11 +415,9 @@ class S3Store(ObjectStore):
         self.max_concurrency = max_concurrency
         self._opts = _Options(dict(storage_options or {}), max_concurrency)
         self._secrets = self._opts.secrets
-        self._lock = threading.Lock()
-        self._stores: dict[bool, object] = {}  # obstore stores: retrying, and one-try (creates)
-        self._mp = None  # the botocore client of multipart uploads
-        self._catch = (OSError, *optional_types("obstore.exceptions:BaseError", "botocore.exceptions:BotoCoreError",
-                                                "botocore.exceptions:ClientError"))
+        # (pid that made them, lock, {retries: client}): see _client.
+        self._clients: tuple[int, threading.Lock, dict] = (os.getpid(), threading.Lock(), {})
+        self._catch = (OSError, BotoCoreError, ClientError)
 
     def __repr__(self) -> str:
         return f"S3Store({self.url!r})"
@@ -491,73 +435,64 @@ class S3Store(ObjectStore):
             raise exc
         raise err from exc
 
-    def _store(self, retries: bool = True):
-        """obstore's store (the one-try one for creates), made on first use; checks for a fork first."""
-        _check_fork(self.url)
-        store = self._stores.get(retries)
-        if store is None:
-            with self._lock:
-                store = self._stores.get(retries)
-                if store is None:
-                    store = self._stores[retries] = self._opts.obstore_store(self.bucket, retries)
-        return store
+    def _client(self, retries: bool = True):
+        """The botocore client (``retries=False``: the one-try one of creates), made on first use.
 
-    def _client(self):
-        """The botocore client of multipart uploads (made on first use)."""
-        if self._mp is None:
-            with self._lock:
-                if self._mp is None:
-                    self._mp = self._opts.botocore_client()
-        return self._mp
+        In a process forked from the one that made them, new ones (and a new
+        lock: the parent's may have been held at the fork), made there.
+        """
+        pid, lock, clients = self._clients
+        if pid != os.getpid():
+            pid, lock, clients = self._clients = (os.getpid(), threading.Lock(), {})
+        client = clients.get(retries)
+        if client is None:
+            with lock:
+                client = clients.get(retries)
+                if client is None:
+                    client = clients[retries] = self._opts.client(retries)
+        return client
 
-    def _call(self, op: str, key: str | None, **kwargs):
-        """A botocore request (multipart uploads)."""
+    def _call(self, op: str, key: str | None, retries: bool = True, exists_on_412: bool = False, **kwargs):
+        """``client.<op>(Bucket=..., **kwargs)``; errors classified, named by the S3 operation."""
+        client = self._client(retries)
         try:
-            return getattr(self._client(), op)(Bucket=self.bucket, **kwargs)
+            return getattr(client, op)(Bucket=self.bucket, **kwargs)
         except self._catch as e:
-            self._raise(e, key, op)
+            self._raise(e, key, client.meta.method_to_api_mapping.get(op, op), exists_on_412)
 
     # ------------------------------------------------------------ reads
     def get(self, key: str) -> bytes:
-        import obstore
-
-        full = self._full(key)
+        body = self._call("get_object", key, Key=self._full(key))["Body"]
         try:
-            res = obstore.get(self._store(), full)
-            data = res.bytes()
+            return body.read()  # botocore checks the length against Content-Length
         except self._catch as e:
             self._raise(e, key, "GetObject")
-        if len(data) != res.meta["size"]:
-            raise TransientStorageError(f"{self._where(key)}: short read, got {len(data)} of {res.meta['size']} bytes")
-        return bytes(data)
+        finally:
+            body.close()
 
-    def _get_range(self, key: str, start: int, end: int):
-        """One ranged GET: obstore's result and the object's size.
-
-        A range past the end raises :class:`RangeReplyError`.
-        """
-        import obstore
-
+    def _ranged_get(self, key: str, start: int, end: int) -> dict:
+        """One ranged GetObject; a range past the end raises :class:`RangeReplyError`."""
         try:
-            res = obstore.get(self._store(), self._full(key), options={"range": (start, end)})
+            return self._client().get_object(Bucket=self.bucket, Key=self._full(key),
+                                             Range=f"bytes={start}-{end - 1}")
         except self._catch as e:
             if error_code(e)[0] == "InvalidRange":
                 raise RangeReplyError(f"{self._where(key)}: range [{start}, {end}) past end of object") from None
             raise
-        size = int(res.meta["size"])
-        r0, r1 = res.range
-        check_range_reply(self._where(key), start, end, r1 - r0, size)
-        return res, size
 
-    def _range_bytes(self, key: str, start: int, end: int) -> tuple[bytes, int]:
-        res, size = self._get_range(key, start, end)
-        data = res.bytes()
+    def _range_bytes(self, key: str, start: int, end: int) -> tuple[bytes, int | None]:
+        resp = self._ranged_get(key, start, end)
+        body = resp["Body"]
+        try:
+            data = body.read()  # botocore checks the length against Content-Length
+        finally:
+            body.close()
+        size = _total_size(resp.get("ContentRange"))
         check_range_reply(self._where(key), start, end, len(data), size)
-        return bytes(data), size
+        return data, size
 
     def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
-        """Each range by its own GET (obstore's ``get_ranges`` merges neighbours and caps
-        its requests at 10); at most ``max_concurrency`` at once on a pool of this call."""
+        """Each range by its own GET, at most ``max_concurrency`` at once on a pool of this call."""
         ranges = check_ranges(ranges)
         todo = [(i, s, e) for i, (s, e) in enumerate(ranges) if e > s]
         out: list[bytes] = [b""] * len(ranges)
@@ -592,113 +527,90 @@ class S3Store(ObjectStore):
         return out
 
     def read_range_into(self, key: str, start: int, out, progress=None) -> None:
-        """Stream one ranged GET into ``out``, reporting every :data:`READ_PIECE` bytes or so."""
+        """Stream one ranged GET straight into ``out``, reporting every :data:`READ_PIECE` bytes or so."""
         mv = memoryview(out).cast("B")
         n = len(mv)
         if n == 0 or start < 0:
             return super().read_range_into(key, start, out, progress)
-        end, got = start + n, 0
+        end, body = start + n, None
         try:
-            res, size = self._get_range(key, start, end)
-            for piece in res.stream(min_chunk_size=READ_PIECE):
-                k = len(piece)
-                if got + k > n:
-                    raise RangeReplyError(f"{self._where(key)}: range [{start}, {end}) returned more than {n} bytes")
-                mv[got : got + k] = piece
-                got += k
-                if progress is not None:
-                    progress(got)
-            check_range_reply(self._where(key), start, end, got, size)  # a body cut short: raises
+            resp = self._ranged_get(key, start, end)
+            body = resp["Body"]
+            total = _total_size(resp.get("ContentRange"))
+            length = resp.get("ContentLength")
+            # Before any byte is read: the size and length the headers state.
+            check_range_reply(self._where(key), start, end, n if length is None else length, total)
+            got, at_end = _stream_body(body, mv, progress)
+            if at_end:
+                body = None  # its connection went back to the pool
+            elif got == n:
+                raise RangeReplyError(f"{self._where(key)}: range [{start}, {end}) returned more than {n} bytes")
+            else:
+                check_range_reply(self._where(key), start, end, got, total)  # a body cut short: raises
         except self._catch as e:
             self._raise(e, key, "GetObject")
+        finally:
+            if body is not None:
+                body.close()  # not read to its end: drop the connection
 
     def head(self, key: str) -> ObjectInfo:
-        import obstore
-
-        try:
-            meta = obstore.head(self._store(), self._full(key))
-        except self._catch as e:
-            self._raise(e, key, "HeadObject")
-        return ObjectInfo(key, int(meta["size"]), meta["last_modified"].timestamp())
+        resp = self._call("head_object", key, Key=self._full(key))
+        return ObjectInfo(key, int(resp["ContentLength"]), resp["LastModified"].timestamp())
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        """Pages as they come (S3 lists keys in code point order, that of sorted str keys).
-
-        obstore lists "directories": a prefix not ending in ``/`` lists its
-        parent directory from just before it and stops past the prefix.
-        """
-        import obstore
-
-        want = self._root + prefix
-        parent = want[: want.rfind("/") + 1] if not want.endswith("/") else want
-        start_after = None
-        if want != parent:
-            start_after = want[:-1] + chr(ord(want[-1]) - 1) if ord(want[-1]) > 1 else parent
+        """Pages as they come (S3 lists keys in code point order, that of sorted str keys)."""
         try:
-            pages = obstore.list(self._store(), prefix=parent.rstrip("/") or None, offset=start_after,
-                                 chunk_size=1000)
+            pages = self._client().get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=self._root + prefix)
             for page in pages:
-                for meta in page:
-                    path = meta["path"]
-                    if not path.startswith(want):
-                        if path[: len(want)] > want:
-                            return
-                        continue
-                    rel = path[len(self._root) :]
+                for obj in page.get("Contents", ()):
+                    rel = obj["Key"][len(self._root) :]
                     try:
                         check_key(rel)
                     except ValueError:
                         # "dir/" markers and the like, made by other tools: not
                         # addressable through this API, so not listed.
                         continue
-                    yield ObjectInfo(rel, int(meta["size"]), meta["last_modified"].timestamp())
+                    yield ObjectInfo(rel, int(obj["Size"]), obj["LastModified"].timestamp())
         except self._catch as e:
             self._raise(e, prefix or None, "ListObjectsV2")
 
     # ------------------------------------------------------------ writes
-    def _put(self, key: str, data, create: bool) -> None:
-        import obstore
-
-        full = self._full(key)
-        body = data if isinstance(data, (bytes, bytearray)) else memoryview(data).cast("B")
-        try:
-            obstore.put(self._store(not create), full, body, mode="create" if create else "overwrite",
-                        use_multipart=False)
-        except self._catch as e:
-            self._raise(e, key, "PutObject", exists_on_412=create)
-
     def put(self, key: str, data) -> None:
-        self._put(key, data, create=False)
+        self._call("put_object", key, Key=self._full(key), Body=_body(data))
 
     def put_if_absent(self, key: str, data) -> None:
         """``If-None-Match: *``, one try (module docstring); the server's 412 raises ObjectExistsError."""
-        self._put(key, data, create=True)
+        self._call("put_object", key, retries=False, exists_on_412=True, Key=self._full(key), Body=_body(data),
+                   IfNoneMatch="*")
 
     def delete(self, key: str) -> None:
-        import obstore
-
         try:
-            obstore.delete(self._store(), self._full(key))
-        except FileNotFoundError:
+            self._call("delete_object", key, Key=self._full(key))
+        except ObjectNotFoundError:
             pass
-        except self._catch as e:
-            self._raise(e, key, "DeleteObject")
 
     def delete_many(self, keys: Sequence[str]) -> None:
-        """``DeleteObjects`` of up to :data:`DELETE_BATCH` keys a request (obstore's bulk delete).
+        """``DeleteObjects`` of up to :data:`DELETE_BATCH` keys a request.
 
-        A failure names the first key of the batch it happened in.
+        Keys the reply lists as failed raise (transient when every code is
+        one S3 asks to retry), naming the first of them.
         """
-        import obstore
+        keys = list(keys)
+        for i in range(0, len(keys), DELETE_BATCH):
+            batch = keys[i : i + DELETE_BATCH]
+            resp = self._call("delete_objects", batch[0], Delete={
+                "Objects": [{"Key": self._full(k)} for k in batch], "Quiet": True})
+            failed = [e for e in resp.get("Errors") or () if e.get("Code") != "NoSuchKey"]
+            if failed:
+                first = str(failed[0].get("Key") or "")
+                code = str(failed[0].get("Code") or "")
+                text = (f"{self._where(first[len(self._root) :])}: S3 DeleteObjects failed for {len(failed)} of "
+                        f"{len(batch)} object(s); this one: {code}: {str(failed[0].get('Message'))[:MAX_MESSAGE]}")
+                transient = all(e.get("Code") in TRANSIENT_CODES for e in failed)
+                raise (TransientStorageError if transient else StorageError)(text)
 
-        fulls = [self._full(k) for k in keys]
-        for i in range(0, len(fulls), DELETE_BATCH):
-            try:
-                obstore.delete(self._store(), fulls[i : i + DELETE_BATCH])
-            except self._catch as e:
-                self._raise(e, keys[i], "DeleteObjects")
-
-    # ------------------------------------------------------------ multipart (botocore)
+    # ------------------------------------------------------------ multipart
     def create_multipart(self, key: str, part_size: int) -> MultipartUpload:
         return _S3Multipart(self, check_key(key), part_size)
 
@@ -728,13 +640,17 @@ class S3Store(ObjectStore):
 
     # ------------------------------------------------------------ lifetime
     def close(self) -> None:
-        """Drop the clients (their connections close); a later call makes new ones."""
-        with self._lock:
-            mp, self._mp = self._mp, None
-            self._stores = {}
-        if mp is not None:
+        """Close the clients (their connections); a later call makes new ones."""
+        pid, lock, clients = self._clients
+        if pid != os.getpid():  # the parent's: not this process's to close
+            self._clients = (os.getpid(), threading.Lock(), {})
+            return
+        with lock:
+            old = list(clients.values())
+            clients.clear()
+        for client in old:
             try:
-                mp.close()
+                client.close()
             except Exception:
                 pass
 
@@ -744,9 +660,7 @@ class _S3Multipart(MultipartUpload):
         super().__init__(key, part_size)
         self.store = store
         self._full = store._full(key)
-        extra = {"RequestPayer": "requester"} if store._opts.requester_pays else {}
-        self._extra = extra
-        resp = store._call("create_multipart_upload", key, Key=self._full, **extra)
+        resp = store._call("create_multipart_upload", key, Key=self._full)
         self.upload_id: str = resp["UploadId"]
         self._lock = threading.Lock()
         self._etags: dict[int, str] = {}
@@ -758,10 +672,8 @@ class _S3Multipart(MultipartUpload):
         if self._aborted:
             raise ObjectNotFoundError(f"{self.store._where(self.key)}: multipart upload was aborted")
         size = len(data)
-        # botocore sends bytes and bytearray as they are; anything else is copied once.
-        body = data if isinstance(data, (bytes, bytearray)) else memoryview(data).cast("B").tobytes()
         resp = self.store._call("upload_part", self.key, Key=self._full, UploadId=self.upload_id,
-                                PartNumber=number, Body=body, **self._extra)
+                                PartNumber=number, Body=_body(data))
         with self._lock:
             self._etags[number] = resp["ETag"]
             self._sizes[number] = size
@@ -778,7 +690,7 @@ class _S3Multipart(MultipartUpload):
                     raise ValueError(f"{self.key}: part {n} is {self._sizes[n]} bytes, not {self.part_size}")
             parts = [{"PartNumber": n, "ETag": self._etags[n]} for n in range(1, nparts + 1)]
         self.store._call("complete_multipart_upload", self.key, Key=self._full, UploadId=self.upload_id,
-                         MultipartUpload={"Parts": parts}, **self._extra)
+                         MultipartUpload={"Parts": parts})
 
     def abort(self) -> None:
         self._aborted = True
