@@ -7,26 +7,27 @@ Run from the repository root::
 Puts ``--mib`` of random bytes as 64 MiB objects (single PUTs), then reads
 them back as 8 MiB ranges, ``--threads`` requests at once, through:
 
-- ``ckptstore S3Store``: the project's S3 store (obstore since issue 27
-  item 3): ``S3Store.put``; ``read_range_into`` into one reused buffer per
+- ``ckptstore S3Store``: the project's S3 store (botocore alone since issue
+  27 item 3): ``S3Store.put``; ``read_range_into`` into one reused buffer per
   thread, the loader's path;
 - ``S3Store multipart``: the save path of packs: each object as a multipart
-  upload of 16 MiB parts (``create_multipart``/``upload_part``/``complete``,
-  botocore), read back as above;
+  upload of 16 MiB parts (``create_multipart``/``upload_part``/``complete``),
+  read back as above;
 - ``botocore``: one boto3 client shared by the threads, configured as
   ckptstore configures its own (no SHA-256 of each body for the signature;
   the CRC32 header kept): ``put_object`` of the bytes; ``get_object`` with a
   ``Range``, the body read into a reused buffer;
-- ``obstore`` (when installed: ``pip install obstore``): ``put`` of the bytes
-  and ``get_range``, ``unsigned_payload=True`` (Python bindings of the Rust
-  ``object_store`` crate; its own tokio threads, counted in this process's
-  CPU time).
+- ``obstore`` (for comparison, when installed: ``pip install obstore``; not
+  a dependency): ``put`` of the bytes and ``get_range``,
+  ``unsigned_payload=True`` (Python bindings of the Rust ``object_store``
+  crate; its own tokio threads, counted in this process's CPU time).
 
 The server is pinned to CPU 1 and this process to CPU 0; clients alternate
 within each round. Prints client CPU seconds (``process_time``, all threads)
 and wall seconds per GiB, per round and the median; every object and range
-is checked; the figures of the store before obstore (:data:`BEFORE`,
-measured by this script at commit ``088ca58``) are printed beside them.
+is checked; the figures of two earlier stores (:data:`EARLIER`: s3fs with
+a threaded botocore client for bodies, and obstore with botocore for
+multipart uploads), measured by this script, are printed beside them.
 Results: docs/performance.md, "One S3 client".
 """
 
@@ -50,9 +51,10 @@ from .common.servers import SERVERS, start_server
 OBJECT = 64 << 20
 RANGE = 8 << 20
 PART = 16 << 20
-#: ckptstore's S3Store before obstore (s3fs + a threaded botocore client for
-#: bodies): median client CPU-s/GiB of PUT and GET, 512 MiB, 3 rounds, commit 088ca58.
-BEFORE = {"PUT": 0.78, "GET": 0.59}
+#: Earlier S3Stores: median client CPU-s/GiB of PUT and GET. s3fs + a threaded
+#: botocore client for bodies: 512 MiB, 3 rounds, commit 088ca58; obstore (+
+#: botocore multipart): 256 MiB, 3 rounds, commit bafeb17 (docs/data/s3_clients_obstore.txt).
+EARLIER = {"s3fs (088ca58)": {"PUT": 0.78, "GET": 0.59}, "obstore (bafeb17)": {"PUT": 0.40, "GET": 0.91}}
 
 
 def _probe(b) -> bytes:
@@ -212,8 +214,9 @@ def main(argv=None) -> int:
     for (name, op), rows in results.items():
         print(f"{name:18s} {op:4s} {statistics.median(c for c, _ in rows):20.2f} "
               f"{statistics.median(w for _, w in rows):16.2f}")
-    for op, cpu in BEFORE.items():
-        print(f"{'S3Store before':18s} {op:4s} {cpu:20.2f} {'(088ca58)':>16s}")
+    for name, figures in EARLIER.items():
+        for op, cpu in figures.items():
+            print(f"{'S3Store ' + name:26s} {op:4s} {cpu:12.2f}")
     return 0
 
 

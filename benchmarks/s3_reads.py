@@ -5,9 +5,9 @@ Run from the repository root::
     python -m benchmarks.s3_reads [--server seaweedfs] [--mib 512] [--rounds 3] [--threads 16]
 
 Puts ``--mib`` of random bytes as 16 MiB objects, then reads them back as 8
-MiB ranges, ``--threads`` at once, two ways through one ``S3Store`` (obstore
-since issue 27 item 3; before it, a third row read through s3fs's aiohttp
-client): ``get_ranges`` (a fresh ``bytes`` per range) and
+MiB ranges, ``--threads`` at once, two ways through one ``S3Store`` (botocore
+alone since issue 27 item 3; before it, a third row read through s3fs's
+aiohttp client): ``get_ranges`` (a fresh ``bytes`` per range) and
 ``read_range_into`` into one reused buffer per thread (the loader's path:
 the body is streamed into the buffer). The
 server is pinned to CPU 1 and this process to CPU 0, as in
