@@ -213,7 +213,7 @@ def open(url: str, storage_options: dict | None = None, **options) -> Repository
         (also ``abfs://``, ``abfss://``), ``file:///path``, a plain path, or
         ``memory://name``.
     storage_options:
-        Passed to the backend (for S3: s3fs options such as ``key``,
+        Passed to the backend (for S3: s3fs-style options such as ``key``,
         ``secret``, ``client_kwargs={"endpoint_url": ...}``; for Azure: adlfs
         options such as ``account_name``, ``connection_string``).
     **options:

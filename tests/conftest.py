@@ -43,7 +43,7 @@ class S3Env:
     url:
         ``s3://<bucket>/repo``, the repository root tests use.
     storage_options:
-        s3fs options reaching moto (explicit test credentials).
+        S3 options (s3fs's names) reaching moto (explicit test credentials).
     server:
         The :class:`MotoServer`.
     """

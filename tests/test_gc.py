@@ -143,7 +143,7 @@ def _cli_options(so: dict | None) -> dict:
     """The ``-o KEY=VALUE`` options reaching the test server a fixture's storage options name."""
     if not so:
         return {}
-    if "client_kwargs" in so:  # s3fs on moto
+    if "client_kwargs" in so:  # S3 on moto
         return {"endpoint_url": so["client_kwargs"]["endpoint_url"], "key": so["key"], "secret": so["secret"]}
     return dict(so)  # gcsfs: endpoint_url, token, project
 

@@ -13,8 +13,6 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
-import copy
-import gc
 import os
 import time
 import tracemalloc
@@ -243,64 +241,6 @@ def test_to_host_in_slices_on_a_cpu_only_machine():
     out = to_host(t, slice_bytes=4096)
     assert torch.equal(out, t) and out.data_ptr() != t.data_ptr()
     assert to_host(torch.empty(0, 3)).shape == (0, 3)
-
-
-# ------------------------------------------------------------------ shared S3 clients
-def test_s3_stores_share_clients_only_with_identical_options(s3):
-    from ckptstore.storage import s3 as s3_mod
-    from ckptstore.storage.s3 import S3Store
-
-    so = copy.deepcopy(s3.storage_options)
-    gc.collect()  # handles earlier tests dropped without closing release their entry here
-    a, b = s3.store(), s3.store()
-    assert a._fs is b._fs
-    a.put("k", b"v")
-    assert b.get("k") == b"v"
-    up = a._upload_client()
-    assert b._upload_client() is up
-    other = dict(s3.storage_options, secret=s3.storage_options["secret"] + "x")
-    c = S3Store(s3.url.removeprefix("s3://"), other)
-    try:
-        assert c._fs is not a._fs and c._upload_client() is not up  # other credentials, own clients
-    finally:
-        c.close()
-    # The environment credential chain never shares.
-    no_creds = {k: v for k, v in s3.storage_options.items() if k not in ("key", "secret")}
-    assert s3_mod._client_key(no_creds) is None
-    # A fresh handle after every store closed reuses the warm client.
-    fs, client = a._fs, a._fs._s3
-    a.close()
-    b.close()
-    assert client is not None and s3.storage_options == so  # the caller's options left as they were
-    (entry,) = [e for e in s3_mod._SHARED._entries.values() if e["fs"] is fs]
-    assert entry["users"] == 0
-    d = s3.store()
-    assert d._fs is fs and fs._s3 is client and d._upload_client() is up
-    assert d.get("k") == b"v"
-    # A closed store used again holds the clients again, until closed again.
-    assert a.get("k") == b"v" and entry["users"] == 2
-    a.close()
-    a.close()
-    assert entry["users"] == 1
-
-
-def test_s3_idle_shared_clients_are_bounded(s3):
-    from ckptstore.storage import s3 as s3_mod
-    from ckptstore.storage.s3 import S3Store
-
-    path = s3.url.removeprefix("s3://")
-    stores = [S3Store(path, dict(s3.storage_options, read_timeout=10 + i))
-              for i in range(s3_mod.SHARED_CLIENTS_IDLE + 3)]
-    for s in stores:
-        s.exists("nothing")  # opens each one's client
-    fss = [s._fs for s in stores]
-    for s in stores:
-        s.close()
-    s3.store().exists("nothing")  # one more acquire: idle ones beyond the bound are closed
-    idle = [e for e in s3_mod._SHARED._entries.values() if e["users"] == 0]
-    assert len(idle) <= s3_mod.SHARED_CLIENTS_IDLE
-    assert fss[0]._s3 is None  # the least recently used was closed
-    assert all(fs._s3 is not None for fs in fss[-s3_mod.SHARED_CLIENTS_IDLE + 1 :])
 
 
 # ------------------------------------------------------------------ streamed range reads

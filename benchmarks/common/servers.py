@@ -49,7 +49,7 @@ class S3Server:
         return cls(**spec)
 
     def storage_options(self) -> dict:
-        """s3fs ``storage_options`` reaching the server (the starter's own)."""
+        """S3 ``storage_options`` reaching the server (the starter's own)."""
         return self._storage_options
 
     def client(self):

@@ -1,16 +1,15 @@
-"""Client CPU of ranged S3 reads: s3fs's aiohttp client, the threaded botocore one, and streamed reads.
+"""Client CPU of ranged S3 reads: ``get_ranges`` (a fresh ``bytes`` per range) against streamed reads.
 
 Run from the repository root::
 
     python -m benchmarks.experiments.s3_reads [--server seaweedfs] [--mib 512] [--rounds 3] [--threads 16]
 
 Puts ``--mib`` of random bytes as 16 MiB objects, then reads them back as 8
-MiB ranges, ``--threads`` at once, three ways: ``get_ranges`` through an
-``S3Store(upload_client=False)`` (every request through s3fs's aiobotocore
-client on fsspec's loop), ``get_ranges`` through a default one (the
-threaded botocore client, a fresh ``bytes`` per range), and
-``read_range_into`` through the default one into one reused buffer per
-thread (the loader's path: the body is read straight into the buffer). The
+MiB ranges, ``--threads`` at once, two ways through one ``S3Store`` (botocore
+alone since issue 27 item 3; before it, a third row read through s3fs's
+aiohttp client): ``get_ranges`` (a fresh ``bytes`` per range) and
+``read_range_into`` into one reused buffer per thread (the loader's path:
+the body is streamed into the buffer). The
 server is pinned to CPU 1 and this process to CPU 0, as in
 ``benchmarks.run``; rounds alternate. Prints the client's CPU seconds
 (``process_time``) and wall seconds per GiB, each round and the median.
@@ -35,7 +34,7 @@ from ..common.servers import SERVERS, start_server
 
 OBJECT = 16 << 20
 RANGE = 8 << 20
-STREAMED = "threaded, read_range_into"
+STREAMED = "read_range_into"
 
 
 def _probe(b) -> bytes:
@@ -60,11 +59,10 @@ def main(argv=None) -> int:
         print(f"server {srv.name} (pid {srv.pid}, pinned to CPU 1; client on CPU 0), "
               f"{n} objects of {OBJECT >> 20} MiB, {RANGE >> 20} MiB ranges, {a.threads} threads")
         stores = {
-            "s3fs (upload_client=False)": S3Store("bench/r", srv.storage_options(), upload_client=False),
-            "threaded botocore (default)": S3Store("bench/r", srv.storage_options()),
+            "get_ranges": S3Store("bench/r", srv.storage_options()),
         }
         data = np.random.default_rng(0).integers(0, 256, OBJECT, dtype=np.uint8).tobytes()
-        put = stores["threaded botocore (default)"]
+        put = stores["get_ranges"]
         for i in range(n):
             put.put(f"o{i}", data)
         work = [(f"o{i}", s) for i in range(n) for s in range(0, OBJECT, RANGE)]

@@ -1,28 +1,34 @@
-"""One S3 client to keep (issue 27 item 3): client CPU and wall time of PUTs and ranged GETs, side by side.
+"""One S3 client (issue 27 item 3): client CPU and wall time of PUTs and ranged GETs, side by side.
 
 Run from the repository root::
 
-    python -m benchmarks.s3_clients [--server seaweedfs] [--mib 512] [--rounds 3] [--threads 8]
+    python -m benchmarks.micro.s3_clients [--server seaweedfs] [--mib 512] [--rounds 3] [--threads 8]
 
 Puts ``--mib`` of random bytes as 64 MiB objects (single PUTs), then reads
 them back as 8 MiB ranges, ``--threads`` requests at once, through:
 
-- ``ckptstore S3Store``: the project's S3 store as it is today
-  (``S3Store.put``; ``read_range_into`` into one reused buffer per thread,
-  the loader's path);
+- ``ckptstore S3Store``: the project's S3 store (botocore alone since issue
+  27 item 3): ``S3Store.put``; ``read_range_into`` into one reused buffer per
+  thread, the loader's path;
+- ``S3Store multipart``: the save path of packs: each object as a multipart
+  upload of 16 MiB parts (``create_multipart``/``upload_part``/``complete``),
+  read back as above;
 - ``botocore``: one boto3 client shared by the threads, configured as
   ckptstore configures its own (no SHA-256 of each body for the signature;
   the CRC32 header kept): ``put_object`` of the bytes; ``get_object`` with a
   ``Range``, the body read into a reused buffer;
-- ``obstore`` (when installed: ``pip install obstore``): ``put`` of the bytes
-  and ``get_range``, ``unsigned_payload=True`` (Python bindings of the Rust
-  ``object_store`` crate; its own tokio threads, counted in this process's
-  CPU time).
+- ``obstore`` (for comparison, when installed: ``pip install obstore``; not
+  a dependency): ``put`` of the bytes and ``get_range``,
+  ``unsigned_payload=True`` (Python bindings of the Rust ``object_store``
+  crate; its own tokio threads, counted in this process's CPU time).
 
 The server is pinned to CPU 1 and this process to CPU 0; clients alternate
 within each round. Prints client CPU seconds (``process_time``, all threads)
 and wall seconds per GiB, per round and the median; every object and range
-is checked. Results: docs/performance.md, "One S3 client".
+is checked; the figures of two earlier stores (:data:`EARLIER`: s3fs with
+a threaded botocore client for bodies, and obstore with botocore for
+multipart uploads), measured by this script, are printed beside them.
+Results: docs/performance.md, "One S3 client".
 """
 
 from __future__ import annotations
@@ -44,6 +50,11 @@ from ..common.servers import SERVERS, start_server
 
 OBJECT = 64 << 20
 RANGE = 8 << 20
+PART = 16 << 20
+#: Earlier S3Stores: median client CPU-s/GiB of PUT and GET. s3fs + a threaded
+#: botocore client for bodies: 512 MiB, 3 rounds, commit 088ca58; obstore (+
+#: botocore multipart): 256 MiB, 3 rounds, commit bafeb17 (docs/data/s3_clients_obstore.txt).
+EARLIER = {"s3fs (088ca58)": {"PUT": 0.78, "GET": 0.59}, "obstore (bafeb17)": {"PUT": 0.40, "GET": 0.91}}
 
 
 def _probe(b) -> bytes:
@@ -70,6 +81,20 @@ class _Ckpt:
 
     def close(self):
         self.s.close()
+
+
+class _CkptParts(_Ckpt):
+    name = "S3Store multipart"
+
+    def put(self, key, data):
+        # Parts as bytearrays, cut once (the saver hands its part buffers over as they are).
+        if getattr(self, "_of", None) is not data:
+            self._parts = [bytearray(data[i : i + PART]) for i in range(0, len(data), PART)]
+            self._of = data
+        mp = self.s.create_multipart(key, PART)
+        for n, part in enumerate(self._parts, 1):
+            mp.upload_part(n, part)
+        mp.complete(len(self._parts))
 
 
 class _Boto:
@@ -148,7 +173,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     n = max(1, a.mib * (1 << 20) // OBJECT)
     gib = n * OBJECT / (1 << 30)
-    kinds = [_Ckpt, _Boto]
+    kinds = [_Ckpt, _CkptParts, _Boto]
     if importlib.util.find_spec("obstore") is not None:
         kinds.append(_Obstore)
     else:
@@ -189,6 +214,9 @@ def main(argv=None) -> int:
     for (name, op), rows in results.items():
         print(f"{name:18s} {op:4s} {statistics.median(c for c, _ in rows):20.2f} "
               f"{statistics.median(w for _, w in rows):16.2f}")
+    for name, figures in EARLIER.items():
+        for op, cpu in figures.items():
+            print(f"{'S3Store ' + name:26s} {op:4s} {cpu:12.2f}")
     return 0
 
 

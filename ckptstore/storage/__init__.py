@@ -1,7 +1,7 @@
 """Object stores: the :class:`ObjectStore` interface and its backends.
 
 :func:`open_store` turns a URL into a store. ``S3Store``, ``GCSStore`` and ``AzureStore`` are
-imported on first use so that importing this package does not import s3fs, gcsfs or adlfs.
+imported on first use so that importing this package does not import botocore, gcsfs or adlfs.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ _MISTYPED = re.compile(r"^(" + "|".join(SCHEMES) + r"):(?!//)(.*)$", re.IGNORECA
 
 def __getattr__(name: str):
     if name == "S3Store":
-        _require("s3fs", "s3", "s3")
+        _require("botocore", "s3", "s3")
         from .s3 import S3Store
 
         return S3Store
@@ -133,8 +133,9 @@ def open_store(url: str, storage_options: dict | None = None) -> ObjectStore:
         comes from ``storage_options`` or the environment).
         Credentials never go in the URL.
     storage_options:
-        For S3, passed to :class:`s3fs.S3FileSystem` (``key``, ``secret``,
-        ``endpoint_url``, ``client_kwargs``...); for GCS, to
+        For S3, s3fs's names (``key``, ``secret``, ``profile``,
+        ``endpoint_url``, ``client_kwargs``...; see :mod:`ckptstore.storage.s3`;
+        an unknown one raises ``ValueError``); for GCS, to
         :class:`gcsfs.GCSFileSystem` (``token``, ``project``, ``endpoint_url``...); for Azure, to
         :class:`adlfs.AzureBlobFileSystem` (``connection_string``, ``account_name``,
         ``account_key``, ``sas_token``, ``credential``...). For local stores only
@@ -173,7 +174,7 @@ def open_store(url: str, storage_options: dict | None = None) -> ObjectStore:
             raise StoreURLError("s3:// URL needs a bucket, e.g. s3://bucket/prefix")
         if "?" in location or "#" in location:
             raise StoreURLError("s3:// URL must not carry a query or fragment")
-        _require("s3fs", "s3", scheme)
+        _require("botocore", "s3", scheme)
         from .s3 import S3Store
 
         return S3Store(location, storage_options)

@@ -113,7 +113,7 @@ class MotoServer:
 
     # ------------------------------------------------------------ helpers
     def storage_options(self, bucket: str | None = None) -> dict:
-        """s3fs ``storage_options`` reaching this server.
+        """S3 ``storage_options`` (s3fs's names) reaching this server.
 
         ``bucket`` is accepted for symmetry with other emulators and unused:
         the options do not depend on the bucket. ``config_kwargs.proxies`` is

@@ -226,7 +226,7 @@ class SeaweedFS:
 
     # ------------------------------------------------------------ helpers
     def storage_options(self, endpoint: str | None = None) -> dict:
-        """s3fs ``storage_options`` reaching this server (or ``endpoint``, e.g. a proxy in front)."""
+        """S3 ``storage_options`` (s3fs's names) reaching this server (or ``endpoint``, e.g. a proxy in front)."""
         return {
             "key": self.key,
             "secret": self.secret,
