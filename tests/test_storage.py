@@ -275,6 +275,32 @@ def test_unknown_storage_options_are_refused_by_name():
     S3Store("b/p", {**base, "skip_instance_cache": True, "use_listings_cache": False})
 
 
+def test_s3_additional_kwargs_reach_every_request_that_takes_them_and_a_typo_is_refused(s3):
+    from ckptstore.storage.s3 import S3Store
+
+    opts = {**s3.storage_options, "s3_additional_kwargs": {"ServerSideEncryption": "AES256", "StorageClass": "STANDARD_IA"}}
+    store = S3Store(s3.url.removeprefix("s3://"), opts)
+    try:
+        store.put("single", b"x" * 100)
+        store.put_if_absent("created", b"y" * 100)
+        up = store.create_multipart("multi", 5 << 20)
+        up.upload_part(1, b"z" * 100)
+        up.complete(1)
+        client = store._client()
+        for key in ("single", "created", "multi"):
+            head = client.head_object(Bucket=s3.bucket, Key=store._full(key))
+            assert head.get("ServerSideEncryption") == "AES256", (key, head)
+            assert head.get("StorageClass") == "STANDARD_IA", (key, head)
+        assert store.get("multi") == b"z" * 100  # GetObject takes neither: not sent there
+    finally:
+        store.close()
+    for bad in ({"ServerSideEncrpytion": "AES256"}, {"Bucket": "other"}):
+        with pytest.raises(ValueError, match="s3_additional_kwargs"):
+            S3Store("b/p", {**s3.storage_options, "s3_additional_kwargs": bad})
+    with pytest.raises(ValueError, match="must be a dict"):
+        S3Store("b/p", {**s3.storage_options, "s3_additional_kwargs": "AES256"})
+
+
 def test_storage_options_translation():
     from ckptstore.storage.s3 import TRIES, _Options
 

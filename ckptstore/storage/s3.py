@@ -19,7 +19,9 @@ would hash every body at 1.8 GB/s); ``config_kwargs={"s3":
 ``storage_options`` keep s3fs's names (:data:`OPTIONS`): ``key``, ``secret``,
 ``token``, ``anon``, ``profile``, ``endpoint_url``, ``region_name``,
 ``client_kwargs``, ``config_kwargs``, ``connect_timeout``, ``read_timeout``,
-``requester_pays`` and a few more; any other key raises ``ValueError``
+``requester_pays``, ``s3_additional_kwargs`` (request parameters such as
+``ServerSideEncryption``/``SSEKMSKeyId``, added to every request that takes
+them) and a few more; any other key raises ``ValueError``
 naming it (a typo never passes silently). Credentials: explicit ones, else
 botocore's chain (environment, ``profile`` / ``AWS_PROFILE`` and
 ``~/.aws``, SSO, instance roles); the endpoint: the options, else
@@ -52,6 +54,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import datetime
+import functools
 import os
 import re
 import threading
@@ -113,7 +116,7 @@ TRIES = 3
 #: The storage options understood, by where they go (s3fs's names).
 OPTIONS = frozenset({"key", "secret", "token", "username", "password", "anon", "profile", "endpoint_url",
                      "region_name", "client_kwargs", "config_kwargs", "connect_timeout", "read_timeout",
-                     "requester_pays", "use_ssl"})
+                     "requester_pays", "use_ssl", "s3_additional_kwargs"})
 #: s3fs options about its own caches: accepted and ignored (this store has no cache).
 IGNORED_OPTIONS = frozenset({"skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths",
                              "default_block_size", "default_fill_cache", "default_cache_type", "cache_regions"})
@@ -257,6 +260,7 @@ class _Options:
         self.sign_payload = bool(s3cfg.get("payload_signing_enabled")) or self.checksums == "when_required"
         self.user_agent_extra = cfg.get("user_agent_extra")
         self.requester_pays = bool(opts.get("requester_pays"))
+        self.extra = _extra_params(opts.get("s3_additional_kwargs"))
         if self.endpoint and opts.get("use_ssl", ck.get("use_ssl", True)) is False:
             self.endpoint = self.endpoint.replace("https://", "http://", 1)
         #: Kept only to scrub them from error messages, never printed.
@@ -293,7 +297,40 @@ class _Options:
             client = session.create_client("s3", config=Config(**config), **kwargs)
         if self.requester_pays:
             client.meta.events.register("before-parameter-build.s3", _request_payer)
+        if self.extra:
+            client.meta.events.register("before-parameter-build.s3", functools.partial(_add_params, self.extra))
         return client
+
+
+#: Operations whose parameters ``s3_additional_kwargs`` may name (server-side encryption, storage class, ACL...).
+_EXTRA_OPERATIONS = ("PutObject", "CreateMultipartUpload", "UploadPart", "GetObject", "HeadObject")
+
+
+def _extra_params(extra) -> dict:
+    """``s3_additional_kwargs`` checked: each key a parameter of a request this store sends (as s3fs
+    took them: ``{"ServerSideEncryption": "aws:kms", "SSEKMSKeyId": ...}``); a typo is refused by name."""
+    if not extra:
+        return {}
+    if not isinstance(extra, dict):
+        raise ValueError("S3 storage option s3_additional_kwargs must be a dict of request parameters")
+    import botocore.session
+
+    model = botocore.session.get_session().get_service_model("s3")
+    known = set().union(*(model.operation_model(op).input_shape.members for op in _EXTRA_OPERATIONS))
+    known -= {"Bucket", "Key", "Body", "Range", "UploadId", "PartNumber", "IfNoneMatch", "ContentLength"}
+    unknown = sorted(set(extra) - known)
+    if unknown:
+        raise ValueError(f"S3 storage option s3_additional_kwargs: {unknown} not a parameter of "
+                         f"{', '.join(_EXTRA_OPERATIONS)} (e.g. ServerSideEncryption, SSEKMSKeyId, StorageClass)")
+    return dict(extra)
+
+
+def _add_params(extra: dict, params: dict, model, **kwargs) -> None:
+    """``s3_additional_kwargs`` on every request whose operation takes them."""
+    members = model.input_shape.members if model.input_shape is not None else {}
+    for k, v in extra.items():
+        if k in members:
+            params.setdefault(k, v)
 
 
 def _request_payer(params: dict, model, **kwargs) -> None:
