@@ -19,12 +19,22 @@ as the client's), pinned to CPU 1, this process to CPU 0:
   the JSON API): ``put`` (one ``uploadType=media`` POST); ``read_range_into``
   into one reused buffer per thread (the store's default: ``get_ranges``,
   one ranged GET of ``/download/storage/v1/b/../o/..?alt=media``, then a copy);
+- ``GCSStore multipart``: the save path of packs: each object as a
+  multipart upload of 16 MiB parts (``create_multipart``/``upload_part``/
+  ``complete``: parallel composite upload, each part a media upload, then
+  ``compose`` and the parts deleted), read back as above;
 - ``google-cloud-storage``: one ``storage.Client`` (anonymous credentials,
   ``api_endpoint`` the emulator) shared by the threads;
   ``Blob.upload_from_string(checksum=None)`` (above 8 MiB the library makes
   it a resumable upload: one POST to open the session, the 64 MiB in one PUT);
   ``Blob.download_to_file(start, end, raw_download=True, checksum=None)``
   into a sink writing into a reused buffer;
+- ``google-auth session``: the JSON API requests ckptstore's store sends,
+  on threads instead of gcsfs's event loop: one ``AuthorizedSession``
+  (google-auth's ``requests`` session, the HTTP layer google-cloud-storage
+  uses) shared by the threads: a media upload POST; a ranged GET whose
+  body is read from the socket straight into the reused buffer (as
+  ``s3_clients``' botocore row does);
 - ``obstore`` (``obstore.store.GCSStore``, ``base_url`` the emulator, a
   static bearer token): ``put(use_multipart=False)`` (one PUT; obstore's
   default above 5 MiB, a multipart upload, is an XML API call the emulator
@@ -43,6 +53,8 @@ pinned to CPU 1):
   ``BlobServiceClient`` that adlfs builds, aiohttp): ``put``
   (``upload_blob``, one Put Blob up to 64 MiB); ``read_range_into`` (the
   default: ``download_blob(offset, length)`` then ``readall``, then a copy);
+- ``AzureStore multipart``: the save path of packs: 16 MiB parts as
+  ``stage_block`` calls, then one ``commit_block_list``, read back as above;
 - ``azure-storage-blob sync``: one synchronous ``BlobServiceClient``
   (``retry_total=0``, as ckptstore's) shared by the threads (requests):
   ``upload_blob(overwrite=True)``; ``download_blob(offset, length).readinto``
@@ -79,6 +91,7 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # before gc
 
 OBJECT = 64 << 20
 RANGE = 8 << 20
+PART = 16 << 20
 BUCKET = "bench"
 
 
@@ -225,6 +238,24 @@ class _GCSStore(_Client):
         self.s.close()
 
 
+class _Parts:
+    """The save path of packs: each object as a multipart upload of 16 MiB parts through the store."""
+
+    def put(self, key, data):
+        # Parts as bytearrays, cut once (the saver hands its part buffers over as they are).
+        if getattr(self, "_of", None) is not data:
+            self._parts = [bytearray(data[i : i + PART]) for i in range(0, len(data), PART)]
+            self._of = data
+        mp = self.s.create_multipart(key, PART)
+        for n, part in enumerate(self._parts, 1):
+            mp.upload_part(n, part)
+        mp.complete(len(self._parts))
+
+
+class _GCSStoreParts(_Parts, _GCSStore):
+    name = "GCSStore multipart"
+
+
 class _GoogleCloudStorage(_Client):
     name = "google-cloud-storage"
 
@@ -249,6 +280,46 @@ class _GoogleCloudStorage(_Client):
 
     def close(self):
         self.c.close()
+
+
+class _GoogleSession(_Client):
+    name = "google-auth session"
+
+    def __init__(self, srv, prefix):
+        super().__init__(srv, prefix)
+        from google.auth.credentials import AnonymousCredentials
+        from google.auth.transport.requests import AuthorizedSession
+
+        self.ep = srv.endpoint
+        self.http = AuthorizedSession(AnonymousCredentials())
+        self.http.trust_env = False
+
+    def put(self, key, data):
+        r = self.http.post(f"{self.ep}/upload/storage/v1/b/{BUCKET}/o",
+                           params={"uploadType": "media", "name": f"{self.prefix}/{key}"}, data=data,
+                           headers={"Content-Type": "application/octet-stream"})
+        r.raise_for_status()
+
+    def get(self, key, start):
+        from urllib.parse import quote
+
+        b = self._buffer()
+        r = self.http.get(f"{self.ep}/download/storage/v1/b/{BUCKET}/o/{quote(f'{self.prefix}/{key}', safe='')}",
+                          params={"alt": "media"}, headers={"Range": f"bytes={start}-{start + RANGE - 1}"},
+                          stream=True)
+        r.raise_for_status()
+        mv, got = memoryview(b), 0
+        while got < RANGE:  # the body straight from the socket into the buffer, as s3_clients' botocore row
+            n = r.raw.readinto(mv[got:])
+            if not n:
+                break
+            got += n
+        r.close()
+        assert got == RANGE
+        return _probe(b)
+
+    def close(self):
+        self.http.close()
 
 
 class _ObstoreGCS(_Client):
@@ -307,6 +378,10 @@ class _AzureStore(_Client):
     close = _GCSStore.close
 
 
+class _AzureStoreParts(_Parts, _AzureStore):
+    name = "AzureStore multipart"
+
+
 class _AzureSync(_Client):
     name = "azure-storage-blob sync"
 
@@ -344,8 +419,9 @@ class _ObstoreAzure(_ObstoreGCS):
 
 
 CLOUDS = {
-    "gcs": (_GCSServer, [(_GCSStore, None), (_GoogleCloudStorage, "google.cloud.storage"), (_ObstoreGCS, "obstore")]),
-    "azure": (_AzureServer, [(_AzureStore, None), (_AzureSync, "azure.storage.blob"), (_ObstoreAzure, "obstore")]),
+    "gcs": (_GCSServer, [(_GCSStore, None), (_GCSStoreParts, None), (_GoogleCloudStorage, "google.cloud.storage"),
+            (_GoogleSession, "google.auth"), (_ObstoreGCS, "obstore")]),
+    "azure": (_AzureServer, [(_AzureStore, None), (_AzureStoreParts, None), (_AzureSync, "azure.storage.blob"), (_ObstoreAzure, "obstore")]),
 }
 
 
