@@ -29,18 +29,13 @@ import numpy as np
 
 from ckptstore.storage.s3 import S3Store
 
+from ..common.clients import probe
 from ..common.pinning import pin
 from ..common.servers import SERVERS, start_server
 
 OBJECT = 16 << 20
 RANGE = 8 << 20
 STREAMED = "read_range_into"
-
-
-def _probe(b) -> bytes:
-    """4 KiB from each end and the middle of a range (what a reused buffer is checked by)."""
-    m = len(b) // 2
-    return bytes(b[:4096]) + bytes(b[m : m + 4096]) + bytes(b[-4096:])
 
 
 def main(argv=None) -> int:
@@ -79,9 +74,9 @@ def main(argv=None) -> int:
             if buf is None:
                 buf = buffers.b = bytearray(RANGE)  # one per thread, reused: the loader's pool
             st.read_range_into(w[0], w[1], buf, lambda n: None)
-            return _probe(buf)  # the buffer is reused: keep a few bytes of each range to check
+            return probe(buf)  # the buffer is reused: keep a few bytes of each range to check
 
-        want = {w: _probe(data[w[1] : w[1] + RANGE]) for w in work}
+        want = {w: probe(data[w[1] : w[1] + RANGE]) for w in work}
         with cf.ThreadPoolExecutor(a.threads) as pool:
             for name, st in stores.items():  # untimed warm-up: connections, clients
                 list(pool.map(lambda w: read(st, modes[name], w), work[: a.threads]))

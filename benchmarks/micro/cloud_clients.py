@@ -76,7 +76,6 @@ import argparse
 import concurrent.futures as cf
 import importlib.util
 import os
-import statistics
 import subprocess
 import sys
 import threading
@@ -85,6 +84,7 @@ import urllib.request
 
 import numpy as np
 
+from ..common.clients import Results, print_medians, probe, timed_rounds
 from ..common.pinning import pin
 
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # before gcsfs is imported
@@ -93,11 +93,6 @@ OBJECT = 64 << 20
 RANGE = 8 << 20
 PART = 16 << 20
 BUCKET = "bench"
-
-
-def _probe(b) -> bytes:
-    m = len(b) // 2
-    return bytes(b[:4096]) + bytes(b[m : m + 4096]) + bytes(b[-4096:])
 
 
 class _Sink:
@@ -232,7 +227,7 @@ class _GCSStore(_Client):
     def get(self, key, start):
         b = self._buffer()
         self.s.read_range_into(key, start, b, lambda n: None)
-        return _probe(b)
+        return probe(b)
 
     def close(self):
         self.s.close()
@@ -276,7 +271,7 @@ class _GoogleCloudStorage(_Client):
         self.bucket.blob(f"{self.prefix}/{key}").download_to_file(
             sink, start=start, end=start + RANGE - 1, raw_download=True, checksum=None)
         assert sink.n == RANGE
-        return _probe(sink.mv)
+        return probe(sink.mv)
 
     def close(self):
         self.c.close()
@@ -316,7 +311,7 @@ class _GoogleSession(_Client):
             got += n
         r.close()
         assert got == RANGE
-        return _probe(b)
+        return probe(b)
 
     def close(self):
         self.http.close()
@@ -345,7 +340,7 @@ class _ObstoreGCS(_Client):
 
         got = obstore.get_range(self.s, f"{self.prefix}/{key}", start=start, end=start + RANGE)
         assert len(got) == RANGE
-        return _probe(memoryview(got))
+        return probe(memoryview(got))
 
 
 # ------------------------------------------------------------------ Azure
@@ -399,7 +394,7 @@ class _AzureSync(_Client):
         sink = _Sink(self._buffer())
         n = self.cc.get_blob_client(f"{self.prefix}/{key}").download_blob(offset=start, length=RANGE).readinto(sink)
         assert n == RANGE == sink.n
-        return _probe(sink.mv)
+        return probe(sink.mv)
 
     def close(self):
         self.c.close()
@@ -425,12 +420,12 @@ CLOUDS = {
 }
 
 
-def _bench(cloud: str, a, data: bytes, n: int) -> dict[tuple[str, str], list[tuple[float, float]]]:
+def _bench(cloud: str, a, data: bytes, n: int) -> Results:
     gib = n * OBJECT / (1 << 30)
     server_cls, kinds = CLOUDS[cloud]
     work = [(f"o{i}", s) for i in range(n) for s in range(0, OBJECT, RANGE)]
-    want = {w: _probe(memoryview(data)[w[1] : w[1] + RANGE]) for w in work}
-    results: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    want = {w: probe(memoryview(data)[w[1] : w[1] + RANGE]) for w in work}
+    results: Results = {}
     srv = server_cls()
     try:
         pin(srv.pid, {1})
@@ -453,20 +448,7 @@ def _bench(cloud: str, a, data: bytes, n: int) -> dict[tuple[str, str], list[tup
                           f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}", flush=True)
                     continue
                 clients.append(c)
-            for r in range(a.rounds):
-                for c in clients:
-                    c0, t0 = time.process_time(), time.perf_counter()
-                    list(pool.map(lambda i: c.put(f"o{i}", data), range(n)))
-                    cpu, wall = time.process_time() - c0, time.perf_counter() - t0
-                    results.setdefault((c.name, "PUT"), []).append((cpu / gib, wall / gib))
-                    c0, t0 = time.process_time(), time.perf_counter()
-                    got = list(pool.map(lambda w: c.get(*w), work))
-                    cpu, wall = time.process_time() - c0, time.perf_counter() - t0
-                    assert all(g == want[w] for g, w in zip(got, work)), c.name
-                    results.setdefault((c.name, "GET"), []).append((cpu / gib, wall / gib))
-                    print(f"  round {r + 1}  {c.name:24s} PUT {results[(c.name, 'PUT')][-1][0]:5.2f} CPU-s/GiB "
-                          f"{results[(c.name, 'PUT')][-1][1]:6.2f} s/GiB   GET {cpu / gib:5.2f} CPU-s/GiB "
-                          f"{wall / gib:6.2f} s/GiB", flush=True)
+            results = timed_rounds(pool, clients, a.rounds, data, n, work, want, gib, width=24)
         for c in clients:
             c.close()
     finally:
@@ -491,10 +473,7 @@ def main(argv=None) -> int:
     for cloud in a.cloud:
         results = _bench(cloud, a, data, n)
         print()
-        print(f"{cloud:5s} {'client':24s} {'op':4s} {'CPU-s/GiB (median)':>20s} {'s/GiB (median)':>16s}")
-        for (name, op), rows in results.items():
-            print(f"{cloud:5s} {name:24s} {op:4s} {statistics.median(c for c, _ in rows):20.2f} "
-                  f"{statistics.median(w for _, w in rows):16.2f}")
+        print_medians(results, prefix=f"{cloud:5s} ", width=24)
         print(flush=True)
     return 0
 

@@ -37,14 +37,13 @@ import argparse
 import concurrent.futures as cf
 import importlib.util
 import os
-import statistics
 import threading
-import time
 
 import numpy as np
 
 from ckptstore.storage.s3 import S3Store
 
+from ..common.clients import print_medians, probe, timed_rounds
 from ..common.pinning import pin
 from ..common.servers import SERVERS, start_server
 
@@ -55,11 +54,6 @@ PART = 16 << 20
 #: botocore client for bodies: 512 MiB, 3 rounds, commit 088ca58; obstore (+
 #: botocore multipart): 256 MiB, 3 rounds, commit bafeb17 (docs/data/s3_clients_obstore.txt).
 EARLIER = {"s3fs (088ca58)": {"PUT": 0.78, "GET": 0.59}, "obstore (bafeb17)": {"PUT": 0.40, "GET": 0.91}}
-
-
-def _probe(b) -> bytes:
-    m = len(b) // 2
-    return bytes(b[:4096]) + bytes(b[m : m + 4096]) + bytes(b[-4096:])
 
 
 class _Ckpt:
@@ -77,7 +71,7 @@ class _Ckpt:
         if b is None:
             b = self.buf.b = bytearray(RANGE)
         self.s.read_range_into(key, start, b, lambda n: None)
-        return _probe(b)
+        return probe(b)
 
     def close(self):
         self.s.close()
@@ -131,7 +125,7 @@ class _Boto:
             got += n
         body.close()
         assert got == RANGE
-        return _probe(b)
+        return probe(b)
 
     def close(self):
         self.c.close()
@@ -158,7 +152,7 @@ class _Obstore:
 
         got = obstore.get_range(self.s, f"{self.prefix}/{key}", start=start, end=start + RANGE)
         assert len(got) == RANGE
-        return _probe(memoryview(got))
+        return probe(memoryview(got))
 
     def close(self):
         pass
@@ -180,8 +174,7 @@ def main(argv=None) -> int:
         print("obstore is not installed (pip install obstore): left out")
     data = np.random.default_rng(0).integers(0, 256, OBJECT, dtype=np.uint8).tobytes()
     work = [(f"o{i}", s) for i in range(n) for s in range(0, OBJECT, RANGE)]
-    want = {w: _probe(memoryview(data)[w[1] : w[1] + RANGE]) for w in work}
-    results: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    want = {w: probe(memoryview(data)[w[1] : w[1] + RANGE]) for w in work}
     with start_server(a.server, "bench") as srv:
         if srv.pid is not None:
             pin(srv.pid, {1})
@@ -193,27 +186,11 @@ def main(argv=None) -> int:
             for c in clients:  # untimed warm-up: connections, clients, the server's volumes
                 list(pool.map(lambda i: c.put(f"o{i}", data), range(n)))
                 list(pool.map(lambda w: c.get(*w), work[: a.threads]))
-            for r in range(a.rounds):
-                for c in clients:
-                    c0, t0 = time.process_time(), time.perf_counter()
-                    list(pool.map(lambda i: c.put(f"o{i}", data), range(n)))
-                    cpu, wall = time.process_time() - c0, time.perf_counter() - t0
-                    results.setdefault((c.name, "PUT"), []).append((cpu / gib, wall / gib))
-                    c0, t0 = time.process_time(), time.perf_counter()
-                    got = list(pool.map(lambda w: c.get(*w), work))
-                    cpu, wall = time.process_time() - c0, time.perf_counter() - t0
-                    assert all(g == want[w] for g, w in zip(got, work)), c.name
-                    results.setdefault((c.name, "GET"), []).append((cpu / gib, wall / gib))
-                    print(f"  round {r + 1}  {c.name:18s} PUT {results[(c.name, 'PUT')][-1][0]:5.2f} CPU-s/GiB "
-                          f"{results[(c.name, 'PUT')][-1][1]:5.2f} s/GiB   GET {cpu / gib:5.2f} CPU-s/GiB "
-                          f"{wall / gib:5.2f} s/GiB", flush=True)
+            results = timed_rounds(pool, clients, a.rounds, data, n, work, want, gib)
         for c in clients:
             c.close()
     print()
-    print(f"{'client':18s} {'op':4s} {'CPU-s/GiB (median)':>20s} {'s/GiB (median)':>16s}")
-    for (name, op), rows in results.items():
-        print(f"{name:18s} {op:4s} {statistics.median(c for c, _ in rows):20.2f} "
-              f"{statistics.median(w for _, w in rows):16.2f}")
+    print_medians(results)
     for name, figures in EARLIER.items():
         for op, cpu in figures.items():
             print(f"{'S3Store ' + name:26s} {op:4s} {cpu:12.2f}")
