@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import torch
 
 from ckptstore.format.manifest import DTYPES
@@ -72,3 +75,19 @@ def flat_tensors(sd: dict, prefix: str = "") -> dict[str, torch.Tensor]:
         elif isinstance(v, torch.Tensor):
             out[prefix + k] = v
     return out
+
+
+def copy_repository(src: Path, where: str, request, tmp_path) -> tuple[str, dict | None]:
+    """A copy of the repository folder ``src`` (test data, written by an older ckptstore) in a
+    local directory (``where="local"``) or in the session's moto bucket (``"s3"``):
+    ``(url, storage_options)``."""
+    if where == "local":
+        dst = tmp_path / "repo"
+        shutil.copytree(src, dst)
+        return str(dst), None
+    env = request.getfixturevalue("s3")
+    store = env.store()
+    for p in sorted(src.rglob("*")):
+        if p.is_file() and p.name != ".gitkeep":
+            store.put(p.relative_to(src).as_posix(), p.read_bytes())
+    return env.url, env.storage_options

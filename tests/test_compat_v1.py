@@ -9,7 +9,6 @@ deleted step 4 (tombstone), tag ``best``. Each test works on a copy.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -23,29 +22,16 @@ from ckptstore.dcp import CkptStoreReader
 from ckptstore.errors import UnsupportedVersionError
 from ckptstore.storage import open_store
 
-from .data.make_v1_repo import dcp_state, state
-from .helpers import assert_tree_equal
+from .data.make_v1_repo import dcp_state, expected, state
+from .helpers import assert_tree_equal, copy_repository
 
 V1 = Path(__file__).resolve().parent / "data" / "repo_v1"
-
-
-def _expected(step: int) -> dict:
-    return {"model": state(step)["model"], "meta": state(step)["meta"]}
 
 
 @pytest.fixture(params=["local", "s3"])
 def v1_url(request, tmp_path):
     """A copy of the 1.0 repository: ``(url, storage_options)``."""
-    if request.param == "local":
-        dst = tmp_path / "repo"
-        shutil.copytree(V1, dst)
-        return str(dst), None
-    env = request.getfixturevalue("s3")
-    store = env.store()
-    for p in sorted(V1.rglob("*")):
-        if p.is_file() and p.name != ".gitkeep":
-            store.put(p.relative_to(V1).as_posix(), p.read_bytes())
-    return env.url, env.storage_options
+    return copy_repository(V1, request.param, request, tmp_path)
 
 
 def test_v1_steps_list_load_slice_and_verify(v1_url):
@@ -54,7 +40,7 @@ def test_v1_steps_list_load_slice_and_verify(v1_url):
         assert repo.steps() == [1, 2, 3] and repo.tags() == {"best": 2}
         assert all(repo.manifest(s).version == (1, 0) for s in (1, 2, 3))
         for s in (1, 2):
-            assert_tree_equal(_expected(s), repo.load(s))
+            assert_tree_equal(expected(s), repo.load(s))
         big, small = dcp_state()
         ck = repo.checkpoint(3)
         assert len(ck.tensor_meta("big").shards) == 2
@@ -79,7 +65,7 @@ def test_v2_saves_dedup_against_v1_steps_and_gc_keeps_what_they_share(v1_url):
     fresh = ckptstore.open(url, storage_options=so)
     assert fresh.steps() == [1, 2, 3, 5, 6]
     for s in (5, 6):
-        assert_tree_equal(_expected(s), fresh.load(s))
+        assert_tree_equal(expected(s), fresh.load(s))
     assert fresh.verify(read_data=True).ok
 
     # GC next to 2.0 steps: deletes the 1.0 steps, keeps the packs 2.0 steps share with them
@@ -91,7 +77,7 @@ def test_v2_saves_dedup_against_v1_steps_and_gc_keeps_what_they_share(v1_url):
     fresh = ckptstore.open(url, storage_options=so)
     assert fresh.steps() == [2, 5, 6]
     for s in (2, 5, 6):
-        assert_tree_equal(_expected(s), fresh.load(s))
+        assert_tree_equal(expected(s), fresh.load(s))
     rep = fresh.verify(read_data=True)
     assert rep.ok, str(rep)
     # nothing is left that no step needs
@@ -108,7 +94,7 @@ def test_cp_of_a_v1_repository_writes_v2_steps(v1_url, tmp_path):
     assert res.copied == [1, 2, 3]
     for s in (1, 2):
         assert dst.manifest(s).version == (3, 0)
-        assert_tree_equal(_expected(s), dst.load(s))
+        assert_tree_equal(expected(s), dst.load(s))
     big, _ = dcp_state()
     assert torch.equal(dst.checkpoint(3).read("big"), big)
     assert dst.diff(1, 2)["changed"] and src.diff(1, 2) == dst.diff(1, 2)

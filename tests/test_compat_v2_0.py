@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 import struct
 from pathlib import Path
 
@@ -27,14 +26,10 @@ from ckptstore.format import manifest as M
 from ckptstore.format import strict_json
 from ckptstore.format.layout import segment_key
 
-from .data.make_v1_repo import dcp_state, state
-from .helpers import assert_tree_equal
+from .data.make_v1_repo import dcp_state, expected, state
+from .helpers import assert_tree_equal, copy_repository
 
 V20 = Path(__file__).resolve().parent / "data" / "repo_v2_0"
-
-
-def _expected(step: int) -> dict:
-    return {"model": state(step)["model"], "meta": state(step)["meta"]}
 
 
 def _versions(repo, step: int) -> set[tuple[int, int]]:
@@ -46,16 +41,7 @@ def _versions(repo, step: int) -> set[tuple[int, int]]:
 @pytest.fixture(params=["local", "s3"])
 def v20_url(request, tmp_path):
     """A copy of the 2.0 repository: ``(url, storage_options)``."""
-    if request.param == "local":
-        dst = tmp_path / "repo"
-        shutil.copytree(V20, dst)
-        return str(dst), None
-    env = request.getfixturevalue("s3")
-    store = env.store()
-    for p in sorted(V20.rglob("*")):
-        if p.is_file():
-            store.put(p.relative_to(V20).as_posix(), p.read_bytes())
-    return env.url, env.storage_options
+    return copy_repository(V20, request.param, request, tmp_path)
 
 
 def test_2_0_steps_list_load_slice_and_verify(v20_url):
@@ -65,7 +51,7 @@ def test_2_0_steps_list_load_slice_and_verify(v20_url):
         assert all(_versions(repo, s) == {(2, 0)} for s in (1, 2, 3))
         assert repo.config()["version"] == [2, 0]
         for s in (1, 2):
-            assert_tree_equal(_expected(s), repo.load(s))
+            assert_tree_equal(expected(s), repo.load(s))
         big, small = dcp_state()
         ck = repo.checkpoint(3)
         assert len(ck.tensor_meta("big").shards) == 2
@@ -87,7 +73,7 @@ def test_new_steps_write_3_0_segments_dedup_against_2_0_steps_and_gc_keeps_what_
     assert repo.config()["version"] == [2, 0]  # the repository's config stays as written
     fresh = ckptstore.open(url, storage_options=so)
     assert fresh.steps() == [1, 2, 3, 5]
-    assert_tree_equal(_expected(5), fresh.load(5))
+    assert_tree_equal(expected(5), fresh.load(5))
     clock.advance(repo.grace() + 10)
     plan = repo.plan_gc(keep_last=1)  # keeps 5 and the tagged 2.0 step 2
     assert plan.delete_steps == (1, 3)
@@ -95,7 +81,7 @@ def test_new_steps_write_3_0_segments_dedup_against_2_0_steps_and_gc_keeps_what_
     fresh = ckptstore.open(url, storage_options=so)
     assert fresh.steps() == [2, 5]
     for s in (2, 5):
-        assert_tree_equal(_expected(s), fresh.load(s))
+        assert_tree_equal(expected(s), fresh.load(s))
     rep = fresh.verify(read_data=True)
     assert rep.ok, str(rep)
     assert fresh.stats()["unreferenced_pack_bytes"] == 0
@@ -109,7 +95,7 @@ def test_cp_of_a_2_0_repository_writes_3_0_steps(v20_url, tmp_path):
     assert src.cp(dst).copied == [1, 2, 3]
     for s in (1, 2):
         assert _versions(dst, s) == {(3, 0)}
-        assert_tree_equal(_expected(s), dst.load(s))
+        assert_tree_equal(expected(s), dst.load(s))
     big, _ = dcp_state()
     assert torch.equal(dst.checkpoint(3).read("big"), big)
     assert src.diff(1, 2) == dst.diff(1, 2)

@@ -34,6 +34,11 @@ def state(step: int) -> dict:
     }
 
 
+def expected(step: int) -> dict:
+    """What ``repo.load(step)`` gives for steps 1 and 2 (``state`` as saved)."""
+    return {"model": state(step)["model"], "meta": state(step)["meta"]}
+
+
 def dcp_state(rank: int | None = None, world: int = 2):
     g = torch.Generator().manual_seed(303)
     big = torch.randn(96, 48, generator=g)
