@@ -61,7 +61,7 @@ import numpy as np
 from . import manifest as _m
 from ..errors import FormatError, UnsupportedVersionError
 from .manifest import ChunkRef
-from .model import SEGMENT_BLOCK_RECORDS
+from .model import SEGMENT_BLOCK_RECORDS, merkle_depth
 from .pack import CODEC_IDS, CODEC_NAMES
 
 MAGIC = b"CKPTSEG2"
@@ -146,15 +146,11 @@ def _node(left: bytes, right: bytes) -> bytes:
     return blake3.blake3(b"\x01" + left + right).digest()
 
 
-def _depth(nblocks: int) -> int:
-    return max(0, (nblocks - 1).bit_length())
-
-
 def merkle(leaves: list[bytes]) -> tuple[bytes, list[list[bytes]]]:
     """``(root, proofs)`` of ``leaves``: ``proofs[i]`` is leaf ``i``'s sibling path, leaf level first."""
     if not leaves:
         return _EMPTY, []
-    depth = _depth(len(leaves))
+    depth = merkle_depth(len(leaves))
     level = leaves + [_EMPTY] * ((1 << depth) - len(leaves))
     proofs: list[list[bytes]] = [[] for _ in leaves]
     for _ in range(depth):
@@ -257,7 +253,7 @@ def parse_header(data: bytes, digest_hex: str, where: str) -> SegmentHeader:
         digests = tuple(data[d0 + 32 * i : d0 + 32 * (i + 1)] for i in range(nblocks))
         return SegmentHeader(packs, nrecords, block_records, digests, records_offset)
     root = bytes(data[d0 : d0 + 32])
-    return SegmentHeader(packs, nrecords, block_records, (), records_offset, 3, root, _depth(nblocks))
+    return SegmentHeader(packs, nrecords, block_records, (), records_offset, 3, root, merkle_depth(nblocks))
 
 
 def parse_block(header: SegmentHeader, b: int, data: bytes, where: str) -> np.ndarray:

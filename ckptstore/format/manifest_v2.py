@@ -213,7 +213,8 @@ def _from_doc_v2(doc: dict, version: tuple[int, int], expect_step: int | None) -
         records = _int(g["records"], f"segments[{i}].records", 0, 1 << 40)
         header = _int(g["header"], f"segments[{i}].header", 0, size)
         # a 2.x root names 2.0 segments; a 3.x root the 3.0 layout (or, read leniently, 2.0)
-        if size not in (segment_sizes(header, records)[:1] if version[0] == 2 else segment_sizes(header, records)):
+        sizes = segment_sizes(header, records)
+        if size not in (sizes[:1] if version[0] == 2 else sizes):
             _fail(f"segments[{i}]", f"size {size} does not hold a {header}-byte header and {records} records")
         segments.append(SegmentRef(g["id"], size, records, header, d))
     seg_records = np.array([s.records for s in segments], dtype=np.int64)

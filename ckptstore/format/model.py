@@ -76,11 +76,16 @@ class TableRef:
 SEGMENT_BLOCK_RECORDS = 16
 
 
+def merkle_depth(nblocks: int) -> int:
+    """Levels of a 3.0 segment's Merkle tree over ``nblocks`` blocks: each block's proof length."""
+    return max(0, (nblocks - 1).bit_length())
+
+
 def segment_sizes(header: int, records: int) -> tuple[int, int]:
     """The sizes a segment with this header length and record count has: 2.0 (records only)
     and 3.0 (every block of :data:`SEGMENT_BLOCK_RECORDS` records followed by its Merkle proof)."""
     nblocks = -(-records // SEGMENT_BLOCK_RECORDS)
-    depth = max(0, (nblocks - 1).bit_length())
+    depth = merkle_depth(nblocks)
     return header + 56 * records, header + 56 * records + 32 * depth * nblocks
 
 
