@@ -11,7 +11,7 @@ single PUTs, which carry manifests and segments (small); packs go through
 multipart uploads, which obstore cannot do with explicit parts, and a load
 through obstore cost more client CPU than botocore, whose ranged GETs are
 read here straight from the socket into the loader's buffer
-(:func:`_stream_body`). Bodies carry a CRC32 the server checks and no
+(:func:`~ckptstore.storage._blocking.stream_into`). Bodies carry a CRC32 the server checks and no
 SHA-256 payload signature (botocore's default over HTTPS; over plain HTTP it
 would hash every body at 1.8 GB/s); ``config_kwargs={"s3":
 {"payload_signing_enabled": True}}`` signs them.
@@ -52,7 +52,6 @@ its own there on first use and leaves the parent's alone.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import datetime
 import functools
 import os
@@ -70,8 +69,8 @@ from ..errors import (
     TransientStorageError,
 )
 from ._classify import MAX_MESSAGE, host_not_resolved, in_chain, is_network_error, optional_types, scrub
+from ._blocking import get_ranges_threaded, stream_into
 from .base import (
-    READ_PIECE,
     MultipartInfo,
     MultipartUpload,
     ObjectInfo,
@@ -79,7 +78,6 @@ from .base import (
     RangeReplyError,
     check_key,
     check_range_reply,
-    check_ranges,
 )
 
 #: Keys per ``DeleteObjects`` request (S3's limit).
@@ -371,44 +369,6 @@ def _body(data):
     return memoryview(data).cast("B").tobytes()
 
 
-def _stream_body(body, mv: memoryview, progress) -> tuple[int, bool]:
-    """Read a botocore ``StreamingBody`` into ``mv`` piece by piece.
-
-    Straight into ``mv`` through the ``http.client`` response under urllib3's
-    (one copy, from the socket), when the body is a plain length-delimited
-    one; otherwise through ``body.read`` (a copy more). Returns ``(bytes
-    read, at end)``: at end, the body held exactly ``len(mv)`` bytes and its
-    connection went back to the pool; otherwise the caller closes it. (A
-    botocore response-checksum wrapper would be bypassed too; S3 sends no
-    checksum for ranged GETs, and the loader checks every chunk's BLAKE3.)
-    """
-    raw = getattr(body, "_raw_stream", None)
-    fp = getattr(raw, "_fp", None)
-    direct = (fp is not None and hasattr(fp, "readinto") and hasattr(fp, "isclosed")
-              and hasattr(raw, "release_conn") and not getattr(fp, "chunked", False)
-              and not (raw.headers or {}).get("content-encoding"))
-    n, got = len(mv), 0
-    while got < n:
-        piece = mv[got : min(n, got + READ_PIECE)]
-        if direct:
-            k = fp.readinto(piece)
-        else:
-            data = body.read(len(piece))
-            k = len(data)
-            piece[:k] = data
-        if not k:
-            return got, False
-        got += k
-        if progress is not None:
-            progress(got)
-    if direct:
-        if not fp.isclosed():  # more than Content-Length said, or no length
-            return got, False
-        raw.release_conn()
-        return got, True
-    return got, not body.read(1)
-
-
 # ------------------------------------------------------------------ the store
 class S3Store(ObjectStore):
     """Objects under ``s3://bucket/prefix``.
@@ -530,41 +490,14 @@ class S3Store(ObjectStore):
 
     def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
         """Each range by its own GET, at most ``max_concurrency`` at once on a pool of this call."""
-        ranges = check_ranges(ranges)
-        todo = [(i, s, e) for i, (s, e) in enumerate(ranges) if e > s]
-        out: list[bytes] = [b""] * len(ranges)
-        size = None
         try:
-            if len(todo) <= 1 or self.max_concurrency == 1:
-                # The loader asks for one range per call from its own I/O threads.
-                for i, s, e in todo:
-                    out[i], size = self._range_bytes(key, s, e)
-            else:
-                with cf.ThreadPoolExecutor(min(self.max_concurrency, len(todo)),
-                                           thread_name_prefix="ckptstore-s3-get") as ex:
-                    futs = [(i, ex.submit(self._range_bytes, key, s, e)) for i, s, e in todo]
-                    try:
-                        for i, f in futs:
-                            out[i], size = f.result()
-                    finally:
-                        for _, f in futs:
-                            f.cancel()
-        except RangeReplyError as e:
-            raise ValueError(str(e)) from None
+            return get_ranges_threaded(lambda s, e: self._range_bytes(key, s, e), ranges, self.max_concurrency,
+                                       lambda: self.head(key).size, self._where(key), "ckptstore-s3-get")
         except self._catch as e:
             self._raise(e, key, "GetObject")
-        if len(todo) < len(ranges) or not ranges:
-            # Empty ranges need no bytes, but they must exist and lie inside
-            # the object, like in every other store.
-            if size is None:
-                size = self.head(key).size
-            for s, e in ranges:
-                if e > size:
-                    raise ValueError(f"{self._where(key)}: range [{s}, {e}) past end of {size}-byte object")
-        return out
 
     def read_range_into(self, key: str, start: int, out, progress=None) -> None:
-        """Stream one ranged GET straight into ``out``, reporting every :data:`READ_PIECE` bytes or so."""
+        """Stream one ranged GET straight into ``out`` (:func:`~._blocking.stream_into`), reporting progress."""
         mv = memoryview(out).cast("B")
         n = len(mv)
         if n == 0 or start < 0:
@@ -577,7 +510,7 @@ class S3Store(ObjectStore):
             length = resp.get("ContentLength")
             # Before any byte is read: the size and length the headers state.
             check_range_reply(self._where(key), start, end, n if length is None else length, total)
-            got, at_end = _stream_body(body, mv, progress)
+            got, at_end = stream_into(getattr(body, "_raw_stream", None), mv, progress, body.read)
             if at_end:
                 body = None  # its connection went back to the pool
             elif got == n:
