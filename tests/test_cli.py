@@ -114,7 +114,7 @@ def _o(opts: dict) -> list[str]:
 
 
 def test_storage_options_reach_s3_and_gcs_as_each_backend_takes_them(gcs_env, s3, capsys):
-    # `-o endpoint_url=...` goes into client_kwargs for s3fs, to gcsfs as it is.
+    # `-o endpoint_url=...` goes into client_kwargs for S3, to GCS as it is.
     for url, opts in (gcs_env, (s3.url, s3.storage_options)):
         with ckptstore.open(url, storage_options=opts) as repo:
             repo.save({"w": torch.arange(4.0)}, step=3)

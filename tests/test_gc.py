@@ -145,7 +145,7 @@ def _cli_options(so: dict | None) -> dict:
         return {}
     if "client_kwargs" in so:  # S3 on moto
         return {"endpoint_url": so["client_kwargs"]["endpoint_url"], "key": so["key"], "secret": so["secret"]}
-    return dict(so)  # gcsfs: endpoint_url, token, project
+    return dict(so)  # GCS: endpoint_url, token, project
 
 
 def test_dry_run_changes_nothing(repo_url, capsys, monkeypatch):

@@ -3,31 +3,27 @@ proofs, error mapping, and repository round trips."""
 
 from __future__ import annotations
 
-import os
+import pytest
+import torch
 
-os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # before gcsfs is imported
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-import ckptstore  # noqa: E402
-from ckptstore.errors import (  # noqa: E402
+import ckptstore
+from ckptstore.errors import (
     ObjectExistsError,
     ObjectNotFoundError,
     StorageError,
     TransientStorageError,
 )
-from ckptstore.storage import open_store  # noqa: E402
-from ckptstore.storage.base import MiB  # noqa: E402
-from ckptstore.testing.store_suite import PART, StoreConformance, payload  # noqa: E402
+from ckptstore.storage import open_store
+from ckptstore.storage.base import MiB
+from ckptstore.testing.store_suite import PART, StoreConformance, payload
 
-from .helpers import SMALL, assert_tree_equal, random_tensor  # noqa: E402
+from .helpers import SMALL, assert_tree_equal, random_tensor
 
-pytest.importorskip("gcsfs")
+pytest.importorskip("google.auth")
 pytest.importorskip("gcp_storage_emulator")
 
-from ckptstore.storage.gcs import GCSStore, classify_error, parse_timestamp  # noqa: E402
-from ckptstore.testing.gcs_emulator import GCSEmulator  # noqa: E402
+from ckptstore.storage.gcs import GCSHTTPError, GCSStore, classify_error, credentials, parse_timestamp
+from ckptstore.testing.gcs_emulator import GCSEmulator
 
 pytestmark = pytest.mark.slow  # the GCS emulator, the conformance suite over HTTP
 
@@ -116,7 +112,7 @@ class TestGCSStore(StoreConformance):
         s = gcs()
         mpu = s.create_multipart("packs/o", PART)
         mpu.upload_part(1, b"x")
-        s._run(None, "delete", s._adelete, f"repo/.uploads/packs/o/{mpu.upload_id}/upload")
+        s._delete_raw(f"repo/.uploads/packs/o/{mpu.upload_id}/upload")
         assert [(m.key, m.upload_id) for m in s.list_multipart()] == [("packs/o", mpu.upload_id)]
         s.abort_multipart("packs/o", mpu.upload_id)
         assert gcs.emulator.object_names(BUCKET) == []
@@ -134,13 +130,13 @@ class TestGCSStore(StoreConformance):
         for n, p in enumerate(parts, 1):
             mpu.upload_part(n, p)
         calls = []
-        orig = mpu._acompose
+        orig = mpu._compose
 
-        async def spy(dest, sources):
+        def spy(dest, sources):
             calls.append(len(sources))
-            return await orig(dest, sources)
+            return orig(dest, sources)
 
-        monkeypatch.setattr(mpu, "_acompose", spy)
+        monkeypatch.setattr(mpu, "_compose", spy)
         mpu.complete(len(parts))
         assert sorted(calls) == [2, 3, 4, 4]  # 10 parts -> 3 intermediates (4+4+2) -> final
         assert s.get("packs/tree") == b"".join(parts)
@@ -162,70 +158,65 @@ def test_raw_emulator_ignores_if_generation_match():
             s.close()
 
 
+def _wire(monkeypatch):
+    """Every request the ``requests`` sessions send, as ``(method, url)``, the query included."""
+    import requests
+
+    sent = []
+    orig = requests.Session.send
+
+    def spy(self, request, **kwargs):
+        sent.append((request.method, request.url))
+        return orig(self, request, **kwargs)
+
+    monkeypatch.setattr(requests.Session, "send", spy)
+    return sent
+
+
 def test_put_if_absent_sends_if_generation_match_0(gcs, monkeypatch):
-    """The request gcsfs sends for put_if_absent carries ifGenerationMatch=0
-    (and plain put does not): captured at gcsfs's ``_call``."""
+    """On the wire: put_if_absent's upload carries ifGenerationMatch=0 (an
+    empty one too, which is a multipart upload); plain put does not."""
     s = gcs()
-    fs = s._fs
-    seen = []
-    orig = fs._call
-
-    async def spy(method, path, *args, **kwargs):
-        seen.append((method, path, kwargs))
-        return await orig(method, path, *args, **kwargs)
-
-    monkeypatch.setattr(fs, "_call", spy)
+    sent = _wire(monkeypatch)
     s.put_if_absent("m", b"1")
     s.put("n", b"1")
-    s.put_if_absent("e", b"")  # empty bodies take gcsfs's simple_upload
-    (m1, p1, k1), (m2, p2, k2), (m3, p3, k3) = seen
-    assert m1 == m2 == m3 == "POST" and all("/upload/storage/v1/b/" in p for p in (p1, p2, p3))
-    assert k1.get("ifGenerationMatch") == "0" and k3.get("ifGenerationMatch") == "0"
-    assert "ifGenerationMatch" not in k2
+    s.put_if_absent("e", b"")
+    (m1, u1), (m2, u2), (m3, u3) = sent
+    assert m1 == m2 == m3 == "POST" and all("/upload/storage/v1/b/" in u for u in (u1, u2, u3))
+    assert "ifGenerationMatch=0" in u1 and "uploadType=media" in u1
+    assert "ifGenerationMatch=0" in u3 and "uploadType=multipart" in u3
+    assert "ifGenerationMatch" not in u2
     with pytest.raises(ObjectExistsError):
         s.put_if_absent("e", b"")
+    assert s.get("e") == b""
 
 
-def test_put_if_absent_query_reaches_server(gcs, monkeypatch):
-    """On the wire: the URL of the upload request has ifGenerationMatch=0."""
-    import aiohttp
+def test_requester_pays_bills_the_project_on_every_request(gcs, monkeypatch):
+    s = GCSStore(f"{BUCKET}/repo", {**gcs.emulator.storage_options(), "requester_pays": True})
+    sent = _wire(monkeypatch)
+    s.put("k", b"v")
+    assert s.get("k") == b"v" and [o.key for o in s.list()] == ["k"]
+    assert len(sent) == 3 and all("userProject=test" in u for _, u in sent)
+    s.close()
+    with pytest.raises(ValueError, match="requester_pays=True needs the project"):
+        GCSStore(f"{BUCKET}/repo", {"token": "anon", "requester_pays": True})
 
-    s = gcs()
-    urls = []
-    orig = aiohttp.ClientSession._request
 
-    async def spy(self, method, url, *args, **kwargs):
-        urls.append((method, str(url), dict(kwargs.get("params") or {})))
-        return await orig(self, method, url, *args, **kwargs)
+def _fail_with(status: int, message: str = "x"):
+    def send(*args, **kwargs):
+        raise GCSHTTPError(status, message)
 
-    monkeypatch.setattr(aiohttp.ClientSession, "_request", spy)
-    s.put_if_absent("w", b"1")
-    ((method, url, params),) = urls
-    assert method == "POST" and params.get("ifGenerationMatch") == "0"
+    return send
 
 
 def test_412_maps_to_object_exists(gcs, monkeypatch):
-    """A 412 answer (gcsfs raises FileExistsError) becomes ObjectExistsError
-    naming the gs:// key; exercised end to end against a fake 412 too."""
-    from gcsfs.retry import HttpError, validate_response
-
-    with pytest.raises(FileExistsError) as ei:
-        validate_response(412, b'{"error": {"code": 412, "message": "conditionNotMet"}}', "u")
-    err = classify_error(ei.value, "gs://b/p/k", "objects.insert", exists_on_412=True)
+    """A 412 answer becomes ObjectExistsError naming the gs:// key, for a create only."""
+    err = classify_error(GCSHTTPError(412, "conditionNotMet"), "gs://b/p/k", "objects.insert", exists_on_412=True)
     assert isinstance(err, ObjectExistsError) and "gs://b/p/k" in str(err)
     # Without the create flag a failed precondition is no "exists".
-    assert type(classify_error(ei.value, "gs://b/p/k", "objects.insert")) is StorageError
-    assert isinstance(
-        classify_error(HttpError({"code": 412, "message": "x"}), "gs://b/k", "op", exists_on_412=True),
-        ObjectExistsError,
-    )
-
+    assert type(classify_error(GCSHTTPError(412, "x"), "gs://b/p/k", "objects.insert")) is StorageError
     s = gcs()
-
-    async def fake_call(*args, **kwargs):
-        validate_response(412, b'{"error": {"code": 412, "message": "conditionNotMet"}}', "u")
-
-    monkeypatch.setattr(s._fs, "_call", fake_call)
+    monkeypatch.setattr(s, "_send", _fail_with(412, "conditionNotMet"))
     with pytest.raises(ObjectExistsError, match=rf"gs://{BUCKET}/repo/k"):
         s.put_if_absent("k", b"x")
 
@@ -255,56 +246,208 @@ def test_emulator_answers_412_like_gcs(gcs):
     ],
 )
 def test_classify_status(status, expected):
-    """Every status through gcsfs's own translation of a response."""
-    from gcsfs.retry import validate_response
+    """Every status through the store's reading of a JSON API error answer."""
+    import requests
 
-    body = f'{{"error": {{"code": {status}, "message": "msg {status}"}}}}'.encode()
-    try:
-        validate_response(status, body, "b/{}/o/{}", ("bkt", "k"))
-    except Exception as e:  # noqa: BLE001 - whatever gcsfs raises
-        exc = e
+    resp = requests.Response()
+    resp.status_code = status
+    resp._content = f'{{"error": {{"code": {status}, "message": "msg {status}", "errors": [{{"reason": "r"}}]}}}}'.encode()
+    exc = GCSHTTPError.from_response(resp)
+    assert (exc.status, exc.message, exc.reason) == (status, f"msg {status}", "r")
     err = classify_error(exc, "gs://bkt/p/k", "objects.get")
     assert type(err) is expected
     assert "gs://bkt/p/k" in str(err)
+    if expected is not ObjectNotFoundError:
+        assert f"msg {status}" in str(err)
+    resp._content = b"<html>Bad Gateway</html>"  # not JSON: the first line of the body
+    assert GCSHTTPError.from_response(resp).message == "<html>Bad Gateway</html>"
 
 
 def test_classify_without_response():
-    import aiohttp
+    import http.client
 
-    assert type(classify_error(ConnectionResetError(), "gs://b", "op")) is TransientStorageError
-    assert type(classify_error(aiohttp.ClientConnectionError("x"), "gs://b", "op")) is TransientStorageError
+    import requests
+    import urllib3
+
+    for exc in (ConnectionResetError(), requests.ConnectionError("x"), requests.exceptions.ChunkedEncodingError("x"),
+                requests.exceptions.ReadTimeout("x"), urllib3.exceptions.ProtocolError("x"),
+                http.client.IncompleteRead(b"", 5)):
+        assert type(classify_error(exc, "gs://b", "op")) is TransientStorageError, exc
     assert type(classify_error(ValueError("Bad Request: invalid"), "gs://b", "op")) is StorageError
-    assert type(classify_error(FileNotFoundError("x"), "gs://b", "op")) is ObjectNotFoundError
+
+
+def test_transient_answers_are_tried_again_and_creates_are_not(gcs, monkeypatch):
+    """408/429/5xx and connection failures: up to ``tries`` attempts, waits
+    through the injected sleep; a conditional create: one attempt."""
+    import requests
+
+    waits = []
+    s = GCSStore(f"{BUCKET}/repo", gcs.emulator.storage_options(), sleep=waits.append)
+    s.put("k", b"v")
+    session = s._session()
+    orig = session.request
+    script = []
+
+    def flaky(method, url, **kwargs):
+        if script:
+            what = script.pop(0)
+            if isinstance(what, Exception):
+                raise what
+            resp = requests.Response()
+            resp.status_code, resp._content = what, b'{"error": {"message": "busy"}}'
+            return resp
+        return orig(method, url, **kwargs)
+
+    monkeypatch.setattr(session, "request", flaky)
+    script[:] = [503, requests.ConnectionError("reset")]
+    assert s.get("k") == b"v" and len(waits) == 2 and 0 < waits[0] < waits[1]
+    script[:] = [503, 429, 500]
+    with pytest.raises(TransientStorageError, match="500"):
+        s.get("k")
+    assert script == []
+    script[:] = [503]
+    with pytest.raises(TransientStorageError, match="503"):
+        s.put_if_absent("c", b"x")  # one try: RetryStore decides
+    assert s.get_ranges("k", [(0, 1)]) == [b"v"] and not s.exists("c")
+    script[:] = [403]
+    with pytest.raises(StorageError, match="403"):
+        s.get("k")
+    assert script == []
+    s.close()
 
 
 def test_error_messages_hide_token(gcs, monkeypatch):
-    from gcsfs.retry import HttpError
-
     s = GCSStore(f"{BUCKET}/repo", {**gcs.emulator.storage_options(), "token": "anon"})
     s._secrets = ("sekr1t-token",)
-
-    async def boom(*a, **k):
-        raise HttpError({"code": 403, "message": "denied for sekr1t-token"})
-
-    monkeypatch.setattr(s._fs, "_call", boom)
+    monkeypatch.setattr(s, "_send", _fail_with(403, "denied for sekr1t-token"))
     with pytest.raises(StorageError) as ei:
         s.head("k")
     assert "sekr1t-token" not in str(ei.value) and f"gs://{BUCKET}/repo/k" in str(ei.value)
+    assert GCSStore("b", {"token": "ya29.raw-access-token"})._secrets == ("ya29.raw-access-token",)
 
 
 def test_416_is_a_range_error(gcs, monkeypatch):
     """GCS answers 416 to a range starting past the end (the emulator sends 206 with no bytes)."""
-    from gcsfs.retry import HttpError
-
     s = gcs()
     s.put("r", b"0123456789")
-
-    async def r416(*a, **k):
-        raise HttpError({"code": 416, "message": "The requested range cannot be satisfied."})
-
-    monkeypatch.setattr(s._fs, "_request", r416)
+    monkeypatch.setattr(s, "_send", _fail_with(416, "The requested range cannot be satisfied."))
     with pytest.raises(ValueError, match="past end"):
         s.get_ranges("r", [(20, 30)])
+    with pytest.raises(ValueError, match="past end"):
+        s.read_range_into("r", 20, bytearray(4))
+
+
+def test_read_range_into_streams_with_advancing_progress(gcs):
+    from ckptstore.storage.base import READ_PIECE
+
+    s = gcs()
+    data = payload(3 * READ_PIECE + 123, 7)
+    s.put("big", data)
+    out = bytearray(2 * READ_PIECE + 5)
+    seen = []
+    s.read_range_into("big", 100, out, seen.append)
+    assert bytes(out) == data[100 : 100 + len(out)]
+    assert len(seen) >= 3 and seen == sorted(set(seen)) and seen[-1] == len(out)
+    with pytest.raises(ValueError, match="past end"):
+        s.read_range_into("big", len(data) - 2, bytearray(4))
+    with pytest.raises(ObjectNotFoundError):
+        s.read_range_into("missing", 0, bytearray(4))
+
+
+def test_a_forked_child_makes_its_own_session(gcs):
+    """A store used before a fork works in the child (a session of its own) and still in the parent."""
+    import multiprocessing
+
+    s = gcs()
+    s.put("k", b"parent")
+    parent_session = s._session()
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+
+    def child():
+        try:
+            q.put((s.get("k"), s._session() is not parent_session))
+            s.put("c", b"child")
+            s.close()
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            q.put(repr(e))
+
+    p = ctx.Process(target=child)
+    p.start()
+    got = q.get(timeout=120)
+    p.join(120)
+    assert got == (b"parent", True) and p.exitcode == 0
+    assert s._session() is parent_session and s.get("c") == b"child"
+
+
+def test_unknown_options_are_refused_and_gcsfs_cache_options_ignored():
+    with pytest.raises(ValueError, match="unknown GCS storage option.*'tokne'"):
+        GCSStore("b/p", {"tokne": "anon"})
+    with pytest.raises(ValueError, match="access must be one of"):
+        GCSStore("b/p", {"token": "anon", "access": "admin"})
+    with pytest.raises(ValueError, match="endpoint_url must start with http"):
+        GCSStore("b/p", {"token": "anon", "endpoint_url": "localhost:4443"})
+    GCSStore("b/p", {"token": "anon", "skip_instance_cache": True, "use_listings_cache": False})
+    # Text from the CLI (`-o KEY=VALUE`) means what it says.
+    opts = GCSStore("b/p", {"token": "anon", "trust_env": "false", "requester_pays": "other-project",
+                            "read_timeout": "7", "tries": "2"})._opts
+    assert (opts.trust_env, opts.params, opts.read, opts.tries) == (False, {"userProject": "other-project"}, 7.0, 2)
+    assert GCSStore("b/p", {"token": "anon", "trust_env": "True", "requester_pays": "false"})._opts.trust_env is True
+    with pytest.raises(ValueError, match="trust_env must be true or false"):
+        GCSStore("b/p", {"token": "anon", "trust_env": "maybe"})
+
+
+def test_token_conventions(tmp_path, monkeypatch):
+    """gcsfs's ``token`` values, resolved without a request."""
+    import google.auth
+    import google.auth.credentials
+    import google.oauth2.credentials
+
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
+    assert isinstance(credentials("anon"), google.auth.credentials.AnonymousCredentials)
+    user = {"type": "authorized_user", "client_id": "cid", "client_secret": "csecret", "refresh_token": "rt"}
+    c = credentials(user)
+    assert isinstance(c, google.oauth2.credentials.Credentials) and c.refresh_token == "rt"
+    f = tmp_path / "adc.json"
+    f.write_text(__import__("json").dumps(user))
+    assert credentials(str(f)).client_id == "cid"
+    pytest.importorskip("cryptography")
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+    from google.oauth2 import service_account
+
+    pem = rsa.generate_private_key(public_exponent=65537, key_size=2048).private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()).decode()
+    sa = {"type": "service_account", "client_email": "ckpt@p.iam.gserviceaccount.com", "private_key": pem,
+          "private_key_id": "1", "token_uri": "https://oauth2.googleapis.com/token", "project_id": "p"}
+    c = credentials(sa, "read_write")
+    assert isinstance(c, service_account.Credentials) and c.service_account_email == sa["client_email"]
+    assert c.scopes == ["https://www.googleapis.com/auth/devstorage.read_write"]
+    assert pem in GCSStore("b", {"token": sa})._secrets  # scrubbed from any message
+    raw = credentials("ya29.abc")
+    assert isinstance(raw, google.oauth2.credentials.Credentials) and raw.token == "ya29.abc"
+    mine = google.auth.credentials.AnonymousCredentials()
+    assert credentials(mine) is mine
+    with pytest.raises(ValueError, match="does not exist"):
+        credentials(str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="type 'external_account'"):
+        credentials({"type": "external_account", "audience": "x"})
+    (tmp_path / "bad.json").write_text("not json")
+    with pytest.raises(ValueError, match="not a JSON credentials file"):
+        credentials(str(tmp_path / "bad.json"))
+    with pytest.raises(ValueError, match="interactive"):
+        credentials("browser")
+    calls = []
+    monkeypatch.setattr(google.auth, "default", lambda scopes: calls.append(scopes) or (mine, "p"))
+    assert credentials(None, "read_only") is mine and credentials("google_default") is mine
+    assert calls[0] == ["https://www.googleapis.com/auth/devstorage.read_only"]
+
+    def none(scopes):
+        raise google.auth.exceptions.DefaultCredentialsError("no ADC")
+
+    monkeypatch.setattr(google.auth, "default", none)
+    with pytest.raises(StorageError, match="no Google credentials found.*token"):
+        credentials(None)
 
 
 def test_parse_timestamp():
@@ -315,7 +458,7 @@ def test_parse_timestamp():
 
 def test_constructor_makes_no_request_and_refuses_credentials():
     s = GCSStore("gs://some-bucket/x", {"token": "anon"})
-    assert s._fs_obj is None
+    assert s._sessions[2] == []
     with pytest.raises(ValueError) as ei:
         GCSStore("gs://user:hunter2@b/x")
     assert "hunter2" not in str(ei.value)
@@ -350,13 +493,26 @@ def test_repository_multipart_packs(gcs):
     assert not any(".uploads/" in n for n in gcs.emulator.object_names(BUCKET))
 
 
-def test_importing_storage_does_not_import_gcsfs():
+def test_importing_storage_does_not_import_google_auth():
     import subprocess
     import sys
 
-    code = "import sys, ckptstore.storage; print('gcsfs' in sys.modules, 'ckptstore.storage.gcs' in sys.modules)"
+    code = ("import sys, ckptstore.storage; print('google.auth' in sys.modules, 'ckptstore.storage.gcs' in sys.modules,"
+            " 'requests' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["False", "False"]
+    assert out.split() == ["False", "False", "False"]
+
+
+def test_the_store_needs_neither_gcsfs_nor_fsspec_nor_aiohttp(gcs):
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['gcsfs'] = sys.modules['fsspec'] = sys.modules['aiohttp'] = None\n"
+            "from ckptstore.storage.gcs import GCSStore\n"
+            f"s = GCSStore('{BUCKET}/nodeps', {gcs.emulator.storage_options()!r}); s.put('k', b'v');"
+            " print(s.get('k').decode())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["v"]
 
 
 def test_missing_bucket_listing_is_not_a_missing_object(gcs):
@@ -393,19 +549,17 @@ def test_missing_bucket_is_named_by_object_calls_too(gcs):
 def test_emulator_host_in_the_environment_means_anonymous(gcs, monkeypatch):
     # As google-cloud-storage does: with STORAGE_EMULATOR_HOST set and no
     # token, no default credentials are looked for (and no metadata server asked).
-    import gcsfs.credentials
+    import google.auth
 
-    def probed(self):
+    def probed(*args, **kwargs):
         raise AssertionError("looked for application-default credentials")
 
-    monkeypatch.setattr(gcsfs.credentials.GoogleCredentials, "_connect_google_default", probed)
+    monkeypatch.setattr(google.auth, "default", probed)
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs.emulator.endpoint)
     with ckptstore.open(f"gs://{BUCKET}/env") as repo:
         repo.save({"w": torch.arange(3.0)}, step=1)
         assert repo.steps() == [1]
     # A token given explicitly is used as it is.
-    s = GCSStore(f"{BUCKET}/env", {"token": "anon", "project": "p"})
-    assert s._gcsfs_options()["project"] == "p"
     with pytest.raises(AssertionError, match="application-default"):
         GCSStore(f"{BUCKET}/env", {"token": "google_default"}).get("x")
 

@@ -13,7 +13,7 @@ from .cache import tier_options
 def _storage_options(args, url: str | None = None) -> dict | None:
     """``-o KEY=VALUE`` pairs as the backend of ``url`` expects them.
 
-    S3 (s3fs's option names) takes the endpoint and region inside ``client_kwargs``; gcsfs takes
+    S3 (s3fs's option names) takes the endpoint and region inside ``client_kwargs``; GCS takes
     ``endpoint_url`` directly.
     """
     url = url if url is not None else getattr(args, "url", "") or ""

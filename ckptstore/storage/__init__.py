@@ -1,7 +1,7 @@
 """Object stores: the :class:`ObjectStore` interface and its backends.
 
 :func:`open_store` turns a URL into a store. ``S3Store``, ``GCSStore`` and ``AzureStore`` are
-imported on first use so that importing this package does not import botocore, gcsfs or adlfs.
+imported on first use so that importing this package does not import botocore, google-auth or adlfs.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def __getattr__(name: str):
 
         return S3Store
     if name == "GCSStore":
-        _require("gcsfs", "gcs", "gs")
+        _require("google.auth", "gcs", "gs")
         from .gcs import GCSStore
 
         return GCSStore
@@ -135,8 +135,9 @@ def open_store(url: str, storage_options: dict | None = None) -> ObjectStore:
     storage_options:
         For S3, s3fs's names (``key``, ``secret``, ``profile``,
         ``endpoint_url``, ``client_kwargs``...; see :mod:`ckptstore.storage.s3`;
-        an unknown one raises ``ValueError``); for GCS, to
-        :class:`gcsfs.GCSFileSystem` (``token``, ``project``, ``endpoint_url``...); for Azure, to
+        an unknown one raises ``ValueError``); for GCS, gcsfs's names
+        (``token``, ``project``, ``endpoint_url``, ``requester_pays``...; see
+        :mod:`ckptstore.storage.gcs`; an unknown one raises ``ValueError``); for Azure, to
         :class:`adlfs.AzureBlobFileSystem` (``connection_string``, ``account_name``,
         ``account_key``, ``sas_token``, ``credential``...). For local stores only
         ``fsync`` is accepted; memory stores take none.
@@ -184,7 +185,7 @@ def open_store(url: str, storage_options: dict | None = None) -> ObjectStore:
             raise StoreURLError(f"{scheme}:// URL needs a bucket, e.g. gs://bucket/prefix")
         if "?" in location or "#" in location:
             raise StoreURLError(f"{scheme}:// URL must not carry a query or fragment")
-        _require("gcsfs", "gcs", scheme)
+        _require("google.auth", "gcs", scheme)
         from .gcs import GCSStore
 
         return GCSStore(location, storage_options)

@@ -116,8 +116,8 @@ def host_not_resolved(exc: BaseException, where: str, what: str, host: str | Non
 def check_resolves(url: str, where: str, what: str, resolver: Callable = socket.getaddrinfo) -> None:
     """Resolve ``url``'s host once (``resolver`` has ``socket.getaddrinfo``'s signature).
 
-    For a client whose own retry loop would spend half a minute on a name
-    that does not resolve (gcsfs): a :class:`HostNotResolvedError` at once.
+    For a client that would otherwise spend its tries (and their waits) on a
+    name that does not resolve: a :class:`HostNotResolvedError` at once.
     """
     parts = urllib.parse.urlsplit(url)
     if not parts.hostname:

@@ -1,32 +1,68 @@
-"""Google Cloud Storage through gcsfs (JSON API).
+"""Google Cloud Storage through its JSON API, on google-auth's ``requests`` session.
 
-Every request goes through ``GCSFileSystem._request`` / ``_call`` (gcsfs's
-aiohttp session on fsspec's I/O loop; the sync bridge is safe from many
-threads at once). gcsfs's high-level file API is not used: it caches
-listings and infers directories, and its experimental "extended" file system
-probes buckets over gRPC. We send the few JSON API requests we need.
+Every request goes through one :class:`google.auth.transport.requests.AuthorizedSession`
+per store (the HTTP layer google-cloud-storage itself uses), shared by the
+calling threads: the loader's I/O threads, the uploader's part threads, and
+the pools :meth:`GCSStore.get_ranges` and :meth:`GCSStore.delete_many` start.
+It was chosen by measurement over gcsfs's aiohttp client, which this store
+used before, and over obstore, whose GCS client speaks the XML API (no
+``compose``; ``benchmarks/micro/cloud_clients.py``, ``docs/performance.md``,
+"One GCS client, one Azure client"). A ranged read streams its body from the
+socket straight into the loader's buffer
+(:func:`~ckptstore.storage._blocking.stream_into`).
 
-Errors. gcsfs turns responses into built-in exceptions
-(``gcsfs.retry.validate_response``): 404 -> ``FileNotFoundError``, 412 ->
-``FileExistsError``, 403 -> ``OSError("Forbidden...")``, 502 ->
-``requests.ProxyError``, a 400 mentioning "invalid" -> ``ValueError``, any
-other status -> ``gcsfs.retry.HttpError`` with ``.code``. :func:`classify_error`
-maps those to ckptstore's tree: 412 on a conditional create ->
-:class:`ObjectExistsError`, 404 -> :class:`ObjectNotFoundError` (a 404 on an
-object says nothing of the bucket: the first one asks, with a listing of
-one object, and a missing bucket is a :class:`StorageError` saying so),
-408/429/5xx and
-connection failures -> :class:`TransientStorageError`, the rest ->
-:class:`StorageError`. gcsfs itself retries 408/429/5xx and connection errors
-up to 6 times with exponential backoff (about 30 s in all) before we see them.
+Storage options (:data:`OPTIONS`; any other key raises ``ValueError`` naming
+it). Where gcsfs had the same option, this store takes its name and meaning:
 
-Uploads. ``put`` is one "media" upload (the bytes as the body, no copy into
-a multipart/related body; an empty object goes through gcsfs's
-``simple_upload`` because the emulator drops an empty media upload).
+- ``token``: the credentials (:func:`credentials`): ``None`` (the default:
+  anonymous when ``STORAGE_EMULATOR_HOST`` names an emulator, else Google's
+  application-default credentials, which ``gcloud auth application-default
+  login``, ``GOOGLE_APPLICATION_CREDENTIALS`` and the GCE metadata server
+  provide; none found is an error, never a silent anonymous fallback),
+  ``"google_default"``, ``"cloud"`` (the GCE metadata server), ``"anon"``,
+  the path of a service-account or authorized-user JSON file, such a JSON
+  file's content as a dict, a raw access token, or a
+  ``google.auth.credentials.Credentials`` object. gcsfs's interactive
+  methods (``"browser"``, ``"cache"``) are refused.
+- ``project``: accepted (gcsfs needs it for buckets it creates; this store
+  creates none); the project billed with ``requester_pays=True``.
+- ``access``: ``"full_control"`` (default), ``"read_write"`` or
+  ``"read_only"``: the OAuth scope asked for.
+- ``endpoint_url``: else ``STORAGE_EMULATOR_HOST``, else
+  ``https://storage.googleapis.com``.
+- ``requester_pays``: ``True`` (bill ``project``) or a project id: sent as
+  ``userProject`` on every request.
+- ``connect_timeout``, ``read_timeout`` (seconds; :data:`CONNECT_TIMEOUT`,
+  :data:`READ_TIMEOUT`), ``tries`` (:data:`TRIES`, the first included).
+- ``trust_env`` (default False: ``HTTP(S)_PROXY`` and ``NO_PROXY`` are
+  ignored, as gcsfs's aiohttp session ignored them), ``proxies`` (a
+  ``requests`` proxies dict).
 
-Conditional create. ``put_if_absent`` is that same single upload with
-``ifGenerationMatch=0``: GCS creates the object only if no live object
-has the name and answers 412 otherwise, atomically.
+Retries and timeouts. Every request has a connect and a read timeout. A
+request answered 408, 429 or 5xx, or failing at the connection (reset,
+refused, timed out, a body cut short), is tried again, at most
+:data:`TRIES` times in all, after 0.5 s then 1 s (jittered); a conditional
+create is tried once: an attempt that landed with its answer lost would
+come back as "already exists", where ckptstore's
+:class:`~ckptstore.storage.retry.RetryStore` knows to read the object back
+and accept it if identical. gcsfs retried 6 times over about 30 s before
+its caller saw anything. The endpoint's host is resolved once before the
+first request: a name that does not resolve raises
+:class:`~ckptstore.errors.HostNotResolvedError` at once (skipped through a
+proxy, which resolves names).
+
+Errors. :func:`classify_error` maps an answer's status: 412 on a
+conditional create -> :class:`ObjectExistsError`; 404 ->
+:class:`ObjectNotFoundError` (a 404 on an object says nothing of the
+bucket: the first one asks, with a listing of one object, and a missing
+bucket is a :class:`StorageError` saying so); 408/429/5xx and connection
+failures -> :class:`TransientStorageError`; the rest -> :class:`StorageError`.
+
+Uploads. ``put`` is one "media" upload (the bytes as the body, sent as they
+are; an empty object is a "multipart" upload of metadata and no bytes,
+because the emulator drops an empty media upload). ``put_if_absent`` is that
+same upload with ``ifGenerationMatch=0``: GCS creates the object only if no
+live object has the name and answers 412 otherwise, atomically.
 
 Multipart: parallel composite upload. Each part is uploaded as its own
 temporary object ``<prefix>/.uploads/<key>/<upload-id>/part-NNNNN`` (a marker
@@ -40,74 +76,49 @@ returned, so a part re-uploaded concurrently cannot slip in. ``abort``,
 directory, which GC reaches through them; ``list`` hides it and keys under
 it are refused.
 
-Why composite rather than gcsfs's resumable upload. A resumable upload takes
-its bytes strictly in order, in chunks that are multiples of 256 KiB, one
-request at a time: parts uploaded concurrently and out of order (what
-:class:`~ckptstore.storage.base.ParallelUploader` does) would have to be held
-in memory until their turn, or the pool threads would block on each other,
-and one upload could only ever use one connection. Composite parts upload
-concurrently like S3 parts.
-
-Measured on this machine (2 shared cores, 64 MiB of random bytes) against
-gcp-storage-emulator 2026.7.19 (in-process, serving one request at a time, so
-concurrency cannot help there), best of 3:
-
-* gcsfs resumable upload, 8 MiB chunks in sequence:        ~0.4 s
-* one media upload of all 64 MiB:                          ~0.4 s
-* composite: 8 x 8 MiB parts (1 or 4 threads):    parts    ~0.17 s
-             compose + delete temporaries:                  ~1.3 s
-             total                                          ~1.45 s
-
-The parts themselves are the fastest path; the emulator's compose is slow
-because it concatenates and checksums the 64 MiB in Python. On GCS, compose
-is a server-side metadata operation that copies no data, while a single
-upload stream is bounded well below a host's bandwidth, so several parts in
-flight multiply throughput, which is what the save pipeline is built around:
-composite is the choice, measured slower only where the emulator
-reimplements compose by copying. Costs to know: temporary part objects
+Why composite rather than a resumable upload: a resumable upload takes its
+bytes strictly in order, in multiples of 256 KiB, one request at a time, so
+parts uploaded concurrently and out of order (what
+:class:`~ckptstore.storage.upload.ParallelUploader` does) would wait in
+memory for their turn, and one upload could use one connection only.
+Composite parts upload concurrently like S3 parts; on GCS ``compose`` is a
+metadata operation that copies no data. Costs to know: temporary parts
 count as stored bytes until deleted and, where the bucket has a soft-delete
-policy (the default is 7 days), for that long after; composite objects carry a CRC32C but no MD5; parts in
-Nearline/Coldline buckets incur early-deletion charges. GCS now documents
-an option to hard-delete the sources as part of a compose (sparing the
-soft-delete charge); the emulator does not know it, so it is not used yet.
-GCS's XML API
-multipart upload (S3-style) avoids temporary objects but gcsfs does not
-speak it.
+policy (the default is 7 days), for that long after; composite objects carry
+a CRC32C but no MD5; parts in Nearline/Coldline buckets incur early-deletion
+charges. The emulator's compose copies and checksums the bytes in Python,
+so it is slower there than on GCS (figures: docs/performance.md).
+
+Sessions hold urllib3 connection pools, which must not be shared across
+``fork``: a store used in a process forked from the one that made its
+session makes its own there on first use and leaves the parent's alone.
 """
 
 from __future__ import annotations
 
-import asyncio
+import concurrent.futures as cf
 import json
 import os
+import random
 import re
 import socket
 import threading
+import time
 import uuid
 from datetime import datetime, timezone
 from typing import Callable, Iterator, Sequence
+from urllib.parse import quote
 
-# gcsfs >= 2026 otherwise probes every bucket over gRPC first (and waits ~60 s
-# against an emulator); must be set before gcsfs is imported.
-os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
-
-from ..errors import (  # noqa: E402
+from ..errors import (
     CkptStoreError,
     ObjectExistsError,
     ObjectNotFoundError,
     StorageError,
     TransientStorageError,
 )
-from ._classify import (  # noqa: E402
-    MAX_MESSAGE,
-    check_resolves,
-    host_not_resolved,
-    in_chain,
-    is_network_error,
-    optional_types,
-    scrub,
-)
-from .base import (  # noqa: E402
+from ._blocking import each_threaded, get_ranges_threaded, stream_into
+from ._classify import MAX_MESSAGE, check_resolves, host_not_resolved, in_chain, is_network_error, optional_types, scrub
+from .base import (
     MultipartInfo,
     MultipartUpload,
     ObjectInfo,
@@ -115,20 +126,33 @@ from .base import (  # noqa: E402
     RangeReplyError,
     check_key,
     check_range_reply,
-    check_ranges,
-    each_limited,
-    gather_limited,
 )
 
 #: Reserved directory (under the store root) holding multipart temporaries.
 UPLOADS = ".uploads"
 #: Most sources GCS accepts in one compose request.
 MAX_COMPOSE = 32
+#: Where requests go without ``endpoint_url`` or ``STORAGE_EMULATOR_HOST``.
+GOOGLE_ENDPOINT = "https://storage.googleapis.com"
+#: Seconds to wait for a TCP connection.
+CONNECT_TIMEOUT = 5.0
+#: Seconds without a byte of an answer (or the server taking none of a body) before a request fails.
+READ_TIMEOUT = 30.0
+#: Tries of one request, the first included (a conditional create: one).
+TRIES = 3
+#: The storage options understood (module docstring).
+OPTIONS = frozenset({"token", "project", "access", "endpoint_url", "requester_pays", "connect_timeout",
+                     "read_timeout", "tries", "trust_env", "proxies"})
+#: gcsfs options about its own caches and file objects: accepted and ignored (this store has none).
+IGNORED_OPTIONS = frozenset({"skip_instance_cache", "use_listings_cache", "listings_expiry_time", "cache_timeout",
+                             "consistency", "block_size", "default_location", "version_aware"})
+_ACCESS = ("read_only", "read_write", "full_control")
 _MARKER = "upload"
 _TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _UPLOAD_ID = re.compile(r"[0-9a-f]{32}")
 _TIMESTAMP = re.compile(r"(\d{4})-(\d\d)-(\d\d)T(\d\d):(\d\d):(\d\d)(?:\.(\d+))?(Z|[+-]\d\d:\d\d)?$")
 _CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)")
+_LIST_FIELDS = "items(name,size,updated,timeCreated),nextPageToken"
 
 
 def parse_timestamp(text: str) -> float:
@@ -145,39 +169,52 @@ def parse_timestamp(text: str) -> float:
     return value
 
 
-def _status(exc: BaseException) -> int | None:
-    """HTTP status behind a gcsfs exception, where gcsfs kept one."""
-    def pick(e):
-        for attr in ("code", "status"):  # gcsfs HttpError, aiohttp.ClientResponseError
-            v = getattr(e, attr, None)
-            if isinstance(v, int) and 100 <= v < 600:
-                return v
-        return None
+# ------------------------------------------------------------------ errors
+class GCSHTTPError(Exception):
+    """An answer with an error status: ``status``, GCS's ``reason`` (``"conditionNotMet"``...) and message."""
 
-    return in_chain(exc, pick)
+    def __init__(self, status: int, message: str = "", reason: str = ""):
+        super().__init__(f"{status} {reason}: {message}".strip() if reason else f"{status}: {message}")
+        self.status, self.message, self.reason = status, message, reason
+
+    @classmethod
+    def from_response(cls, resp) -> "GCSHTTPError":
+        """From a ``requests`` response: the JSON API's ``{"error": {"message", "errors": [{"reason"}]}}`` body."""
+        text = ""
+        try:
+            text = resp.text or ""
+            err = json.loads(text).get("error") or {}
+            message = str(err.get("message") or "")
+            reason = str(((err.get("errors") or [{}])[0] or {}).get("reason") or "")
+        except (ValueError, AttributeError, TypeError, IndexError):
+            message, reason = text.strip().split("\n", 1)[0], ""
+        return cls(int(resp.status_code), message[:MAX_MESSAGE], reason)
+
+
+def _status(exc: BaseException) -> int | None:
+    """The HTTP status behind ``exc``, where it kept one."""
+    return in_chain(exc, lambda e: e.status if isinstance(e, GCSHTTPError) else None)
 
 
 def _is_connection_error(exc: BaseException) -> bool:
-    # gcsfs raises requests' ProxyError for a 502 response; an aiohttp
-    # response error carries a status and is classified by it.
-    return is_network_error(
-        exc,
-        optional_types("aiohttp:ClientError", "requests.exceptions:ConnectionError", "requests.exceptions:Timeout"),
-        not_these=optional_types("aiohttp:ClientResponseError"),
-    )
+    """Resets, refused connections, timeouts, bodies cut short: worth another try."""
+    return is_network_error(exc, optional_types(
+        "requests.exceptions:ConnectionError", "requests.exceptions:Timeout",
+        "requests.exceptions:ChunkedEncodingError", "urllib3.exceptions:ProtocolError",
+        "urllib3.exceptions:TimeoutError", "http.client:IncompleteRead", "google.auth.exceptions:TransportError"))
 
 
 def classify_error(exc: BaseException, where: str, op: str, exists_on_412: bool = False) -> Exception:
-    """Turn an exception from gcsfs/aiohttp into a ckptstore exception.
+    """Turn what a request raised into a ckptstore exception.
 
     Parameters
     ----------
     exc:
-        What the gcsfs call raised.
+        A :class:`GCSHTTPError`, or what ``requests``/urllib3/google-auth raised.
     where:
         ``gs://bucket/key`` (or the store URL), for the message.
     op:
-        The GCS operation, for the message.
+        The GCS operation (``objects.get``...), for the message.
     exists_on_412:
         The call was a conditional create (``ifGenerationMatch=0``): a failed
         precondition means the object already exists.
@@ -188,37 +225,173 @@ def classify_error(exc: BaseException, where: str, op: str, exists_on_412: bool 
     if dns is not None:
         return dns
     status = _status(exc)
-    message = str(getattr(exc, "message", "") or exc)[:MAX_MESSAGE]
-    if isinstance(exc, FileExistsError) or status == 412:
+    if status == 412:
         if exists_on_412:
             return ObjectExistsError(f"{where}: object already exists (GCS {op}: 412 precondition failed)")
         return StorageError(f"{where}: GCS {op} failed (412 precondition failed)")
-    if isinstance(exc, FileNotFoundError) or status == 404:
+    if status == 404:
         return ObjectNotFoundError(f"{where}: no such object (GCS {op}: 404)")
     if status is not None:
-        text = f"{where}: GCS {op} failed ({status}): {message}"
+        text = f"{where}: GCS {op} failed ({exc})"
         if status in _TRANSIENT_STATUS or status >= 500:
             return TransientStorageError(text)
         return StorageError(text)
+    message = str(exc)[:MAX_MESSAGE]
     if _is_connection_error(exc):
         return TransientStorageError(f"{where}: GCS {op} failed: {type(exc).__name__}: {message}")
+    if isinstance(exc, optional_types("google.auth.exceptions:RefreshError", "google.auth.exceptions:DefaultCredentialsError")):
+        return StorageError(f"{where}: GCS {op} failed: the credentials were refused or could not be "
+                            f"obtained ({type(exc).__name__}: {message})")
     return StorageError(f"{where}: GCS {op} failed: {type(exc).__name__}: {message}")
 
 
 def _errors_to_classify() -> tuple[type[BaseException], ...]:
-    return (OSError, ValueError, asyncio.TimeoutError, *optional_types(
-        "gcsfs.retry:HttpError", "aiohttp:ClientError", "google.auth.exceptions:GoogleAuthError"))
+    return (GCSHTTPError, OSError, *optional_types(
+        "requests.exceptions:RequestException", "urllib3.exceptions:HTTPError", "http.client:HTTPException",
+        "google.auth.exceptions:GoogleAuthError"))
 
 
-def _body(data) -> bytes:
-    if isinstance(data, bytes):
+# ------------------------------------------------------------------ options and credentials
+def _emulator_host() -> str | None:
+    host = os.environ.get("STORAGE_EMULATOR_HOST", "")
+    if host in ("", "default"):
+        return None
+    return host if host.startswith(("http://", "https://")) else f"http://{host}"
+
+
+def credentials(token, access: str = "full_control"):
+    """The ``google.auth`` credentials a ``token`` storage option names (module docstring)."""
+    import google.auth
+    import google.auth.credentials
+    import google.auth.exceptions
+
+    scopes = [f"https://www.googleapis.com/auth/devstorage.{access}"]
+    if isinstance(token, google.auth.credentials.Credentials):
+        return token
+    if token == "anon" or (token is None and _emulator_host()):
+        return google.auth.credentials.AnonymousCredentials()
+    if token is None or token == "google_default":
+        try:
+            return google.auth.default(scopes=scopes)[0]
+        except google.auth.exceptions.DefaultCredentialsError as e:
+            raise StorageError(f"no Google credentials found ({e}); run `gcloud auth application-default login`, "
+                               "set GOOGLE_APPLICATION_CREDENTIALS, or pass storage_options={'token': ...} "
+                               "('anon' for public buckets)") from None
+    if token == "cloud":
+        from google.auth import compute_engine
+
+        return compute_engine.Credentials(scopes=scopes)
+    if token in ("browser", "cache"):
+        raise ValueError(f"GCS token {token!r} (gcsfs's interactive login) is not supported: run "
+                         "`gcloud auth application-default login` and leave token unset")
+    if isinstance(token, str) and os.path.exists(token):
+        try:
+            with open(token) as f:
+                token = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"GCS token file {token!r} is not a JSON credentials file: {e}") from None
+    if isinstance(token, dict):
+        return _from_info(token, scopes)
+    if isinstance(token, str) and token:
+        if token.endswith(".json") or os.sep in token:
+            raise ValueError(f"GCS token file {token!r} does not exist")
+        from google.oauth2.credentials import Credentials
+
+        return Credentials(token)  # a raw access token: used until it expires, never refreshed
+    raise ValueError(f"GCS token must be None, a method name, a file path, a dict or Credentials, "
+                     f"got {type(token).__name__}")
+
+
+def _from_info(info: dict, scopes: list[str]):
+    """Credentials from a service-account key or an authorized-user JSON (what ``gcloud`` writes)."""
+    kind = info.get("type")
+    if kind == "service_account":
+        from google.oauth2 import service_account
+
+        return service_account.Credentials.from_service_account_info(info, scopes=scopes)
+    if kind == "authorized_user":
+        from google.oauth2.credentials import Credentials
+
+        return Credentials.from_authorized_user_info(info, scopes=scopes)
+    raise ValueError(f"GCS token of type {kind!r}: pass a service_account or authorized_user JSON, or build the "
+                     "google.auth Credentials yourself and pass them as the token")
+
+
+def _secrets_of(token) -> tuple[str, ...]:
+    if isinstance(token, str) and token not in ("anon", "google_default", "cloud") and not os.path.exists(token):
+        return (token,)
+    if isinstance(token, dict):
+        return tuple(str(v) for k, v in token.items() if v and ("key" in k or "secret" in k or "token" in k))
+    return ()
+
+
+def _flag(value, name: str, project_ok: bool = False):
+    """A boolean option, given as a bool or as the CLI's text (``-o trust_env=true``); or a project id."""
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    text = str(value).strip()
+    if text.lower() in ("true", "1", "yes", "on"):
+        return True
+    if text.lower() in ("false", "0", "no", "off", ""):
+        return False
+    if project_ok:
+        return text
+    raise ValueError(f"GCS {name} must be true or false, got {value!r}")
+
+
+class _Options:
+    """``storage_options`` checked once: every key known, every value of its type."""
+
+    def __init__(self, opts: dict, max_concurrency: int):
+        unknown = sorted(set(opts) - OPTIONS - IGNORED_OPTIONS)
+        if unknown:
+            raise ValueError(f"unknown GCS storage option(s) {', '.join(map(repr, unknown))}; "
+                             f"known: {', '.join(sorted(OPTIONS))}")
+        self.token = opts.get("token")
+        self.project = opts.get("project")
+        self.access = opts.get("access") or "full_control"
+        if self.access not in _ACCESS:
+            raise ValueError(f"GCS access must be one of {', '.join(_ACCESS)}, got {self.access!r}")
+        endpoint = opts.get("endpoint_url") or _emulator_host() or GOOGLE_ENDPOINT
+        if not str(endpoint).startswith(("http://", "https://")):
+            raise ValueError(f"GCS endpoint_url must start with http:// or https://, got {endpoint!r}")
+        self.endpoint = str(endpoint).rstrip("/")
+        payer = _flag(opts.get("requester_pays"), "requester_pays", project_ok=True)
+        if payer is True and not self.project:
+            raise ValueError("GCS requester_pays=True needs the project to bill: pass project=...")
+        self.params = {"userProject": self.project if payer is True else payer} if payer else {}
+        self.connect = float(opts.get("connect_timeout") or CONNECT_TIMEOUT)
+        self.read = float(opts.get("read_timeout") or READ_TIMEOUT)
+        self.tries = int(opts.get("tries") or TRIES)
+        if self.tries < 1:
+            raise ValueError(f"GCS tries must be >= 1, got {self.tries}")
+        self.trust_env = _flag(opts.get("trust_env"), "trust_env")
+        self.proxies = dict(opts.get("proxies") or {})
+        self.pool = max(10, max_concurrency)
+        self.secrets = tuple(s for s in _secrets_of(self.token) if len(s) >= 4)
+
+    def session(self):
+        """A new ``AuthorizedSession``: our timeouts and pool, urllib3 retrying nothing (we retry)."""
+        import requests.adapters
+        from google.auth.transport.requests import AuthorizedSession
+
+        session = AuthorizedSession(credentials(self.token, self.access))
+        session.trust_env = self.trust_env
+        session.proxies.update(self.proxies)
+        adapter = requests.adapters.HTTPAdapter(pool_connections=4, pool_maxsize=self.pool, max_retries=0)
+        session.mount("https://", adapter)
+        session.mount("http://", adapter)
+        return session
+
+
+def _body(data):
+    # requests/urllib3 send bytes, bytearray and byte memoryviews as they are.
+    if isinstance(data, (bytes, bytearray)):
         return data
-    return memoryview(data).cast("B").tobytes()
+    return memoryview(data).cast("B")
 
 
-_TOKEN_METHODS = frozenset({"anon", "google_default", "cache", "cloud", "browser"})
-
-
+# ------------------------------------------------------------------ the store
 class GCSStore(ObjectStore):
     """Objects under ``gs://bucket/prefix``.
 
@@ -227,27 +400,26 @@ class GCSStore(ObjectStore):
     path:
         ``"bucket"`` or ``"bucket/prefix"`` (a ``gs://``/``gcs://`` scheme is accepted).
     storage_options:
-        Passed to :class:`gcsfs.GCSFileSystem` (``token``, ``project``,
-        ``endpoint_url``, ``requester_pays``, ``session_kwargs``...). The file
-        system is created on first use, so opening a store makes no request.
+        :data:`OPTIONS` (module docstring): ``token``, ``project``,
+        ``endpoint_url``, ``requester_pays``, timeouts... An unknown key
+        raises ``ValueError``. The session is made on first use, so
+        opening a store makes no request.
     max_concurrency:
         Most requests of one :meth:`get_ranges` call, or of one compose
-        round or cleanup, in flight at once.
+        round or cleanup, in flight at once; also the floor of the HTTP
+        connection pool size.
     resolver:
-        ``socket.getaddrinfo`` (the default) or a stand-in with its
-        signature: the endpoint's host is resolved once, before the first
-        request, and a name that does not resolve raises
-        :class:`~ckptstore.errors.HostNotResolvedError` at once; gcsfs would
-        otherwise retry it for about 30 s per call. Skipped when the session
-        goes through a proxy (``session_kwargs`` with ``trust_env`` or a
-        connector), where the proxy resolves names.
+        ``socket.getaddrinfo`` (the default) or a stand-in with its signature,
+        for the endpoint check before the first request.
+    sleep:
+        ``time.sleep`` or a stand-in, for the waits between tries.
     """
 
     mtime_resolution = 0.001  # GCS "updated" has milliseconds (the emulator: µs)
     remote = True
 
     def __init__(self, path: str, storage_options: dict | None = None, max_concurrency: int = 16,
-                 resolver: Callable | None = None):
+                 resolver: Callable | None = None, sleep: Callable[[float], None] = time.sleep):
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         for scheme in ("gs://", "gcs://"):
@@ -266,51 +438,69 @@ class GCSStore(ObjectStore):
         self._root = f"{prefix}/" if prefix else ""
         self.url = f"gs://{bucket}/{prefix}" if prefix else f"gs://{bucket}"
         self.max_concurrency = max_concurrency
-        opts = dict(storage_options or {})
-        opts["skip_instance_cache"] = True
-        opts["use_listings_cache"] = False
-        self._opts = opts
-        secrets = []
-        token = opts.get("token")
-        if isinstance(token, str) and token not in _TOKEN_METHODS:
-            secrets.append(token)
-        elif isinstance(token, dict):
-            secrets += [str(v) for k, v in token.items() if "key" in k or "secret" in k or "token" in k]
-        self._secrets = tuple(s for s in secrets if s)
-        self._fs_obj = None
-        self._fs_lock = threading.Lock()
+        self._opts = _Options(dict(storage_options or {}), max_concurrency)
+        self._secrets = self._opts.secrets
+        # (pid that made it, lock, [session]): see _session.
+        self._sessions: tuple[int, threading.Lock, list] = (os.getpid(), threading.Lock(), [])
         self._bucket_seen = False
         self._catch = _errors_to_classify()
         self._resolver = resolver or socket.getaddrinfo
+        self._sleep = sleep
+        ep, b = self._opts.endpoint, quote(bucket, safe="")
+        self._api = f"{ep}/storage/v1/b/{b}/o"
+        self._upload_url = f"{ep}/upload/storage/v1/b/{b}/o"
+        self._download = f"{ep}/download/storage/v1/b/{b}/o"
 
     def __repr__(self) -> str:
         return f"GCSStore({self.url!r})"
 
     # ------------------------------------------------------------ plumbing
-    @property
-    def _fs(self):
-        if self._fs_obj is None:
-            with self._fs_lock:
-                if self._fs_obj is None:
-                    import gcsfs.core
+    def _session(self):
+        """The session, made on first use (after the endpoint's host resolved); a forked child makes its own."""
+        pid, lock, box = self._sessions
+        if pid != os.getpid():
+            pid, lock, box = self._sessions = (os.getpid(), threading.Lock(), [])
+        if not box:
+            with lock:
+                if not box:
+                    if not (self._opts.trust_env or self._opts.proxies):
+                        check_resolves(self._opts.endpoint, self.url, "GCS", self._resolver)
+                    box.append(self._opts.session())
+        return box[0]
 
-                    # The core class: the "extended" one probes buckets over gRPC.
-                    fs = gcsfs.core.GCSFileSystem(**self._gcsfs_options())
-                    session = self._opts.get("session_kwargs") or {}
-                    location = getattr(fs, "_location", None)
-                    if isinstance(location, str) and not (session.get("trust_env") or "connector" in session):
-                        check_resolves(location, self.url, "GCS", self._resolver)
-                    self._fs_obj = fs
-        return self._fs_obj
+    def _send(self, method: str, url: str, *, params: dict | None = None, retry: bool = True,
+              stream: bool = False, **kwargs):
+        """One request, tried again on 408/429/5xx and connection failures (module docstring).
 
-    def _gcsfs_options(self) -> dict:
-        opts = self._opts
-        # With STORAGE_EMULATOR_HOST set and no token, connect anonymously, as
-        # google-cloud-storage does for an emulator: gcsfs would otherwise try
-        # application-default credentials and the GCE metadata server first.
-        if "token" not in opts and os.environ.get("STORAGE_EMULATOR_HOST", "") not in ("", "default"):
-            opts = {**opts, "token": "anon"}
-        return opts
+        Returns the response of a 2xx answer; raises :class:`GCSHTTPError`
+        for any other status, or what the transport raised.
+        """
+        session = self._session()
+        params = {**self._opts.params, **(params or {})}
+        tries = self._opts.tries if retry else 1
+        for attempt in range(1, tries + 1):
+            try:
+                resp = session.request(method, url, params=params, stream=stream,
+                                       timeout=(self._opts.connect, self._opts.read), **kwargs)
+            except self._catch as e:
+                if attempt == tries or not _is_connection_error(e) or host_not_resolved(e, "", ""):
+                    raise
+            else:
+                if resp.status_code < 400:
+                    return resp
+                err = GCSHTTPError.from_response(resp)
+                resp.close()
+                if attempt == tries or err.status not in _TRANSIENT_STATUS:
+                    raise err
+            self._sleep(0.5 * 2 ** (attempt - 1) * (0.5 + random.random()))
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _json(self, method: str, url: str, **kwargs) -> dict:
+        resp = self._send(method, url, **kwargs)
+        try:
+            return resp.json() if resp.content else {}
+        except ValueError as e:
+            raise StorageError(f"{self.url}: GCS answered with something other than JSON: {e}") from None
 
     def _missing_bucket(self, op: str) -> StorageError | None:
         # An object call answered 404: the object, or the whole bucket? Asked
@@ -319,15 +509,12 @@ class GCSStore(ObjectStore):
         # missing bucket and needs no permission a repository does not.
         if self._bucket_seen:
             return None
-        from fsspec.asyn import sync
-
-        async def probe():
-            await self._fs._call("GET", "b/{}/o", self.bucket, json_out=True, maxResults=1)
-
         try:
-            sync(self._fs.loop, probe)
-        except FileNotFoundError:
-            return StorageError(f"gs://{self.bucket}: bucket does not exist (GCS {op}: 404)")
+            self._json("GET", self._api, params={"maxResults": 1, "fields": "nextPageToken"})
+        except GCSHTTPError as e:
+            if e.status == 404:
+                return StorageError(f"gs://{self.bucket}: bucket does not exist (GCS {op}: 404)")
+            return None
         except self._catch:
             return None  # the 404 stands as it is
         self._bucket_seen = True
@@ -345,12 +532,10 @@ class GCSStore(ObjectStore):
     def _error(self, exc: BaseException, key: str | None, op: str, exists_on_412: bool = False) -> Exception:
         return scrub(classify_error(exc, self._where(key), op, exists_on_412), exc, self._secrets)
 
-    def _run(self, key: str | None, op: str, coro_fn, *args, exists_on_412: bool = False, **kwargs):
-        from fsspec.asyn import sync
-
-        fs = self._fs
+    def _run(self, key: str | None, op: str, fn, *args, exists_on_412: bool = False, **kwargs):
+        """``fn(*args, **kwargs)``, its errors classified (a 404 checked for a missing bucket)."""
         try:
-            out = sync(fs.loop, coro_fn, *args, **kwargs)
+            out = fn(*args, **kwargs)
         except RangeReplyError as e:
             raise ValueError(str(e)) from None
         except self._catch as e:
@@ -363,85 +548,74 @@ class GCSStore(ObjectStore):
         self._bucket_seen = True
         return out
 
-    # async primitives: raw gcsfs exceptions, classified by _run
-    async def _aget_meta(self, full: str) -> dict:
-        return await self._fs._call("GET", "b/{}/o/{}", self.bucket, full, json_out=True)
+    def _object_url(self, full: str) -> str:
+        return f"{self._api}/{quote(full, safe='')}"
 
-    async def _aupload(self, full: str, data: bytes, create: bool = False) -> dict:
-        # A single-request "media" upload: the body is the bytes as they are
-        # (gcsfs's simple_upload builds a multipart/related copy of them).
-        # ``ifGenerationMatch=0`` makes it an atomic exclusive create.
-        from gcsfs.core import quote, simple_upload
+    def _media_url(self, full: str) -> str:
+        return f"{self._download}/{quote(full, safe='')}"
 
-        fs = self._fs
-        if not data:
-            # gcp-storage-emulator fails on an empty media upload (drops the
-            # connection); GCS takes either. gcsfs's multipart/related upload
-            # sends the same query (ifGenerationMatch included).
-            return await simple_upload(fs, self.bucket, full, data, mode="create" if create else "overwrite")
-        kw = {"ifGenerationMatch": "0"} if create else {}
-        return await fs._call(
-            "POST",
-            f"{fs._location}/upload/storage/v1/b/{quote(self.bucket)}/o",
-            uploadType="media",
-            name=full,
-            headers={"Content-Type": "application/octet-stream"},
-            data=data,
-            json_out=True,
-            **kw,
-        )
+    # raw primitives: transport exceptions, classified by _run
+    def _upload(self, full: str, data, create: bool = False) -> dict:
+        # A single-request "media" upload of the bytes as they are.
+        # ``ifGenerationMatch=0`` makes it an atomic exclusive create, tried once.
+        params = {"name": full, **({"ifGenerationMatch": "0"} if create else {})}
+        if not len(data):
+            # The emulator drops an empty media upload; GCS takes either.
+            boundary = uuid.uuid4().hex
+            body = (f"--{boundary}\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n"
+                    f"{json.dumps({'name': full})}\r\n--{boundary}\r\n"
+                    f"Content-Type: application/octet-stream\r\n\r\n\r\n--{boundary}--\r\n").encode()
+            return self._json("POST", self._upload_url, params={**params, "uploadType": "multipart"}, data=body,
+                              retry=not create, headers={"Content-Type": f"multipart/related; boundary={boundary}"})
+        return self._json("POST", self._upload_url, params={**params, "uploadType": "media"}, data=_body(data),
+                          retry=not create, headers={"Content-Type": "application/octet-stream"})
 
-    async def _adelete(self, full: str, missing_ok: bool = True) -> None:
+    def _delete_raw(self, full: str) -> None:
         try:
-            await self._fs._call("DELETE", "b/{}/o/{}", self.bucket, full)
-        except FileNotFoundError:
-            if not missing_ok:
+            self._send("DELETE", self._object_url(full)).close()
+        except GCSHTTPError as e:
+            if e.status != 404:
                 raise
 
-    async def _alist(self, full_prefix: str) -> list[dict]:
-        items: list[dict] = []
+    def _list_raw(self, full_prefix: str) -> Iterator[dict]:
         token = None
         while True:
+            params = {"fields": _LIST_FIELDS, **({"prefix": full_prefix} if full_prefix else {}),
+                      **({"pageToken": token} if token else {})}
             try:
-                resp = await self._fs._call(
-                    "GET", "b/{}/o", self.bucket, json_out=True, prefix=full_prefix or None, pageToken=token
-                )
-            except FileNotFoundError:
-                # Listing answers 404 only for a missing bucket: a
-                # configuration error, never an empty repository.
-                raise StorageError(f"gs://{self.bucket}: bucket does not exist (GCS objects.list: 404)") from None
-            items.extend(resp.get("items", ()))
-            token = resp.get("nextPageToken")
+                page = self._json("GET", self._api, params=params)
+            except GCSHTTPError as e:
+                if e.status == 404:
+                    # Listing answers 404 only for a missing bucket: a
+                    # configuration error, never an empty repository.
+                    raise StorageError(f"gs://{self.bucket}: bucket does not exist (GCS objects.list: 404)") from None
+                raise
+            yield from page.get("items", ())
+            token = page.get("nextPageToken")
             if not token:
-                return items
-
-    async def _gather(self, coros) -> list:
-        return await gather_limited(coros, self.max_concurrency)
+                return
 
     # ------------------------------------------------------------ reads
     def get(self, key: str) -> bytes:
         full = self._full(key)
+        return self._run(key, "objects.get", lambda: self._send("GET", self._media_url(full),
+                                                               params={"alt": "media"}).content)
 
-        async def run():
-            status, headers, _, data = await self._fs._request("GET", self._fs.url(f"{self.bucket}/{full}"))
-            return data
-
-        return self._run(key, "objects.get", run)
-
-    async def _aget_range(self, full: str, key: str, start: int, end: int) -> tuple[bytes, int | None]:
-        from gcsfs.retry import HttpError
-
+    def _ranged(self, key: str, start: int, end: int, stream: bool):
         try:
-            status, headers, _, data = await self._fs._request(
-                "GET", self._fs.url(f"{self.bucket}/{full}"), headers={"Range": f"bytes={start}-{end - 1}"}
-            )
-        except HttpError as e:
-            if e.code == 416:
+            return self._send("GET", self._media_url(self._full(key)), params={"alt": "media"}, stream=stream,
+                              headers={"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"})
+        except GCSHTTPError as e:
+            if e.status == 416:
                 raise RangeReplyError(f"{self._where(key)}: range [{start}, {end}) past end of object") from None
             raise
-        m = _CONTENT_RANGE.match(headers.get("Content-Range", ""))
+
+    def _range_bytes(self, key: str, start: int, end: int) -> tuple[bytes, int | None]:
+        resp = self._ranged(key, start, end, stream=False)
+        data = resp.content
+        m = _CONTENT_RANGE.match(resp.headers.get("Content-Range", ""))
         total = int(m.group(3)) if m and m.group(3) != "*" else None
-        if status == 200 and total is None:
+        if resp.status_code == 200 and total is None:
             # The server ignored the Range header and sent the whole object.
             total = len(data)
             data = data[start:end]
@@ -449,37 +623,56 @@ class GCSStore(ObjectStore):
         return data, total
 
     def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
-        ranges = check_ranges(ranges)
-        full = self._full(key)
-        todo = [(i, s, e) for i, (s, e) in enumerate(ranges) if e > s]
+        """Each range by its own GET, at most ``max_concurrency`` at once on a pool of this call."""
+        self._full(key)
+        return self._run(key, "objects.get", get_ranges_threaded, lambda s, e: self._range_bytes(key, s, e), ranges,
+                         self.max_concurrency, lambda: self.head(key).size, self._where(key), "ckptstore-gcs-get")
 
-        async def run():
-            got = await self._gather(self._aget_range(full, key, s, e) for _, s, e in todo)
-            out = [b""] * len(ranges)
-            size = None
-            for (i, _, _), (data, total) in zip(todo, got):
-                out[i] = data
-                size = total if total is not None else size
-            return out, size
+    def read_range_into(self, key: str, start: int, out, progress=None) -> None:
+        """Stream one ranged GET straight into ``out`` (:func:`~._blocking.stream_into`), reporting progress."""
+        mv = memoryview(out).cast("B")
+        n = len(mv)
+        if n == 0 or start < 0:
+            return super().read_range_into(key, start, out, progress)
+        self._full(key)
+        self._run(key, "objects.get", self._stream_range, key, start, mv, progress)
 
-        out, size = self._run(key, "objects.get", run)
-        if len(todo) < len(ranges) or not ranges:
-            # Empty ranges need no bytes, but the object must exist and the
-            # ranges lie inside it, as in every other store.
-            if size is None:
-                size = self.head(key).size
-            for s, e in ranges:
-                if e > size:
-                    raise ValueError(f"{self._where(key)}: range [{s}, {e}) past end of {size}-byte object")
-        return out
+    def _stream_range(self, key: str, start: int, mv: memoryview, progress) -> None:
+        n = len(mv)
+        end = start + n
+        resp = self._ranged(key, start, end, stream=True)
+        try:
+            m = _CONTENT_RANGE.match(resp.headers.get("Content-Range", ""))
+            if resp.status_code != 206 or m is None:
+                # Not a ranged answer: the body is the whole object.
+                data, _ = self._range_bytes(key, start, end)
+                mv[:] = data
+                if progress is not None:
+                    progress(n)
+                return
+            total = None if m.group(3) == "*" else int(m.group(3))
+            length = resp.headers.get("Content-Length")
+            # Before any byte is read: the size and length the headers state.
+            check_range_reply(self._where(key), start, end, n if length is None else int(length), total)
+            got, at_end = stream_into(resp.raw, mv, progress)
+            if at_end:
+                resp = None  # its connection went back to the pool
+            elif got == n:
+                raise RangeReplyError(f"{self._where(key)}: range [{start}, {end}) returned more than {n} bytes")
+            else:
+                check_range_reply(self._where(key), start, end, got, total)  # a body cut short: raises
+        finally:
+            if resp is not None:
+                resp.close()
 
     def head(self, key: str) -> ObjectInfo:
-        meta = self._run(key, "objects.get", self._aget_meta, self._full(key))
+        meta = self._run(key, "objects.get", self._json, "GET", self._object_url(self._full(key)),
+                         params={"fields": "size,updated"})
         return ObjectInfo(key, int(meta["size"]), parse_timestamp(meta["updated"]))
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         # GCS lists names in lexicographic (UTF-8 byte = code point) order.
-        items = self._run(prefix or None, "objects.list", self._alist, self._root + prefix)
+        items = self._run(prefix or None, "objects.list", lambda: list(self._list_raw(self._root + prefix)))
         for obj in items:
             rel = obj["name"][len(self._root) :]
             if rel.startswith(UPLOADS + "/"):
@@ -492,28 +685,23 @@ class GCSStore(ObjectStore):
 
     # ------------------------------------------------------------ writes
     def put(self, key: str, data) -> None:
-        self._run(key, "objects.insert", self._aupload, self._full(key), _body(data))
+        self._run(key, "objects.insert", self._upload, self._full(key), data)
 
     def put_if_absent(self, key: str, data) -> None:
-        self._run(
-            key, "objects.insert", self._aupload, self._full(key), _body(data), True, exists_on_412=True
-        )
+        self._run(key, "objects.insert", self._upload, self._full(key), data, True, exists_on_412=True)
 
     def delete(self, key: str) -> None:
-        self._run(key, "objects.delete", self._adelete, self._full(key))
+        self._run(key, "objects.delete", self._delete_raw, self._full(key))
 
     def delete_many(self, keys: Sequence[str]) -> None:
         """One ``objects.delete`` per key, ``max_concurrency`` at a time; the first failure names its key."""
-        from fsspec.asyn import sync
-
         fulls = [self._full(k) for k in keys]
-        failed: list[int] = []
-        try:
-            sync(self._fs.loop, each_limited, self._adelete, fulls, self.max_concurrency, failed)
-        except self._catch as e:
-            err = self._error(e, keys[failed[0]] if failed else None, "objects.delete", False)
+        failed = each_threaded(self._delete_raw, fulls, self.max_concurrency, "ckptstore-gcs-delete")
+        if failed is not None:
+            i, e = failed
+            err = self._error(e, keys[i], "objects.delete")
             if err is e:
-                raise
+                raise e
             raise err from e
 
     # ------------------------------------------------------------ multipart
@@ -526,7 +714,7 @@ class GCSStore(ObjectStore):
 
     def list_multipart(self, prefix: str = "") -> list[MultipartInfo]:
         base = f"{self._root}{UPLOADS}/"
-        items = self._run(prefix or None, "objects.list", self._alist, base + prefix)
+        items = self._run(prefix or None, "objects.list", lambda: list(self._list_raw(base + prefix)))
         found: dict[tuple[str, str], float] = {}
         for obj in items:
             rest = obj["name"][len(base) :]
@@ -548,28 +736,32 @@ class GCSStore(ObjectStore):
             raise ValueError(f"invalid GCS upload id {upload_id!r}")
         udir = self._upload_dir(key, upload_id)
 
-        async def run():
-            items = await self._alist(udir)
+        def run():
+            names = [o["name"] for o in self._list_raw(udir)]
             # The marker last, so a half-done abort is still listed.
-            names = sorted((o["name"] for o in items), key=lambda n: n.endswith("/" + _MARKER))
-            await self._gather(self._adelete(n) for n in names if not n.endswith("/" + _MARKER))
-            await self._gather(self._adelete(n) for n in names if n.endswith("/" + _MARKER))
+            for batch in ([n for n in names if not n.endswith("/" + _MARKER)],
+                          [n for n in names if n.endswith("/" + _MARKER)]):
+                failed = each_threaded(self._delete_raw, batch, self.max_concurrency, "ckptstore-gcs-delete")
+                if failed is not None:
+                    raise failed[1]
 
         self._run(key, "objects.delete", run)
 
     # ------------------------------------------------------------ lifetime
     def close(self) -> None:
-        """Close the HTTP session; a later call opens a new one."""
-        fs = self._fs_obj
-        if fs is None or getattr(fs, "_session", None) is None:
+        """Close the session (its connections); a later call makes a new one."""
+        pid, lock, box = self._sessions
+        if pid != os.getpid():  # the parent's: not this process's to close
+            self._sessions = (os.getpid(), threading.Lock(), [])
             return
-        from fsspec.asyn import sync
-
-        try:
-            sync(fs.loop, fs._session.close, timeout=10)
-        except Exception:
-            pass
-        fs._session = None
+        with lock:
+            old = list(box)
+            box.clear()
+        for session in old:
+            try:
+                session.close()
+            except Exception:
+                pass
 
 
 class _GCSMultipart(MultipartUpload):
@@ -584,7 +776,7 @@ class _GCSMultipart(MultipartUpload):
         self._parts: dict[int, tuple[int, str]] = {}  # number -> (size, generation)
         self._aborted = False
         marker = json.dumps({"key": key, "part_size": part_size}).encode()
-        store._run(key, "objects.insert", store._aupload, self._dir + _MARKER, marker)
+        store._run(key, "objects.insert", store._upload, self._dir + _MARKER, marker)
 
     def _part_name(self, number: int) -> str:
         return f"{self._dir}part-{number:05d}"
@@ -593,31 +785,33 @@ class _GCSMultipart(MultipartUpload):
         self._check_part(number, data)
         if self._aborted:
             raise ObjectNotFoundError(f"{self.store._where(self.key)}: multipart upload was aborted")
-        body = _body(data)
-        meta = self.store._run(self.key, "objects.insert", self.store._aupload, self._part_name(number), body)
+        meta = self.store._run(self.key, "objects.insert", self.store._upload, self._part_name(number), data)
         with self._lock:
-            self._parts[number] = (len(body), str(meta.get("generation") or ""))
+            self._parts[number] = (len(data), str(meta.get("generation") or ""))
 
-    async def _acompose(self, dest: str, sources: list[tuple[str, str]]) -> dict:
+    def _compose(self, dest: str, sources: list[tuple[str, str]]) -> dict:
         objs = []
         for name, generation in sources:
             src = {"name": name}
             if generation:
                 src["objectPreconditions"] = {"ifGenerationMatch": generation}
             objs.append(src)
-        return await self.store._fs._call(
-            "POST",
-            "b/{}/o/{}/compose",
-            self.store.bucket,
-            dest,
-            json_out=True,
-            headers={"Content-Type": "application/json"},
-            json={
-                "kind": "storage#composeRequest",
-                "sourceObjects": objs,
-                "destination": {"name": dest, "bucket": self.store.bucket, "contentType": "application/octet-stream"},
-            },
-        )
+        body = {"kind": "storage#composeRequest", "sourceObjects": objs,
+                "destination": {"name": dest, "bucket": self.store.bucket, "contentType": "application/octet-stream"}}
+        return self.store._json("POST", f"{self.store._object_url(dest)}/compose", json=body)
+
+    def _compose_tree(self, dest: str, sources: list[tuple[str, str]]) -> dict:
+        """Compose ``sources`` into ``dest``, through intermediates when there are over :data:`MAX_COMPOSE`."""
+        level = 0
+        while len(sources) > MAX_COMPOSE:
+            groups = [sources[i : i + MAX_COMPOSE] for i in range(0, len(sources), MAX_COMPOSE)]
+            names = [f"{self._dir}compose-{level}-{i:05d}" for i in range(len(groups))]
+            with cf.ThreadPoolExecutor(min(self.store.max_concurrency, len(groups)),
+                                       thread_name_prefix="ckptstore-gcs-compose") as ex:
+                metas = list(ex.map(self._compose, names, groups))
+            sources = [(n, str(m.get("generation") or "")) for n, m in zip(names, metas)]
+            level += 1
+        return self._compose(dest, sources)
 
     def complete(self, nparts: int) -> None:
         if nparts < 1:
@@ -633,20 +827,7 @@ class _GCSMultipart(MultipartUpload):
             expected = sum(self._parts[n][0] for n in range(1, nparts + 1))
         if self._aborted:
             raise ObjectNotFoundError(f"{self.store._where(self.key)}: multipart upload was aborted")
-        dest = self.store._full(self.key)
-
-        async def run():
-            level = 0
-            srcs = sources
-            while len(srcs) > MAX_COMPOSE:
-                groups = [srcs[i : i + MAX_COMPOSE] for i in range(0, len(srcs), MAX_COMPOSE)]
-                names = [f"{self._dir}compose-{level}-{i:05d}" for i in range(len(groups))]
-                metas = await self.store._gather(self._acompose(n, g) for n, g in zip(names, groups))
-                srcs = [(n, str(m.get("generation") or "")) for n, m in zip(names, metas)]
-                level += 1
-            return await self._acompose(dest, srcs)
-
-        meta = self.store._run(self.key, "objects.compose", run)
+        meta = self.store._run(self.key, "objects.compose", self._compose_tree, self.store._full(self.key), sources)
         if int(meta.get("size", -1)) != expected:
             raise StorageError(
                 f"{self.store._where(self.key)}: composed object has {meta.get('size')} bytes, expected {expected}"

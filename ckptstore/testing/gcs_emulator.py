@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import urllib.error
 import urllib.request
@@ -28,9 +27,6 @@ from urllib.parse import parse_qs, urlparse
 
 from .ports import free_port
 
-# gcsfs >= 2026 probes the bucket type over gRPC first and waits ~60 s against
-# an emulator unless this is false; it must be set before gcsfs is imported.
-os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 HOST = "127.0.0.1"
 PROJECT = "test"
@@ -162,7 +158,7 @@ class GCSEmulator:
 
     # ------------------------------------------------------------ helpers
     def storage_options(self) -> dict:
-        """gcsfs ``storage_options`` reaching this emulator anonymously."""
+        """``storage_options`` of a GCSStore reaching this emulator anonymously."""
         return {"endpoint_url": self.endpoint, "token": "anon", "project": PROJECT}
 
     def _open(self, req) -> bytes:
