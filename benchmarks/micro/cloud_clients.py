@@ -15,10 +15,12 @@ GCS, against gcp-storage-emulator (:mod:`ckptstore.testing.gcs_emulator`)
 started in a child process of its own (in this process its CPU would count
 as the client's), pinned to CPU 1, this process to CPU 0:
 
-- ``ckptstore GCSStore``: the project's store (gcsfs's aiohttp session on
-  the JSON API): ``put`` (one ``uploadType=media`` POST); ``read_range_into``
-  into one reused buffer per thread (the store's default: ``get_ranges``,
-  one ranged GET of ``/download/storage/v1/b/../o/..?alt=media``, then a copy);
+- ``ckptstore GCSStore``: the project's store (google-auth's
+  ``AuthorizedSession`` on the JSON API since issue 27; gcsfs's aiohttp
+  session before): ``put`` (one ``uploadType=media`` POST);
+  ``read_range_into`` into one reused buffer per thread (one ranged GET of
+  ``/download/storage/v1/b/../o/..?alt=media``, its body read from the
+  socket into the buffer);
 - ``GCSStore multipart``: the save path of packs: each object as a
   multipart upload of 16 MiB parts (``create_multipart``/``upload_part``/
   ``complete``: parallel composite upload, each part a media upload, then
@@ -29,8 +31,8 @@ as the client's), pinned to CPU 1, this process to CPU 0:
   it a resumable upload: one POST to open the session, the 64 MiB in one PUT);
   ``Blob.download_to_file(start, end, raw_download=True, checksum=None)``
   into a sink writing into a reused buffer;
-- ``google-auth session``: the JSON API requests ckptstore's store sends,
-  on threads instead of gcsfs's event loop: one ``AuthorizedSession``
+- ``google-auth session``: the prototype the store was rebuilt on, the
+  same JSON API requests with nothing around them: one ``AuthorizedSession``
   (google-auth's ``requests`` session, the HTTP layer google-cloud-storage
   uses) shared by the threads: a media upload POST; a ranged GET whose
   body is read from the socket straight into the reused buffer (as
@@ -86,8 +88,6 @@ import numpy as np
 
 from ..common.clients import Results, print_medians, probe, timed_rounds
 from ..common.pinning import pin
-
-os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # before gcsfs is imported
 
 OBJECT = 64 << 20
 RANGE = 8 << 20
