@@ -354,6 +354,26 @@ def test_read_range_into_streams_with_advancing_progress(gcs):
         s.read_range_into("missing", 0, bytearray(4))
 
 
+def test_a_server_that_ignores_range_still_gives_exactly_the_range(gcs, monkeypatch):
+    import requests
+
+    s = gcs()
+    s.put("r", b"0123456789")
+    orig = requests.Session.send
+
+    def no_range(self, request, **kwargs):
+        request.headers.pop("Range", None)
+        return orig(self, request, **kwargs)
+
+    monkeypatch.setattr(requests.Session, "send", no_range)
+    out, seen = bytearray(3), []
+    s.read_range_into("r", 2, out, seen.append)
+    assert out == b"234" and seen == [3]
+    assert s.get_ranges("r", [(5, 8), (0, 2)]) == [b"567", b"01"]
+    with pytest.raises(ValueError, match="past end"):
+        s.read_range_into("r", 8, bytearray(4))
+
+
 def test_a_forked_child_makes_its_own_session(gcs):
     """A store used before a fork works in the child (a session of its own) and still in the parent."""
     import multiprocessing

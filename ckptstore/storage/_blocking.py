@@ -12,7 +12,8 @@ on the calling thread. Around that, they share three things, kept here:
   several at once, the first failure reported with the item it failed on;
 - :func:`stream_into`: a response body read from the socket straight into
   the caller's buffer, reporting progress as it goes (the loader decodes
-  each chunk as soon as its bytes are in).
+  each chunk as soon as its bytes are in), and :func:`stream_range`, the
+  checks around it for a ranged GET.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 from typing import Callable, Sequence
 
-from .base import READ_PIECE, RangeReplyError, check_ranges
+from .base import READ_PIECE, RangeReplyError, check_range_reply, check_ranges
 
 
 def get_ranges_threaded(read: Callable[[int, int], tuple[bytes, int | None]], ranges: Sequence[tuple[int, int]],
@@ -138,3 +139,27 @@ def stream_into(raw, mv: memoryview, progress: Callable[[int], None] | None,
         raw.release_conn()
         return got, True
     return got, not read(1)
+
+
+def stream_range(where: str, start: int, mv: memoryview, length: int | None, total: int | None, raw,
+                 progress: Callable[[int], None] | None, read: Callable[[int], bytes] | None = None) -> bool:
+    """The body of a ranged GET of ``[start, start + len(mv))`` into ``mv``, checked (:func:`stream_into`).
+
+    ``length`` and ``total`` are what the answer's headers say (its
+    ``Content-Length``, and the object size in its ``Content-Range``; None
+    where absent); they are checked before any byte is read. A range past
+    the end, or a body longer than asked, raises :class:`RangeReplyError`;
+    a body cut short :class:`TransientStorageError`. Returns True when the
+    body was read to its end and its connection went back to the pool
+    (otherwise the caller closes the response).
+    """
+    n = len(mv)
+    end = start + n
+    check_range_reply(where, start, end, n if length is None else int(length), total)
+    got, at_end = stream_into(raw, mv, progress, read)
+    if at_end:
+        return True
+    if got == n:
+        raise RangeReplyError(f"{where}: range [{start}, {end}) returned more than {n} bytes")
+    check_range_reply(where, start, end, got, total)  # a body cut short: raises
+    return False

@@ -116,7 +116,7 @@ from ..errors import (
     StorageError,
     TransientStorageError,
 )
-from ._blocking import each_threaded, get_ranges_threaded, stream_into
+from ._blocking import each_threaded, get_ranges_threaded, stream_range
 from ._classify import MAX_MESSAGE, check_resolves, host_not_resolved, in_chain, is_network_error, optional_types, scrub
 from .base import (
     MultipartInfo,
@@ -629,7 +629,7 @@ class GCSStore(ObjectStore):
                          self.max_concurrency, lambda: self.head(key).size, self._where(key), "ckptstore-gcs-get")
 
     def read_range_into(self, key: str, start: int, out, progress=None) -> None:
-        """Stream one ranged GET straight into ``out`` (:func:`~._blocking.stream_into`), reporting progress."""
+        """Stream one ranged GET straight into ``out`` (:func:`~._blocking.stream_range`), reporting progress."""
         mv = memoryview(out).cast("B")
         n = len(mv)
         if n == 0 or start < 0:
@@ -644,23 +644,17 @@ class GCSStore(ObjectStore):
         try:
             m = _CONTENT_RANGE.match(resp.headers.get("Content-Range", ""))
             if resp.status_code != 206 or m is None:
-                # Not a ranged answer: the body is the whole object.
-                data, _ = self._range_bytes(key, start, end)
-                mv[:] = data
+                # The server ignored the Range header: the body is the whole object.
+                data = resp.content
+                check_range_reply(self._where(key), start, end, len(data[start:end]), len(data))
+                mv[:] = data[start:end]
                 if progress is not None:
                     progress(n)
                 return
             total = None if m.group(3) == "*" else int(m.group(3))
-            length = resp.headers.get("Content-Length")
-            # Before any byte is read: the size and length the headers state.
-            check_range_reply(self._where(key), start, end, n if length is None else int(length), total)
-            got, at_end = stream_into(resp.raw, mv, progress)
-            if at_end:
+            if stream_range(self._where(key), start, mv, resp.headers.get("Content-Length"), total, resp.raw,
+                            progress):
                 resp = None  # its connection went back to the pool
-            elif got == n:
-                raise RangeReplyError(f"{self._where(key)}: range [{start}, {end}) returned more than {n} bytes")
-            else:
-                check_range_reply(self._where(key), start, end, got, total)  # a body cut short: raises
         finally:
             if resp is not None:
                 resp.close()

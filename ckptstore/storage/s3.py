@@ -69,7 +69,7 @@ from ..errors import (
     TransientStorageError,
 )
 from ._classify import MAX_MESSAGE, host_not_resolved, in_chain, is_network_error, optional_types, scrub
-from ._blocking import get_ranges_threaded, stream_into
+from ._blocking import get_ranges_threaded, stream_range
 from .base import (
     MultipartInfo,
     MultipartUpload,
@@ -497,7 +497,7 @@ class S3Store(ObjectStore):
             self._raise(e, key, "GetObject")
 
     def read_range_into(self, key: str, start: int, out, progress=None) -> None:
-        """Stream one ranged GET straight into ``out`` (:func:`~._blocking.stream_into`), reporting progress."""
+        """Stream one ranged GET straight into ``out`` (:func:`~._blocking.stream_range`), reporting progress."""
         mv = memoryview(out).cast("B")
         n = len(mv)
         if n == 0 or start < 0:
@@ -506,17 +506,10 @@ class S3Store(ObjectStore):
         try:
             resp = self._ranged_get(key, start, end)
             body = resp["Body"]
-            total = _total_size(resp.get("ContentRange"))
-            length = resp.get("ContentLength")
-            # Before any byte is read: the size and length the headers state.
-            check_range_reply(self._where(key), start, end, n if length is None else length, total)
-            got, at_end = stream_into(getattr(body, "_raw_stream", None), mv, progress, body.read)
-            if at_end:
+            if stream_range(self._where(key), start, mv, resp.get("ContentLength"),
+                            _total_size(resp.get("ContentRange")), getattr(body, "_raw_stream", None), progress,
+                            body.read):
                 body = None  # its connection went back to the pool
-            elif got == n:
-                raise RangeReplyError(f"{self._where(key)}: range [{start}, {end}) returned more than {n} bytes")
-            else:
-                check_range_reply(self._where(key), start, end, got, total)  # a body cut short: raises
         except self._catch as e:
             self._raise(e, key, "GetObject")
         finally:
