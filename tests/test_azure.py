@@ -344,7 +344,8 @@ def test_the_connection_pool_keeps_every_concurrent_connection(az, caplog):
 
 def test_proxies_come_from_the_environment_and_netrc_never(az, monkeypatch, tmp_path):
     """As the asynchronous client's session before: HTTP_PROXY is used unless
-    NO_PROXY names the host; a ~/.netrc login never replaces the SDK's signature."""
+    NO_PROXY names the host (read when the client is made); a ~/.netrc login
+    never replaces the SDK's signature."""
     for var in ("http_proxy", "HTTP_PROXY", "no_proxy", "NO_PROXY", "all_proxy", "ALL_PROXY"):
         monkeypatch.delenv(var, raising=False)
     proxy = _Server()
@@ -355,6 +356,7 @@ def test_proxies_come_from_the_environment_and_netrc_never(az, monkeypatch, tmp_
             s.head("k")
         assert len(proxy.accepted) == 1
         monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+        s.close()  # the next client reads the environment again
         s.put("k", b"v")
         assert len(proxy.accepted) == 1
     finally:
@@ -363,6 +365,7 @@ def test_proxies_come_from_the_environment_and_netrc_never(az, monkeypatch, tmp_
     netrc.write_text("machine 127.0.0.1 login someone password not-the-key\n")
     netrc.chmod(0o600)
     monkeypatch.setenv("NETRC", str(netrc))
+    s.close()
     assert s.get("k") == b"v"
 
 

@@ -42,11 +42,15 @@ Connections. The client's ``requests`` session keeps up to
 :data:`POOL_CONNECTIONS` connections (at least the store's
 ``max_concurrency``) for reuse; requests' default, 10, would close all but
 ten threads' connections after every request. Like adlfs's aiohttp session
-(azure-core's ``use_env_settings``, on by default), it takes proxies from
-``HTTP_PROXY`` / ``HTTPS_PROXY`` / ``NO_PROXY`` (so an emulator on 127.0.0.1
-goes through a proxy set for the machine unless ``NO_PROXY`` names it), and
-CA bundles from ``REQUESTS_CA_BUNDLE``; never logins from ``~/.netrc``,
-which requests would put in place of the SDK's ``Authorization`` header.
+(azure-core's ``use_env_settings``, on by default), it takes a proxy from
+``HTTP_PROXY`` / ``HTTPS_PROXY`` unless ``NO_PROXY`` names the account's
+host (so an emulator on 127.0.0.1 goes through a proxy set for the machine
+unless ``NO_PROXY`` names it), read once when the client is made, not on
+every request as requests would (and never a ``~/.netrc`` login, which
+requests would put in place of the SDK's ``Authorization`` header). TLS
+certificates are checked against ``REQUESTS_CA_BUNDLE`` (or
+``CURL_CA_BUNDLE``) when set, else against requests' bundle (certifi), not
+the system's store that aiohttp used.
 """
 
 from __future__ import annotations
@@ -170,11 +174,6 @@ def scrub_text(text: str, secrets: tuple[str, ...]) -> str:
     return _CONN_SECRET.sub(r"\1***", _SAS_SIG.sub(r"\1***", text))
 
 
-def _no_netrc(request):
-    """``requests`` auth that leaves a request as the SDK signed it (set, it keeps ``~/.netrc`` out)."""
-    return request
-
-
 class Client(NamedTuple):
     """What :func:`connect` makes; the store closes ``service`` and ``credential``."""
 
@@ -195,14 +194,16 @@ def connect(account: Account, container: str, pool: int, req: dict) -> Client:
     from urllib3.util.retry import Retry
 
     session = requests.Session()
-    session.trust_env = True  # proxies and CA bundles from the environment (module docstring)
-    session.auth = _no_netrc
+    # The environment is read here, once (module docstring): requests would
+    # read it again on every request, and take ~/.netrc logins with it.
+    session.trust_env = False
     # As azure-core's own session (retries belong to the pipeline), with room for every thread.
     adapter = requests.adapters.HTTPAdapter(pool_maxsize=pool,
                                             max_retries=Retry(total=False, redirect=False, raise_on_status=False))
     for scheme in ("http://", "https://"):
         session.mount(scheme, adapter)
-    transport = RequestsTransport(session=session, session_owner=True,
+    verify = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE") or True
+    transport = RequestsTransport(session=session, session_owner=True, connection_verify=verify,
                                   connection_timeout=req["connection_timeout"], read_timeout=req["read_timeout"])
     made = None
     try:
@@ -215,6 +216,8 @@ def connect(account: Account, container: str, pool: int, req: dict) -> Client:
                 credential = made = identity_credential(account)
             service = BlobServiceClient(account.url, credential=credential, transport=transport,
                                         retry_total=req["retry_total"])
+        # Every request goes to the account's host: its proxies (none if NO_PROXY names it) hold for all.
+        session.proxies.update(requests.utils.get_environ_proxies(service.url))
         return Client(service, service.get_container_client(container), session, made)
     except BaseException:
         session.close()
