@@ -10,13 +10,10 @@ client (DataLoader workers, ``multiprocessing``'s fork start method) makes
 its own there on first use and leaves the parent's alone: connection pools
 must not cross ``fork``.
 
-Account, credentials and connections: :mod:`ckptstore.storage._azure_client`
+Account, credentials, connections: :mod:`ckptstore.storage._azure_client`
 (``storage_options`` and ``AZURE_STORAGE_*`` variables by the Azure
-conventions: a connection string; else an account name with a credential,
-key, SAS token, service principal, nothing, or ``DefaultAzureCredential``;
-any other option raises ``ValueError`` naming it; secrets never appear in
-messages; proxies from the environment, as before; connections kept for
-every thread).
+conventions; any other option raises ``ValueError`` naming it; secrets
+never appear in messages; proxies from the environment, as before).
 
 Every request carries ``retry_total=0`` (the SDK's own policy otherwise
 waits 15 s, 18 s, 24 s... between attempts, which against a dead server
@@ -49,16 +46,14 @@ blob's block set, so aborting one discards the other's blocks (ckptstore
 never does this: pack names are unique); ``complete`` checks the marker
 just before committing, so an abort racing that instant can lose.
 
-Reads. Each is one ``Get Blob`` through the operation under
-``BlobClient.download_blob`` (the SDK's pipeline: signing, timeouts, no
-retries) whose body ckptstore reads from the socket; ``read_range_into``
-straight into the caller's buffer, reporting progress as bytes arrive.
-``download_blob`` itself reads an answer whole before handing a byte over,
-sends another request per 4 MiB past the first 32 MiB, and resends a body
-cut short up to three times, a second apart, whatever ``retry_total``
-says. A range starting at or past the end is a 416 that becomes
-``ValueError`` like on every other store; a range running past the end is
-caught by the object size in the answer's ``Content-Range``.
+Reads. One ``Get Blob`` each, through the operation under ``download_blob``
+(the SDK's pipeline: signing, timeouts, no retries), its body read from the
+socket by the store (``read_range_into``: into the caller's buffer, with
+progress). ``download_blob`` itself reads an answer whole before handing a
+byte over, sends a request more per 4 MiB past 32 MiB, and resends a body
+cut short up to three times whatever ``retry_total`` says. A range at or
+past the end is a 416, a ``ValueError`` as on every store; one running past
+the end is caught by the object size in ``Content-Range``.
 """
 
 from __future__ import annotations
@@ -178,12 +173,6 @@ def classify_error(exc: BaseException, where: str, op: str, exists_on_conflict: 
     return StorageError(f"{where}: Azure {op} failed: {detail}")
 
 
-def _errors_to_classify() -> tuple[type[BaseException], ...]:
-    # requests' exceptions are OSErrors; urllib3's and http.client's come from bodies ckptstore reads.
-    return (OSError, *optional_types("azure.core.exceptions:AzureError", "urllib3.exceptions:HTTPError",
-                                     "http.client:HTTPException"))
-
-
 def _body(data):
     if isinstance(data, (bytes, bytearray)):
         return data
@@ -212,14 +201,12 @@ class AzureStore(ObjectStore):
         ``"container"`` or ``"container/prefix"`` (an ``az://``/``abfs://``/
         ``abfss://`` scheme is accepted).
     storage_options:
-        The account and credentials (:mod:`~ckptstore.storage._azure_client`,
-        :data:`OPTIONS`): ``connection_string``, ``account_name``,
-        ``account_key``, ``sas_token``, ``credential``, ``account_host``,
-        ``anon``, ``client_id``/``client_secret``/``tenant_id``; and
-        ``connection_timeout`` and ``read_timeout`` (seconds, every request)
-        and ``retry_total`` (retries inside the Azure SDK, default 0:
-        ckptstore's RetryStore retries). An unknown key raises ``ValueError``.
-        The client is made on first use, so opening a store makes no request.
+        :data:`OPTIONS`: the account and credentials (``connection_string``,
+        ``account_name``, ``account_key``, ``sas_token``, ``credential``...:
+        :mod:`~ckptstore.storage._azure_client`); ``connection_timeout`` and
+        ``read_timeout`` (seconds, every request); ``retry_total`` (retries
+        inside the SDK, default 0: RetryStore retries). Any other key raises
+        ``ValueError``. The client is made on first use, not here.
     max_concurrency:
         Most requests of one :meth:`get_ranges` or :meth:`delete_many` call
         in flight at once; also the floor of the connection pool's size.
@@ -266,7 +253,9 @@ class AzureStore(ObjectStore):
         self._opts = opts
         # (pid that made it, lock, [its Client] or []): see _client.
         self._clients: tuple[int, threading.Lock, list] = (os.getpid(), threading.Lock(), [])
-        self._catch = _errors_to_classify()
+        # requests' exceptions are OSErrors; urllib3's and http.client's come from bodies the store reads.
+        self._catch = (OSError, *optional_types("azure.core.exceptions:AzureError", "urllib3.exceptions:HTTPError",
+                                                "http.client:HTTPException"))
 
     def __repr__(self) -> str:
         return f"AzureStore({self.url!r})"
@@ -351,13 +340,9 @@ class AzureStore(ObjectStore):
         def run():
             resp = self._download(full)
             try:
-                data = resp.raw.read()  # urllib3 checks the length against Content-Length
+                return resp.raw.read()  # a body short of its Content-Length raises (urllib3)
             finally:
                 resp.close()
-            size = resp.headers.get("Content-Length")
-            if size is not None and len(data) != int(size):
-                raise TransientStorageError(f"{self._where(key)}: short read, got {len(data)} of {size} bytes")
-            return data
 
         return self._call(key, "GetBlob", run)
 
@@ -410,9 +395,10 @@ class AzureStore(ObjectStore):
             try:
                 got, at_end = stream_into(resp.raw, mv, progress)
                 if not at_end:
+                    where = self._where(key)
                     if got == n:
-                        raise RangeReplyError(f"{self._where(key)}: range [{start}, {end}) returned more than {n} bytes")
-                    check_range_reply(self._where(key), start, end, got, _total_size(resp.headers.get("Content-Range")))
+                        raise RangeReplyError(f"{where}: range [{start}, {end}) returned more than {n} bytes")
+                    check_range_reply(where, start, end, got, _total_size(resp.headers.get("Content-Range")))
             finally:
                 if not at_end:
                     resp.close()  # not read to its end: drop the connection
@@ -479,7 +465,9 @@ class AzureStore(ObjectStore):
         failed = each_threaded(self._delete_blob, fulls, self.max_concurrency, "ckptstore-az-delete")
         if failed is not None:
             i, exc = failed
-            self._call(keys[i], "DeleteBlob", lambda: _reraise(exc))
+            if not isinstance(exc, self._catch):
+                raise exc
+            self._raise(exc, keys[i], "DeleteBlob")
 
     # ------------------------------------------------------------ multipart
     def _marker(self, key: str, upload_id: str) -> str:
@@ -546,10 +534,6 @@ class AzureStore(ObjectStore):
                         closer()
                     except Exception:
                         pass
-
-
-def _reraise(exc: BaseException):
-    raise exc
 
 
 class _AzureMultipart(MultipartUpload):
