@@ -214,8 +214,8 @@ def open(url: str, storage_options: dict | None = None, **options) -> Repository
         ``memory://name``.
     storage_options:
         Passed to the backend (for S3: s3fs-style options such as ``key``,
-        ``secret``, ``client_kwargs={"endpoint_url": ...}``; for Azure: adlfs
-        options such as ``account_name``, ``connection_string``).
+        ``secret``, ``client_kwargs={"endpoint_url": ...}``; for Azure: the
+        account and credentials, such as ``account_name``, ``connection_string``).
     **options:
         :class:`~ckptstore.options.RepoOptions` fields (``chunk_size``,
         ``pack_size``, ``part_size``, ``workers``, ``io_workers``,

@@ -709,7 +709,7 @@ def test_s3_requests_have_timeouts_and_bounded_retries(s3):
 
 
 @pytest.mark.parametrize("url,module,extra", [("s3://b/p", "botocore", "s3"), ("gs://b/p", "google.auth", "gcs"),
-                                              ("az://c/p", "adlfs", "azure")])
+                                              ("az://c/p", "azure.storage.blob", "azure")])
 def test_a_cloud_whose_client_is_not_installed_names_the_extra(monkeypatch, url, module, extra):
     import importlib.util
 

@@ -51,10 +51,12 @@ as the client's), pinned to CPU 1, this process to CPU 0:
 Azure, against Azurite (:mod:`ckptstore.testing.azurite`, a Node.js process,
 pinned to CPU 1):
 
-- ``ckptstore AzureStore``: the project's store (azure-storage-blob's async
-  ``BlobServiceClient`` that adlfs builds, aiohttp): ``put``
-  (``upload_blob``, one Put Blob up to 64 MiB); ``read_range_into`` (the
-  default: ``download_blob(offset, length)`` then ``readall``, then a copy);
+- ``ckptstore AzureStore``: the project's store (azure-storage-blob's
+  synchronous ``BlobServiceClient``, requests, one per process shared by
+  the threads): ``put`` (``upload_blob``, one Put Blob up to 64 MiB);
+  ``read_range_into`` (one ranged Get Blob through the operation under
+  ``download_blob``, its body read from the socket straight into the
+  reused buffer);
 - ``AzureStore multipart``: the save path of packs: 16 MiB parts as
   ``stage_block`` calls, then one ``commit_block_list``, read back as above;
 - ``azure-storage-blob sync``: one synchronous ``BlobServiceClient``

@@ -1,7 +1,7 @@
 """Object stores: the :class:`ObjectStore` interface and its backends.
 
 :func:`open_store` turns a URL into a store. ``S3Store``, ``GCSStore`` and ``AzureStore`` are
-imported on first use so that importing this package does not import botocore, google-auth or adlfs.
+imported on first use so that importing this package does not import botocore, google-auth or azure-storage-blob.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def __getattr__(name: str):
 
         return GCSStore
     if name == "AzureStore":
-        _require("adlfs", "azure", "az")
+        _require("azure.storage.blob", "azure", "az")
         from .azure import AzureStore
 
         return AzureStore
@@ -137,9 +137,10 @@ def open_store(url: str, storage_options: dict | None = None) -> ObjectStore:
         ``endpoint_url``, ``client_kwargs``...; see :mod:`ckptstore.storage.s3`;
         an unknown one raises ``ValueError``); for GCS, gcsfs's names
         (``token``, ``project``, ``endpoint_url``, ``requester_pays``...; see
-        :mod:`ckptstore.storage.gcs`; an unknown one raises ``ValueError``); for Azure, to
-        :class:`adlfs.AzureBlobFileSystem` (``connection_string``, ``account_name``,
-        ``account_key``, ``sas_token``, ``credential``...). For local stores only
+        :mod:`ckptstore.storage.gcs`; an unknown one raises ``ValueError``); for Azure,
+        the account and credentials (``connection_string``, ``account_name``,
+        ``account_key``, ``sas_token``, ``credential``...; see
+        :mod:`ckptstore.storage._azure_client`; an unknown one raises ``ValueError``). For local stores only
         ``fsync`` is accepted; memory stores take none.
 
     Raises
@@ -195,7 +196,7 @@ def open_store(url: str, storage_options: dict | None = None) -> ObjectStore:
             raise StoreURLError(f"{scheme}:// URL needs a container, e.g. az://container/prefix")
         if "?" in location or "#" in location:
             raise StoreURLError(f"{scheme}:// URL must not carry a query or fragment (a SAS token goes in storage_options)")
-        _require("adlfs", "azure", scheme)
+        _require("azure.storage.blob", "azure", scheme)
         from .azure import AzureStore
 
         return AzureStore(location, storage_options)
@@ -206,5 +207,9 @@ def _require(module: str, extra: str, scheme: str) -> None:
     """The cloud's client is an extra: say which one to install, before anything is opened."""
     import importlib.util
 
-    if importlib.util.find_spec(module) is None:
+    try:
+        spec = importlib.util.find_spec(module)
+    except ModuleNotFoundError:  # a dotted name whose parent package is missing (azure.storage.blob)
+        spec = None
+    if spec is None:
         raise ImportError(f"{scheme}:// URLs need {module}, which is not installed: pip install 'ckptstore[{extra}]'")

@@ -1,14 +1,19 @@
-"""Azure Blob Storage through adlfs (``az://container/prefix``, ``abfs://``).
+"""Azure Blob Storage through azure-storage-blob's synchronous client (``az://container/prefix``, ``abfs://``).
 
-adlfs resolves the account and credentials by the Azure conventions
-(``connection_string``, ``account_name`` + ``account_key``, ``sas_token``,
-a ``credential`` object, service-principal ``client_id``/``client_secret``/
-``tenant_id``, else ``DefaultAzureCredential``; each also from its
-``AZURE_STORAGE_*`` environment variable) and builds an async
-``BlobServiceClient`` on fsspec's I/O loop. adlfs's file API is not used
-(it caches listings, infers directories and has no conditional create);
-the few blob operations we need go through that client directly, from any
-thread, through ``fsspec.asyn.sync``.
+Every request goes through one ``BlobServiceClient`` per store and process
+(azure-core's ``requests`` transport), shared by the calling threads and
+made on first use, so opening a store makes no request. It was chosen by
+measurement over the SDK's asynchronous client on an event loop
+(``benchmarks/micro/cloud_clients.py``; ``docs/performance.md``, "One GCS
+client, one Azure client"). A process forked from the one that made the
+client (DataLoader workers, ``multiprocessing``'s fork start method) makes
+its own there on first use and leaves the parent's alone: connection pools
+must not cross ``fork``.
+
+Account, credentials, connections: :mod:`ckptstore.storage._azure_client`
+(``storage_options`` and ``AZURE_STORAGE_*`` variables by the Azure
+conventions; any other option raises ``ValueError`` naming it; secrets
+never appear in messages; proxies from the environment, as before).
 
 Every request carries ``retry_total=0`` (the SDK's own policy otherwise
 waits 15 s, 18 s, 24 s... between attempts, which against a dead server
@@ -41,15 +46,18 @@ blob's block set, so aborting one discards the other's blocks (ckptstore
 never does this: pack names are unique); ``complete`` checks the marker
 just before committing, so an abort racing that instant can lose.
 
-Ranges. ``download_blob(offset, length)``; a range starting at or past the
-end is a raw 416 that becomes ``ValueError`` like on every other store; a
-range running past the end is caught by the object size in the answer's
-``Content-Range``.
+Reads. One ``Get Blob`` each, through the operation under ``download_blob``
+(the SDK's pipeline: signing, timeouts, no retries), its body read from the
+socket by the store (``read_range_into``: into the caller's buffer, with
+progress). ``download_blob`` itself reads an answer whole before handing a
+byte over, sends a request more per 4 MiB past 32 MiB, and resends a body
+cut short up to three times whatever ``retry_total`` says. A range at or
+past the end is a 416, a ``ValueError`` as on every store; one running past
+the end is caught by the object size in ``Content-Range``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import os
@@ -58,44 +66,30 @@ import threading
 import uuid
 from typing import Iterator, Sequence
 
-from ..errors import (
-    CkptStoreError,
-    ObjectExistsError,
-    ObjectNotFoundError,
-    StorageError,
-    TransientStorageError,
-)
+from ..errors import CkptStoreError, ObjectExistsError, ObjectNotFoundError, StorageError, TransientStorageError
+from ._azure_client import ACCOUNT_OPTIONS, POOL_CONNECTIONS, Client, connect, resolve_account
+from ._azure_client import scrub_text as _scrub_text
+from ._azure_client import secrets_of as _secrets_of
+from ._blocking import each_threaded, get_ranges_threaded, stream_range
 from ._classify import MAX_MESSAGE, host_not_resolved, in_chain, is_network_error, optional_types
-from .base import (
-    MultipartInfo,
-    MultipartUpload,
-    ObjectInfo,
-    ObjectStore,
-    RangeReplyError,
-    check_key,
-    check_range_reply,
-    check_ranges,
-    each_limited,
-    gather_limited,
-)
+from .base import (MultipartInfo, MultipartUpload, ObjectInfo, ObjectStore, RangeReplyError, check_key,
+                   check_range_reply)
 
 #: Reserved directory (under the store root) holding upload markers.
 UPLOADS = ".uploads"
 #: Default seconds to wait for a connection, and for the next bytes of an answer.
 CONNECTION_TIMEOUT = 20.0
 READ_TIMEOUT = 60.0
+#: The storage options understood: the account's (:mod:`._azure_client`), then the requests'.
+OPTIONS = ACCOUNT_OPTIONS | {"connection_timeout", "read_timeout", "retry_total"}
 _UPLOAD_ID = re.compile(r"[0-9a-f]{32}")
 _TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _TRANSIENT_CODES = frozenset({"ServerBusy", "InternalError", "OperationTimedOut"})
 _EXISTS_CODES = frozenset({"BlobAlreadyExists", "ConditionNotMet"})
 _CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)")
-#: Query parameters of a SAS token that are secret (the signature), for scrubbing.
-_SAS_SIG = re.compile(r"(sig=)[^&\s\"']+", re.IGNORECASE)
-_CONN_SECRET = re.compile(r"((?:AccountKey|SharedAccessSignature)=)[^;\s\"']+", re.IGNORECASE)
-#: storage options that are ours (the rest go to adlfs).
-_OWN_OPTIONS = frozenset({"connection_timeout", "read_timeout", "retry_total"})
 
 
+# ------------------------------------------------------------------ errors
 def _http(exc: BaseException) -> tuple[int | None, str, str]:
     """``(status, error_code, message)`` of the Azure HTTP error behind ``exc``."""
     from azure.core.exceptions import HttpResponseError
@@ -107,6 +101,8 @@ def _http(exc: BaseException) -> tuple[int | None, str, str]:
     if status is None and getattr(e, "response", None) is not None:
         status = getattr(e.response, "status_code", None)
     code = getattr(e, "error_code", None)
+    if not code and getattr(e, "response", None) is not None:  # raised below download_blob: not parsed yet
+        code = (getattr(e.response, "headers", None) or {}).get("x-ms-error-code")
     code = str(getattr(code, "value", code) or "")
     message = str(getattr(e, "reason", None) or "")
     if not message:
@@ -119,16 +115,19 @@ def _is_connection_error(exc: BaseException) -> bool:
 
     ``IncompleteReadError`` and ``DecodeError`` are ``HttpResponseError``
     subclasses carrying the status of the answer that was cut (often 200 or
-    206): they are network failures whatever that status says.
+    206): they are network failures whatever that status says. Below the
+    SDK (a body read by ckptstore): requests' and urllib3's own.
     """
     return is_network_error(exc, optional_types(
         "azure.core.exceptions:ServiceRequestError", "azure.core.exceptions:ServiceResponseError",
-        "azure.core.exceptions:IncompleteReadError", "azure.core.exceptions:DecodeError", "aiohttp:ClientError"),
-        not_these=optional_types("aiohttp:ClientResponseError"))
+        "azure.core.exceptions:IncompleteReadError", "azure.core.exceptions:DecodeError",
+        "requests.exceptions:ConnectionError", "requests.exceptions:Timeout",
+        "requests.exceptions:ChunkedEncodingError", "urllib3.exceptions:ProtocolError",
+        "urllib3.exceptions:TimeoutError", "http.client:IncompleteRead"))
 
 
 def classify_error(exc: BaseException, where: str, op: str, exists_on_conflict: bool = False) -> Exception:
-    """Turn an exception from azure-storage-blob/adlfs into a ckptstore exception.
+    """Turn an exception from azure-storage-blob (or the transport under it) into a ckptstore exception.
 
     Parameters
     ----------
@@ -144,7 +143,11 @@ def classify_error(exc: BaseException, where: str, op: str, exists_on_conflict: 
     """
     if isinstance(exc, CkptStoreError):
         return exc
+    # azure-core keeps the transport's exception as inner_exception, not as the cause.
+    inner = getattr(exc, "inner_exception", None)
     dns = host_not_resolved(exc, where, f"Azure {op}")
+    if dns is None and isinstance(inner, BaseException):
+        dns = host_not_resolved(inner, where, f"Azure {op}")
     if dns is not None:
         return dns
     status, code, message = _http(exc)
@@ -170,11 +173,6 @@ def classify_error(exc: BaseException, where: str, op: str, exists_on_conflict: 
     return StorageError(f"{where}: Azure {op} failed: {detail}")
 
 
-def _errors_to_classify() -> tuple[type[BaseException], ...]:
-    return (OSError, ValueError, asyncio.TimeoutError, *optional_types(
-        "azure.core.exceptions:AzureError", "aiohttp:ClientError"))
-
-
 def _body(data):
     if isinstance(data, (bytes, bytearray)):
         return data
@@ -193,44 +191,7 @@ def block_id(upload_id: str, number: int) -> str:
     return base64.b64encode(f"{upload_id}-{number:05d}".encode()).decode()
 
 
-#: Where adlfs finds each secret when ``storage_options`` does not name it.
-_SECRET_ENV = {"account_key": "AZURE_STORAGE_ACCOUNT_KEY", "connection_string": "AZURE_STORAGE_CONNECTION_STRING",
-               "sas_token": "AZURE_STORAGE_SAS_TOKEN", "client_secret": "AZURE_STORAGE_CLIENT_SECRET"}
-
-
-def _secrets_of(opts: dict) -> tuple[str, ...]:
-    """Every secret this store may send (from its options, else adlfs's environment variables)."""
-    opts = dict(opts)
-    for k, env in _SECRET_ENV.items():
-        if not opts.get(k) and os.environ.get(env):
-            opts[k] = os.environ[env]
-    out = []
-    for k in ("account_key", "connection_string", "sas_token", "client_secret", "credential"):
-        v = opts.get(k)
-        if isinstance(v, str) and v:
-            out.append(v)
-            out.append(v.lstrip("?"))
-    conn = opts.get("connection_string")
-    if isinstance(conn, str):
-        for part in conn.split(";"):
-            name, _, value = part.partition("=")
-            if name.strip().lower() in ("accountkey", "sharedaccesssignature") and value:
-                out.append(value)
-    sas = opts.get("sas_token")
-    if isinstance(sas, str):
-        for part in sas.lstrip("?").split("&"):
-            name, _, value = part.partition("=")
-            if name == "sig" and value:
-                out.append(value)
-    return tuple(sorted({s for s in out if len(s) >= 4}, key=len, reverse=True))
-
-
-def _scrub_text(text: str, secrets: tuple[str, ...]) -> str:
-    for s in secrets:
-        text = text.replace(s, "***")
-    return _CONN_SECRET.sub(r"\1***", _SAS_SIG.sub(r"\1***", text))
-
-
+# ------------------------------------------------------------------ the store
 class AzureStore(ObjectStore):
     """Objects under ``az://container/prefix``.
 
@@ -240,15 +201,15 @@ class AzureStore(ObjectStore):
         ``"container"`` or ``"container/prefix"`` (an ``az://``/``abfs://``/
         ``abfss://`` scheme is accepted).
     storage_options:
-        Passed to :class:`adlfs.AzureBlobFileSystem` (``connection_string``,
-        ``account_name``, ``account_key``, ``sas_token``, ``credential``,
-        ``account_host``, ``anon``, ``client_id``/``client_secret``/``tenant_id``),
-        except ``connection_timeout`` and ``read_timeout`` (seconds, every
-        request) and ``retry_total`` (retries inside the Azure SDK, default 0:
-        ckptstore's RetryStore retries). The client is created on first use,
-        so opening a store makes no request.
+        :data:`OPTIONS`: the account and credentials (``connection_string``,
+        ``account_name``, ``account_key``, ``sas_token``, ``credential``...:
+        :mod:`~ckptstore.storage._azure_client`); ``connection_timeout`` and
+        ``read_timeout`` (seconds, every request); ``retry_total`` (retries
+        inside the SDK, default 0: RetryStore retries). Any other key raises
+        ``ValueError``. The client is made on first use, not here.
     max_concurrency:
-        Most range requests of one :meth:`get_ranges` call in flight at once.
+        Most requests of one :meth:`get_ranges` or :meth:`delete_many` call
+        in flight at once; also the floor of the connection pool's size.
     """
 
     mtime_resolution = 1.0  # Last-Modified has whole seconds
@@ -274,51 +235,59 @@ class AzureStore(ObjectStore):
             raise ValueError("Azure path must not carry a query or fragment")
         if prefix:
             check_key(prefix)
+        opts = dict(storage_options or {})
+        unknown = sorted(set(opts) - OPTIONS)
+        if unknown:
+            raise ValueError(f"Azure storage option(s) {unknown} not supported; supported: {sorted(OPTIONS)}")
         self.container = container
         self.prefix = prefix
         self._root = f"{prefix}/" if prefix else ""
         self.url = f"az://{container}/{prefix}" if prefix else f"az://{container}"
         self.max_concurrency = max_concurrency
-        opts = dict(storage_options or {})
         self._secrets = _secrets_of(opts)
-        own = {k: opts.pop(k) for k in list(opts) if k in _OWN_OPTIONS}
         self._req = {
-            "retry_total": int(own.get("retry_total", 0)),
-            "connection_timeout": float(own.get("connection_timeout", CONNECTION_TIMEOUT)),
-            "read_timeout": float(own.get("read_timeout", READ_TIMEOUT)),
+            "retry_total": int(opts.pop("retry_total", 0)),
+            "connection_timeout": float(opts.pop("connection_timeout", CONNECTION_TIMEOUT)),
+            "read_timeout": float(opts.pop("read_timeout", READ_TIMEOUT)),
         }
         self._opts = opts
-        self._fs_obj = None
-        self._cc = None
-        self._fs_lock = threading.Lock()
-        self._catch = _errors_to_classify()
+        # (pid that made it, lock, [its Client] or []): see _client.
+        self._clients: tuple[int, threading.Lock, list] = (os.getpid(), threading.Lock(), [])
+        # requests' exceptions are OSErrors; urllib3's and http.client's come from bodies the store reads.
+        self._catch = (OSError, *optional_types("azure.core.exceptions:AzureError", "urllib3.exceptions:HTTPError",
+                                                "http.client:HTTPException"))
 
     def __repr__(self) -> str:
         return f"AzureStore({self.url!r})"
 
     # ------------------------------------------------------------ plumbing
-    def _container(self):
-        if self._cc is None:
-            with self._fs_lock:
-                if self._cc is None:
-                    import adlfs
+    def _client(self) -> Client:
+        """This process's client, made on first use.
 
-                    try:
-                        fs = adlfs.AzureBlobFileSystem(**self._opts, skip_instance_cache=True)
-                    except ValueError as e:
-                        # adlfs quotes the SDK's message, which may quote the
-                        # connection string: scrubbed, and the cause dropped.
-                        raise StorageError(
-                            f"{self.url}: cannot open the Azure account: {_scrub_text(str(e), self._secrets)[:MAX_MESSAGE]}"
-                        ) from None
-                    self._fs_obj = fs
-                    self._cc = fs.service_client.get_container_client(self.container)
-        return self._cc
+        In a process forked from the one that made it, a new one (and a new
+        lock: the parent's may have been held at the fork), made there.
+        """
+        pid, lock, made = self._clients
+        if pid != os.getpid():
+            pid, lock, made = self._clients = (os.getpid(), threading.Lock(), [])
+        if not made:
+            with lock:
+                if not made:
+                    made.append(self._connect())
+        return made[0]
 
-    @property
-    def _loop(self):
-        self._container()
-        return self._fs_obj.loop
+    def _connect(self) -> Client:
+        try:
+            account = resolve_account(self._opts)
+            return connect(account, self.container, max(POOL_CONNECTIONS, self.max_concurrency), self._req)
+        except (ValueError, TypeError) as e:
+            # The SDK's message may quote the connection string: scrubbed, and the cause dropped.
+            raise StorageError(
+                f"{self.url}: cannot open the Azure account: {_scrub_text(str(e), self._secrets)[:MAX_MESSAGE]}"
+            ) from None
+
+    def _blob(self, full: str):
+        return self._client().container.get_blob_client(full)
 
     def _full(self, key: str) -> str:
         check_key(key)
@@ -329,101 +298,129 @@ class AzureStore(ObjectStore):
     def _where(self, key: str | None = None) -> str:
         return f"{self.url}/{key}" if key else self.url
 
-    def _error(self, exc: BaseException, key: str | None, op: str, exists: bool = False) -> Exception:
+    def _raise(self, exc: BaseException, key: str | None, op: str, exists: bool = False):
         err = classify_error(exc, self._where(key), op, exists)
         if err is exc:
-            return err
+            raise exc
         text = str(err)
         clean = _scrub_text(text, self._secrets)
-        return type(err)(clean) if clean != text else err
+        if clean != text:
+            scrubbed = type(err)(clean)
+            scrubbed.__dict__.update(err.__dict__)  # e.g. HostNotResolvedError.temporary
+            err = scrubbed
+        if self._secrets:
+            # The SDK's exception may quote a SAS URL or a connection
+            # string; with secrets in play it is not kept as the cause.
+            raise err from None
+        raise err from exc
 
-    def _run(self, key: str | None, op: str, coro_fn, *args, exists: bool = False):
-        from fsspec.asyn import sync
-
-        cc = self._container()
+    def _call(self, key: str | None, op: str, fn, exists: bool = False):
+        """``fn()``, its errors classified and named by the blob operation ``op``."""
         try:
-            return sync(self._fs_obj.loop, coro_fn, cc, *args)
+            return fn()
         except RangeReplyError as e:
             raise ValueError(str(e)) from None
         except self._catch as e:
-            err = self._error(e, key, op, exists)
-            if err is e:
-                raise
-            if self._secrets:
-                # The SDK's exception may quote a SAS URL or a connection
-                # string; with secrets in play it is not kept as the cause.
-                raise err from None
-            raise err from e
-
-    async def _gather(self, coros) -> list:
-        return await gather_limited(coros, self.max_concurrency)
+            self._raise(e, key, op, exists)
 
     # ------------------------------------------------------------ reads
+    def _download(self, full: str, start: int | None = None, end: int | None = None):
+        """One ``Get Blob`` (of bytes ``[start, end)`` if given), its body left unread: the ``requests`` response.
+
+        Through the operation under ``download_blob`` (module docstring).
+        """
+        try:
+            op = self._blob(full)._client.blob
+            op.download  # noqa: B018 - checked here, so that a changed SDK says so
+        except AttributeError:
+            from azure.storage.blob import __version__
+
+            raise StorageError(f"{self.url}: azure-storage-blob {__version__} has no Get Blob operation where "
+                               "12.x keeps it; install 'azure-storage-blob>=12.31,<13'") from None
+        rng = None if start is None else f"bytes={start}-{end - 1}"
+        got = op.download(range=rng, cls=lambda pipeline_response, *_: pipeline_response, **self._req)
+        return got.http_response.internal_response
+
     def get(self, key: str) -> bytes:
         full = self._full(key)
 
-        async def run(cc):
-            d = await cc.get_blob_client(full).download_blob(**self._req)
-            data = await d.readall()
-            if len(data) != d.size:
-                raise TransientStorageError(f"{self._where(key)}: short read, got {len(data)} of {d.size} bytes")
-            return data
+        def run():
+            resp = self._download(full)
+            try:
+                return resp.raw.read()  # a body short of its Content-Length raises (urllib3)
+            finally:
+                resp.close()
 
-        return self._run(key, "GetBlob", run)
+        return self._call(key, "GetBlob", run)
 
-    async def _aget_range(self, cc, full: str, key: str, start: int, end: int) -> tuple[bytes, int | None]:
+    def _ranged(self, full: str, key: str, start: int, end: int):
+        """The unread answer to a ranged GET, its headers checked; a range past the end raises RangeReplyError."""
         try:
-            d = await cc.get_blob_client(full).download_blob(offset=start, length=end - start, **self._req)
+            resp = self._download(full, start, end)
         except self._catch as e:
             if _http(e)[0] == 416:
                 raise RangeReplyError(f"{self._where(key)}: range [{start}, {end}) past end of object") from None
             raise
-        data = await d.readall()
-        total = _total_size(getattr(d.properties, "content_range", None))
+        length = resp.headers.get("Content-Length")
+        try:
+            # Before any byte is read: the size and length the headers state.
+            check_range_reply(self._where(key), start, end, end - start if length is None else int(length),
+                              _total_size(resp.headers.get("Content-Range")))
+        except BaseException:
+            resp.close()
+            raise
+        return resp
+
+    def _range_bytes(self, full: str, key: str, start: int, end: int) -> tuple[bytes, int | None]:
+        resp = self._ranged(full, key, start, end)
+        try:
+            data = resp.raw.read()
+        finally:
+            resp.close()
+        total = _total_size(resp.headers.get("Content-Range"))
         check_range_reply(self._where(key), start, end, len(data), total)
         return data, total
 
     def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
-        ranges = check_ranges(ranges)
+        """Each range by its own GET, at most ``max_concurrency`` at once on a pool of this call."""
         full = self._full(key)
-        todo = [(i, s, e) for i, (s, e) in enumerate(ranges) if e > s]
+        return self._call(key, "GetBlob", lambda: get_ranges_threaded(
+            lambda s, e: self._range_bytes(full, key, s, e), ranges, self.max_concurrency,
+            lambda: self.head(key).size, self._where(key), "ckptstore-az-get"))
 
-        async def run(cc):
-            got = await self._gather(self._aget_range(cc, full, key, s, e) for _, s, e in todo)
-            out = [b""] * len(ranges)
-            size = None
-            for (i, _, _), (data, total) in zip(todo, got):
-                out[i] = data
-                size = total if total is not None else size
-            return out, size
+    def read_range_into(self, key: str, start: int, out, progress=None) -> None:
+        """Stream one ranged GET straight into ``out`` (:func:`~._blocking.stream_range`), reporting progress."""
+        mv = memoryview(out).cast("B")
+        n = len(mv)
+        if n == 0 or start < 0:
+            return super().read_range_into(key, start, out, progress)
+        full, end = self._full(key), start + n
 
-        out, size = self._run(key, "GetBlob", run)
-        if len(todo) < len(ranges) or not ranges:
-            # Empty ranges need no bytes, but the object must exist and the
-            # ranges lie inside it, as in every other store.
-            if size is None:
-                size = self.head(key).size
-            for s, e in ranges:
-                if e > size:
-                    raise ValueError(f"{self._where(key)}: range [{s}, {e}) past end of {size}-byte object")
-        return out
+        def run():
+            resp = self._ranged(full, key, start, end)
+            at_end = False
+            try:
+                at_end = stream_range(self._where(key), start, mv, resp.headers.get("Content-Length"),
+                                      _total_size(resp.headers.get("Content-Range")), resp.raw, progress)
+            finally:
+                if not at_end:
+                    resp.close()  # not read to its end: drop the connection
+
+        self._call(key, "GetBlob", run)
 
     def head(self, key: str) -> ObjectInfo:
         full = self._full(key)
-
-        async def run(cc):
-            return await cc.get_blob_client(full).get_blob_properties(**self._req)
-
-        p = self._run(key, "GetBlobProperties", run)
+        p = self._call(key, "GetBlobProperties", lambda: self._blob(full).get_blob_properties(**self._req))
         return ObjectInfo(key, int(p.size), p.last_modified.timestamp())
 
-    async def _alist(self, cc, full_prefix: str) -> list:
-        return [b async for b in cc.list_blobs(name_starts_with=full_prefix or None, **self._req)]
+    def _list_blobs(self, key: str | None, full_prefix: str) -> list:
+        cc = self._client().container
+        return self._call(key, "ListBlobs", lambda: list(cc.list_blobs(name_starts_with=full_prefix or None,
+                                                                       **self._req)))
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        blobs = self._run(prefix or None, "ListBlobs", self._alist, self._root + prefix)
         out = []
-        for b in blobs:
+        for b in self._list_blobs(prefix or None, self._root + prefix):
             rel = b.name[len(self._root) :]
             if rel.startswith(UPLOADS + "/"):
                 continue
@@ -438,49 +435,42 @@ class AzureStore(ObjectStore):
         return iter(out)
 
     # ------------------------------------------------------------ writes
-    async def _aput(self, cc, full: str, data, create: bool = False):
+    def _upload(self, full: str, data, key: str | None, create: bool = False) -> None:
         if not isinstance(data, bytes):
             data = bytes(data)  # upload_blob takes bytes, not bytearray (stage_block takes both)
-        return await cc.get_blob_client(full).upload_blob(data, length=len(data), overwrite=not create, **self._req)
+        self._call(key, "PutBlob", lambda: self._blob(full).upload_blob(
+            data, length=len(data), overwrite=not create, **self._req), exists=create)
 
     def put(self, key: str, data) -> None:
-        self._run(key, "PutBlob", self._aput, self._full(key), _body(data))
+        self._upload(self._full(key), _body(data), key)
 
     def put_if_absent(self, key: str, data) -> None:
         # overwrite=False: the SDK sends If-None-Match: *.
-        self._run(key, "PutBlob", self._aput, self._full(key), _body(data), True, exists=True)
+        self._upload(self._full(key), _body(data), key, create=True)
 
-    async def _adelete(self, cc, full: str) -> None:
+    def _delete_blob(self, full: str) -> None:
+        """Delete Blob; a missing blob is fine, a missing container raises (unclassified)."""
         from azure.core.exceptions import ResourceNotFoundError
 
         try:
-            await cc.get_blob_client(full).delete_blob(delete_snapshots="include", **self._req)
+            self._blob(full).delete_blob(delete_snapshots="include", **self._req)
         except ResourceNotFoundError as e:
             if _http(e)[1] == "ContainerNotFound":
                 raise
 
     def delete(self, key: str) -> None:
-        self._run(key, "DeleteBlob", self._adelete, self._full(key))
+        full = self._full(key)
+        self._call(key, "DeleteBlob", lambda: self._delete_blob(full))
 
     def delete_many(self, keys: Sequence[str]) -> None:
         """One ``DeleteBlob`` per key, ``max_concurrency`` at a time; the first failure names its key."""
-        from fsspec.asyn import sync
-
         fulls = [self._full(k) for k in keys]
-        failed: list[int] = []
-        if not fulls:
-            return
-        cc = self._container()
-        try:
-            sync(self._fs_obj.loop, each_limited, lambda full: self._adelete(cc, full), fulls, self.max_concurrency,
-                 failed)
-        except self._catch as e:
-            err = self._error(e, keys[failed[0]] if failed else None, "DeleteBlob", False)
-            if err is e:
-                raise
-            if self._secrets:
-                raise err from None  # as _run: the SDK's exception may quote a secret
-            raise err from e
+        failed = each_threaded(self._delete_blob, fulls, self.max_concurrency, "ckptstore-az-delete")
+        if failed is not None:
+            i, exc = failed
+            if not isinstance(exc, self._catch):
+                raise exc
+            self._raise(exc, keys[i], "DeleteBlob")
 
     # ------------------------------------------------------------ multipart
     def _marker(self, key: str, upload_id: str) -> str:
@@ -492,9 +482,8 @@ class AzureStore(ObjectStore):
 
     def list_multipart(self, prefix: str = "") -> list[MultipartInfo]:
         base = f"{self._root}{UPLOADS}/"
-        blobs = self._run(prefix or None, "ListBlobs", self._alist, base + prefix)
         out = []
-        for b in blobs:
+        for b in self._list_blobs(prefix or None, base + prefix):
             key, _, upload_id = b.name[len(base) :].rpartition("/")
             if not _UPLOAD_ID.fullmatch(upload_id):
                 continue
@@ -512,43 +501,42 @@ class AzureStore(ObjectStore):
             raise ValueError(f"invalid Azure upload id {upload_id!r}")
         marker = self._marker(key, upload_id)
 
-        async def run(cc):
+        def run():
             from azure.core.exceptions import ResourceNotFoundError
 
-            blob = cc.get_blob_client(full)
             try:
-                await blob.get_blob_properties(**self._req)
+                self._blob(full).get_blob_properties(**self._req)
             except ResourceNotFoundError as e:
                 if _http(e)[1] == "ContainerNotFound":
                     raise
                 # No committed blob: drop the staged blocks with it. (With a
                 # committed blob of that key they stay until Azure expires them.)
-                await self._adelete(cc, full)
+                self._delete_blob(full)
             # The marker last, so a half-done abort is still listed.
-            await self._adelete(cc, marker)
+            self._delete_blob(marker)
 
-        self._run(key, "DeleteBlob", run)
+        self._call(key, "DeleteBlob", run)
 
     # ------------------------------------------------------------ lifetime
     def close(self) -> None:
-        """Close the HTTP session; a later call opens a new one."""
-        fs = self._fs_obj
-        if fs is None:
-            return
-        from fsspec.asyn import sync
+        """Close the client (its connections) and any credential made for it; a later call makes new ones.
 
-        with self._fs_lock:
-            self._fs_obj, self._cc = None, None
-        try:
-            sync(fs.loop, fs.service_client.close, timeout=10)
-        except Exception:
-            pass
-        cred = getattr(fs, "credential", None)
-        if cred is not None and hasattr(cred, "close"):
-            try:
-                sync(fs.loop, cred.close, timeout=10)
-            except Exception:
-                pass
+        A ``credential`` passed in storage options stays open: it is the caller's.
+        """
+        pid, lock, made = self._clients
+        if pid != os.getpid():  # the parent's: not this process's to close
+            self._clients = (os.getpid(), threading.Lock(), [])
+            return
+        with lock:
+            old = list(made)
+            made.clear()
+        for client in old:
+            for closer in (client.service.close, getattr(client.credential, "close", None)):
+                if closer is not None:
+                    try:
+                        closer()
+                    except Exception:
+                        pass
 
 
 class _AzureMultipart(MultipartUpload):
@@ -563,20 +551,15 @@ class _AzureMultipart(MultipartUpload):
         self._lock = threading.Lock()
         self._sizes: dict[int, int] = {}
         self._aborted = False
-        marker = json.dumps({"key": key, "part_size": part_size}).encode()
-        store._run(key, "PutBlob", store._aput, self._marker, marker)
+        store._upload(self._marker, json.dumps({"key": key, "part_size": part_size}).encode(), key)
 
     def upload_part(self, number: int, data) -> None:
         self._check_part(number, data)
         if self._aborted:
             raise ObjectNotFoundError(f"{self.store._where(self.key)}: multipart upload was aborted")
-        body = _body(data)
-        bid = block_id(self.upload_id, number)
-
-        async def run(cc):
-            await cc.get_blob_client(self._full).stage_block(bid, body, length=len(body), **self.store._req)
-
-        self.store._run(self.key, "PutBlock", run)
+        store, body, bid = self.store, _body(data), block_id(self.upload_id, number)
+        store._call(self.key, "PutBlock", lambda: store._blob(self._full).stage_block(
+            bid, body, length=len(body), **store._req))
         with self._lock:
             self._sizes[number] = len(body)
 
@@ -594,12 +577,12 @@ class _AzureMultipart(MultipartUpload):
             raise ObjectNotFoundError(f"{self.store._where(self.key)}: multipart upload was aborted")
         store = self.store
 
-        async def run(cc):
+        def run():
             from azure.core.exceptions import ResourceNotFoundError
             from azure.storage.blob import BlobBlock
 
             try:
-                await cc.get_blob_client(self._marker).get_blob_properties(**store._req)
+                store._blob(self._marker).get_blob_properties(**store._req)
             except ResourceNotFoundError as e:
                 if _http(e)[1] == "ContainerNotFound":
                     raise
@@ -608,8 +591,8 @@ class _AzureMultipart(MultipartUpload):
                 ) from None
             blocks = [BlobBlock(block_id(self.upload_id, n)) for n in range(1, nparts + 1)]
             try:
-                await cc.get_blob_client(self._full).commit_block_list(blocks, **store._req)
-            except self.store._catch as e:
+                store._blob(self._full).commit_block_list(blocks, **store._req)
+            except store._catch as e:
                 if _http(e)[1] == "InvalidBlockList":
                     # Our staged blocks are gone: aborted, expired, or
                     # committed already by an attempt whose answer was lost.
@@ -618,9 +601,9 @@ class _AzureMultipart(MultipartUpload):
                     ) from None
                 raise
 
-        store._run(self.key, "PutBlockList", run)
+        store._call(self.key, "PutBlockList", run)
         try:
-            store._run(self.key, "DeleteBlob", store._adelete, self._marker)
+            store._call(self.key, "DeleteBlob", lambda: store._delete_blob(self._marker))
         except StorageError:
             pass  # a leftover marker stays listed; GC aborts it (the object is not touched)
 
