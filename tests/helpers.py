@@ -91,3 +91,41 @@ def copy_repository(src: Path, where: str, request, tmp_path) -> tuple[str, dict
         if p.is_file() and p.name != ".gitkeep":
             store.put(p.relative_to(src).as_posix(), p.read_bytes())
     return env.url, env.storage_options
+
+
+def _child_uses(store, client_of, parents, q) -> None:
+    try:
+        store.put("child", b"from the child")
+        head = bytearray(5)
+        store.read_range_into("k", 0, head)
+        own = b"own" if client_of(store) is not parents else b"shared"
+        q.put(b" ".join([store.get("k"), store.get("child"), bytes(head), own]))
+    except Exception as e:  # noqa: BLE001 - the test wants its type and text
+        q.put(f"{type(e).__name__}: {e}".encode())
+
+
+def use_in_forked_child(store, client_of) -> bytes:
+    """Use ``store`` in a forked child: what the child saw, or its error.
+
+    The parent must have used the store (its client then holds pooled
+    connections) and written ``"k"``. The child writes ``"child"``, reads
+    ``"k"`` whole and its first 5 bytes streamed, then ``"child"``, and says
+    whether ``client_of(store)`` gave it a client of its own: the answer is
+    ``b"<k> from the child <k[:5]> own"`` when all went well. A hang fails
+    after 60 s.
+    """
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    parents = client_of(store)  # the very object, in the child's copy of memory
+    p = ctx.Process(target=_child_uses, args=(store, client_of, parents, q))
+    p.start()
+    try:
+        got = q.get(timeout=60)  # a hang fails here
+    finally:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+    assert p.exitcode == 0, p.exitcode
+    return got

@@ -27,7 +27,7 @@ from ckptstore.storage.base import MiB
 from ckptstore.testing.azurite import ACCOUNT, ACCOUNT_KEY, Azurite
 from ckptstore.testing.store_suite import PART, StoreConformance, payload
 
-from .helpers import SMALL, all_dtypes, assert_tree_equal, bits_equal, random_tensor
+from .helpers import SMALL, all_dtypes, assert_tree_equal, bits_equal, random_tensor, use_in_forked_child
 
 pytestmark = pytest.mark.slow  # starts Azurite (a Node.js process)
 
@@ -282,37 +282,14 @@ def test_read_range_into_streams_one_request_into_the_buffer(az):
     assert progress == []
 
 
-def _use_in_forked_child(store, q):
-    try:
-        store.put("child", b"from the child")
-        out = bytearray(5)
-        store.read_range_into("k", 0, out)
-        q.put(store.get("k") + b" " + store.get("child") + b" " + bytes(out))
-    except Exception as e:  # noqa: BLE001 - the test wants its type and text
-        q.put(f"{type(e).__name__}: {e}".encode())
-
-
 def test_a_forked_child_uses_the_store_with_a_client_of_its_own(az):
     """Connection pools do not cross fork: a child of a process that used the
     store makes its own client on first use, reads and writes; the parent's
     client goes on."""
-    import multiprocessing
-
     store = az()
     store.put("k", b"value")  # the parent's client holds a pooled connection
     parent = store._client()
-    ctx = multiprocessing.get_context("fork")
-    q = ctx.Queue()
-    p = ctx.Process(target=_use_in_forked_child, args=(store, q))
-    p.start()
-    try:
-        got = q.get(timeout=60)  # a hang fails here
-    finally:
-        p.join(10)
-        if p.is_alive():
-            p.kill()
-    assert got == b"value from the child value", got
-    assert p.exitcode == 0
+    assert use_in_forked_child(store, lambda s: s._client()) == b"value from the child value own"
     assert store._client() is parent and store.get("child") == b"from the child"
 
 

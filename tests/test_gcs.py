@@ -17,7 +17,7 @@ from ckptstore.storage import open_store
 from ckptstore.storage.base import MiB
 from ckptstore.testing.store_suite import PART, StoreConformance, payload
 
-from .helpers import SMALL, assert_tree_equal, random_tensor
+from .helpers import SMALL, assert_tree_equal, random_tensor, use_in_forked_child
 
 pytest.importorskip("google.auth")
 pytest.importorskip("gcp_storage_emulator")
@@ -376,28 +376,11 @@ def test_a_server_that_ignores_range_still_gives_exactly_the_range(gcs, monkeypa
 
 def test_a_forked_child_makes_its_own_session(gcs):
     """A store used before a fork works in the child (a session of its own) and still in the parent."""
-    import multiprocessing
-
     s = gcs()
-    s.put("k", b"parent")
-    parent_session = s._session()
-    ctx = multiprocessing.get_context("fork")
-    q = ctx.Queue()
-
-    def child():
-        try:
-            q.put((s.get("k"), s._session() is not parent_session))
-            s.put("c", b"child")
-            s.close()
-        except BaseException as e:  # noqa: BLE001 - reported to the parent
-            q.put(repr(e))
-
-    p = ctx.Process(target=child)
-    p.start()
-    got = q.get(timeout=120)
-    p.join(120)
-    assert got == (b"parent", True) and p.exitcode == 0
-    assert s._session() is parent_session and s.get("c") == b"child"
+    s.put("k", b"value")
+    parent = s._session()
+    assert use_in_forked_child(s, lambda st: st._session()) == b"value from the child value own"
+    assert s._session() is parent and s.get("child") == b"from the child"
 
 
 def test_unknown_options_are_refused_and_gcsfs_cache_options_ignored():

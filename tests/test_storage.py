@@ -347,34 +347,15 @@ def test_profile_reaches_the_server(s3, tmp_path, monkeypatch):
         assert store.get("m") == b"x"
 
 
-def _use_in_forked_child(store, q):
-    try:
-        store.put("child", b"from the child")
-        q.put(store.get("k") + b" " + store.get("child"))
-    except Exception as e:  # noqa: BLE001 - the test wants its type and text
-        q.put(f"{type(e).__name__}: {e}".encode())
-
-
 def test_a_forked_child_uses_the_store_with_clients_of_its_own(s3):
     """Connection pools do not cross fork: a child of a process that used the store
     makes its own clients on first use, reads and writes, and does not hang."""
-    import multiprocessing
+    from .helpers import use_in_forked_child
 
     store = s3.store()
-    store.put("k", b"v")  # the parent's clients hold pooled connections
+    store.put("k", b"value")  # the parent's clients hold pooled connections
     parent = store._client()
-    ctx = multiprocessing.get_context("fork")
-    q = ctx.Queue()
-    p = ctx.Process(target=_use_in_forked_child, args=(store, q))
-    p.start()
-    try:
-        got = q.get(timeout=60)  # a hang fails here
-    finally:
-        p.join(10)
-        if p.is_alive():
-            p.kill()
-    assert got == b"v from the child", got
-    assert p.exitcode == 0
+    assert use_in_forked_child(store, lambda s: s._client()) == b"value from the child value own"
     assert store._client() is parent and store.get("child") == b"from the child"  # the parent goes on
 
 
