@@ -1,6 +1,6 @@
 """What the remote backends share when they turn client exceptions into ours.
 
-``s3.py`` and ``gcs.py`` each decide *which* ckptstore error a failure is
+``s3.py``, ``gcs.py`` and ``azure.py`` each decide *which* ckptstore error a failure is
 (by S3 error code, by HTTP status); the scaffolding around that decision is
 here: optional exception types imported where installed, walking an
 exception's cause chain, recognising network-level failures and host names
@@ -9,7 +9,6 @@ that do not resolve, keeping messages short and free of secrets.
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import socket
 import urllib.parse
@@ -48,17 +47,12 @@ def in_chain(exc: BaseException, pick: Callable[[BaseException], T | None]) -> T
     return None
 
 
-#: Network-level failures every backend retries (besides its own).
-_NETWORK = ("fsspec.exceptions:FSTimeoutError",)
-
-
 def is_network_error(exc: BaseException, extra: tuple[type[BaseException], ...] = (),
                      not_these: tuple[type[BaseException], ...] = ()) -> bool:
     """Connection resets, timeouts, truncated bodies: worth retrying."""
     if not_these and isinstance(exc, not_these):
         return False
-    base = (ConnectionError, TimeoutError, asyncio.TimeoutError, *optional_types(*_NETWORK))
-    return isinstance(exc, base + tuple(extra))
+    return isinstance(exc, (ConnectionError, TimeoutError, *extra))
 
 
 #: ``getaddrinfo`` answers that say the name does not exist (retrying cannot help).
@@ -66,11 +60,11 @@ _NO_SUCH_NAME = frozenset(
     getattr(socket, n) for n in ("EAI_NONAME", "EAI_NODATA", "EAI_FAIL", "EAI_ADDRFAMILY") if hasattr(socket, n)
 )
 #: Client exceptions that wrap a failed name resolution, each with where it keeps the host name.
-_DNS_WRAPPERS = ("aiohttp:ClientConnectorDNSError", "urllib3.exceptions:NameResolutionError")
+_DNS_WRAPPERS = ("urllib3.exceptions:NameResolutionError",)
 
 
 def _host_of(e: BaseException) -> str | None:
-    host = getattr(e, "host", None) or getattr(e, "_host", None)  # aiohttp / urllib3
+    host = getattr(e, "_host", None)  # urllib3
     if isinstance(host, str) and host:
         return host
     url = (getattr(e, "kwargs", None) or {}).get("endpoint_url")  # botocore's EndpointConnectionError

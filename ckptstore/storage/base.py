@@ -7,7 +7,6 @@ never interpret them beyond that; the repository layer alone decides names.
 from __future__ import annotations
 
 import abc
-import asyncio
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
@@ -50,40 +49,6 @@ class MultipartInfo:
     key: str
     upload_id: str
     initiated: float
-
-
-async def gather_limited(coros, limit: int) -> list:
-    """Await ``coros`` at most ``limit`` at a time, results in order; on the
-    first failure cancel the rest, wait for them, and raise it."""
-    sem = asyncio.Semaphore(limit)
-
-    async def one(c):
-        async with sem:
-            return await c
-
-    tasks = [asyncio.ensure_future(one(c)) for c in coros]
-    try:
-        return await asyncio.gather(*tasks)
-    except BaseException:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
-
-
-async def each_limited(fn, items: Sequence, limit: int, failed: list[int]) -> None:
-    """Await ``fn(item)`` for every item through :func:`gather_limited`; the
-    index of each item whose call raised is appended to ``failed``, the
-    first failure first (the calls cancelled after it follow)."""
-
-    async def one(i: int, item) -> None:
-        try:
-            await fn(item)
-        except BaseException:
-            failed.append(i)
-            raise
-
-    await gather_limited([one(i, x) for i, x in enumerate(items)], limit)
 
 
 def check_key(key: str) -> str:

@@ -11,32 +11,13 @@ used before, and over obstore, whose GCS client speaks the XML API (no
 socket straight into the loader's buffer
 (:func:`~ckptstore.storage._blocking.stream_into`).
 
-Storage options (:data:`OPTIONS`; any other key raises ``ValueError`` naming
-it). Where gcsfs had the same option, this store takes its name and meaning:
-
-- ``token``: the credentials (:func:`credentials`): ``None`` (the default:
-  anonymous when ``STORAGE_EMULATOR_HOST`` names an emulator, else Google's
-  application-default credentials, which ``gcloud auth application-default
-  login``, ``GOOGLE_APPLICATION_CREDENTIALS`` and the GCE metadata server
-  provide; none found is an error, never a silent anonymous fallback),
-  ``"google_default"``, ``"cloud"`` (the GCE metadata server), ``"anon"``,
-  the path of a service-account or authorized-user JSON file, such a JSON
-  file's content as a dict, a raw access token, or a
-  ``google.auth.credentials.Credentials`` object. gcsfs's interactive
-  methods (``"browser"``, ``"cache"``) are refused.
-- ``project``: accepted (gcsfs needs it for buckets it creates; this store
-  creates none); the project billed with ``requester_pays=True``.
-- ``access``: ``"full_control"`` (default), ``"read_write"`` or
-  ``"read_only"``: the OAuth scope asked for.
-- ``endpoint_url``: else ``STORAGE_EMULATOR_HOST``, else
-  ``https://storage.googleapis.com``.
-- ``requester_pays``: ``True`` (bill ``project``) or a project id: sent as
-  ``userProject`` on every request.
-- ``connect_timeout``, ``read_timeout`` (seconds; :data:`CONNECT_TIMEOUT`,
-  :data:`READ_TIMEOUT`), ``tries`` (:data:`TRIES`, the first included).
-- ``trust_env`` (default False: ``HTTP(S)_PROXY`` and ``NO_PROXY`` are
-  ignored, as gcsfs's aiohttp session ignored them), ``proxies`` (a
-  ``requests`` proxies dict).
+Storage options (:data:`OPTIONS`, gcsfs's names where gcsfs had the option;
+any other key raises ``ValueError`` naming it; docs/quickstart.md lists
+them): ``token`` (:func:`credentials`), ``project``, ``access`` (the OAuth
+scope), ``endpoint_url`` (else ``STORAGE_EMULATOR_HOST``, else Google's),
+``requester_pays`` (``userProject`` on every request), ``connect_timeout``,
+``read_timeout``, ``tries``, ``trust_env`` (default False: proxy variables
+are ignored, as gcsfs's aiohttp session ignored them) and ``proxies``.
 
 Retries and timeouts. Every request has a connect and a read timeout. A
 request answered 408, 429 or 5xx, or failing at the connection (reset,
@@ -45,8 +26,7 @@ refused, timed out, a body cut short), is tried again, at most
 create is tried once: an attempt that landed with its answer lost would
 come back as "already exists", where ckptstore's
 :class:`~ckptstore.storage.retry.RetryStore` knows to read the object back
-and accept it if identical. gcsfs retried 6 times over about 30 s before
-its caller saw anything. The endpoint's host is resolved once before the
+and accept it if identical. The endpoint's host is resolved once before the
 first request: a name that does not resolve raises
 :class:`~ckptstore.errors.HostNotResolvedError` at once (skipped through a
 proxy, which resolves names).
@@ -260,7 +240,17 @@ def _emulator_host() -> str | None:
 
 
 def credentials(token, access: str = "full_control"):
-    """The ``google.auth`` credentials a ``token`` storage option names (module docstring)."""
+    """The ``google.auth`` credentials a ``token`` storage option names.
+
+    ``None``: anonymous when ``STORAGE_EMULATOR_HOST`` names an emulator,
+    else application-default credentials (``gcloud auth
+    application-default login``, ``GOOGLE_APPLICATION_CREDENTIALS``, the GCE
+    metadata server); none found is an error, never a silent anonymous
+    fallback. Else ``"google_default"``, ``"cloud"`` (the metadata server),
+    ``"anon"``, the path of a service-account or authorized-user JSON file,
+    its content as a dict, a raw access token, or ``Credentials``; gcsfs's
+    interactive ``"browser"`` and ``"cache"`` are refused.
+    """
     import google.auth
     import google.auth.credentials
     import google.auth.exceptions
