@@ -1,5 +1,6 @@
 """What the object-store client benchmarks (``micro/s3_clients``, ``micro/cloud_clients``) share:
-the probe a range is checked by, the timed rounds, and the table of medians.
+the probe a range is checked by, the reused buffer per thread, a store's multipart put, the
+timed rounds, and the table of medians.
 
 A client is any object with a ``name``, ``put(key, data)`` and ``get(key, start)`` (returning
 :func:`probe` of the range it read) and ``close()``.
@@ -8,6 +9,7 @@ A client is any object with a ``name``, ``put(key, data)`` and ``get(key, start)
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 
 #: (client name, "PUT" or "GET") -> one (client CPU-s/GiB, wall s/GiB) per round
@@ -18,6 +20,37 @@ def probe(b) -> bytes:
     """4 KiB from each end and the middle of a range (what a reused buffer is checked by)."""
     m = len(b) // 2
     return bytes(b[:4096]) + bytes(b[m : m + 4096]) + bytes(b[-4096:])
+
+
+class ThreadBuffer:
+    """One reused buffer of ``size`` bytes per thread (the loader keeps one per I/O thread): call it to get this thread's."""
+
+    def __init__(self, size: int):
+        self._size = size
+        self._local = threading.local()
+
+    def __call__(self) -> bytearray:
+        b = getattr(self._local, "b", None)
+        if b is None:
+            b = self._local.b = bytearray(self._size)
+        return b
+
+
+class MultipartPut:
+    """``put`` as the save path of packs sends an object: a multipart upload of ``part_size`` parts through ``self.s``."""
+
+    part_size = 16 << 20
+
+    def put(self, key, data):
+        # Parts as bytearrays, cut once (the saver hands its part buffers over as they are).
+        if getattr(self, "_of", None) is not data:
+            step = self.part_size
+            self._parts = [bytearray(data[i : i + step]) for i in range(0, len(data), step)]
+            self._of = data
+        mp = self.s.create_multipart(key, self.part_size)
+        for n, part in enumerate(self._parts, 1):
+            mp.upload_part(n, part)
+        mp.complete(len(self._parts))
 
 
 def timed_rounds(pool, clients, rounds: int, data: bytes, n: int, work, want, gib: float, width: int = 18) -> Results:

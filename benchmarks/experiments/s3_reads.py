@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import os
-import threading
 import statistics
 import time
 
@@ -29,7 +28,7 @@ import numpy as np
 
 from ckptstore.storage.s3 import S3Store
 
-from ..common.clients import probe
+from ..common.clients import ThreadBuffer, probe
 from ..common.pinning import pin
 from ..common.servers import SERVERS, start_server
 
@@ -65,14 +64,12 @@ def main(argv=None) -> int:
         modes[STREAMED] = "read_range_into"
         stores[STREAMED] = put
         results: dict[str, list[tuple[float, float]]] = {k: [] for k in stores}
-        buffers = threading.local()
+        buffer = ThreadBuffer(RANGE)  # one per thread, reused: the loader's pool
 
         def read(st, mode, w):
             if mode == "get_ranges":
                 return st.get_ranges(w[0], [(w[1], w[1] + RANGE)])[0]
-            buf = getattr(buffers, "b", None)
-            if buf is None:
-                buf = buffers.b = bytearray(RANGE)  # one per thread, reused: the loader's pool
+            buf = buffer()
             st.read_range_into(w[0], w[1], buf, lambda n: None)
             return probe(buf)  # the buffer is reused: keep a few bytes of each range to check
 

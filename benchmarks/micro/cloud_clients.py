@@ -88,7 +88,7 @@ import urllib.request
 
 import numpy as np
 
-from ..common.clients import Results, print_medians, probe, timed_rounds
+from ..common.clients import MultipartPut, Results, ThreadBuffer, print_medians, probe, timed_rounds
 from ..common.pinning import pin
 
 OBJECT = 64 << 20
@@ -121,13 +121,7 @@ class _Client:
 
     def __init__(self, srv, prefix):
         self.prefix = prefix
-        self.buf = threading.local()
-
-    def _buffer(self):
-        b = getattr(self.buf, "b", None)
-        if b is None:
-            b = self.buf.b = bytearray(RANGE)
-        return b
+        self._buffer = ThreadBuffer(RANGE)
 
     def close(self):
         pass
@@ -235,18 +229,10 @@ class _GCSStore(_Client):
         self.s.close()
 
 
-class _Parts:
-    """The save path of packs: each object as a multipart upload of 16 MiB parts through the store."""
+class _Parts(MultipartPut):
+    """The save path of packs: each object as a multipart upload of ``PART`` parts through the store."""
 
-    def put(self, key, data):
-        # Parts as bytearrays, cut once (the saver hands its part buffers over as they are).
-        if getattr(self, "_of", None) is not data:
-            self._parts = [bytearray(data[i : i + PART]) for i in range(0, len(data), PART)]
-            self._of = data
-        mp = self.s.create_multipart(key, PART)
-        for n, part in enumerate(self._parts, 1):
-            mp.upload_part(n, part)
-        mp.complete(len(self._parts))
+    part_size = PART
 
 
 class _GCSStoreParts(_Parts, _GCSStore):

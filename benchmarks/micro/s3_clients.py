@@ -37,13 +37,12 @@ import argparse
 import concurrent.futures as cf
 import importlib.util
 import os
-import threading
 
 import numpy as np
 
 from ckptstore.storage.s3 import S3Store
 
-from ..common.clients import print_medians, probe, timed_rounds
+from ..common.clients import MultipartPut, ThreadBuffer, print_medians, probe, timed_rounds
 from ..common.pinning import pin
 from ..common.servers import SERVERS, start_server
 
@@ -61,15 +60,13 @@ class _Ckpt:
 
     def __init__(self, srv, prefix):
         self.s = S3Store(f"bench/{prefix}", srv.storage_options())
-        self.buf = threading.local()
+        self._buffer = ThreadBuffer(RANGE)
 
     def put(self, key, data):
         self.s.put(key, data)
 
     def get(self, key, start):
-        b = getattr(self.buf, "b", None)
-        if b is None:
-            b = self.buf.b = bytearray(RANGE)
+        b = self._buffer()
         self.s.read_range_into(key, start, b, lambda n: None)
         return probe(b)
 
@@ -77,18 +74,9 @@ class _Ckpt:
         self.s.close()
 
 
-class _CkptParts(_Ckpt):
+class _CkptParts(MultipartPut, _Ckpt):
     name = "S3Store multipart"
-
-    def put(self, key, data):
-        # Parts as bytearrays, cut once (the saver hands its part buffers over as they are).
-        if getattr(self, "_of", None) is not data:
-            self._parts = [bytearray(data[i : i + PART]) for i in range(0, len(data), PART)]
-            self._of = data
-        mp = self.s.create_multipart(key, PART)
-        for n, part in enumerate(self._parts, 1):
-            mp.upload_part(n, part)
-        mp.complete(len(self._parts))
+    part_size = PART
 
 
 class _Boto:
@@ -105,15 +93,13 @@ class _Boto:
                                             # as ckptstore configures it: the CRC32 header, no SHA-256 of
                                             # each body for the signature over plain HTTP
                                             s3={"payload_signing_enabled": False}))
-        self.buf = threading.local()
+        self._buffer = ThreadBuffer(RANGE)
 
     def put(self, key, data):
         self.c.put_object(Bucket="bench", Key=f"{self.prefix}/{key}", Body=data)
 
     def get(self, key, start):
-        b = getattr(self.buf, "b", None)
-        if b is None:
-            b = self.buf.b = bytearray(RANGE)
+        b = self._buffer()
         body = self.c.get_object(Bucket="bench", Key=f"{self.prefix}/{key}",
                                  Range=f"bytes={start}-{start + RANGE - 1}")["Body"]
         mv, got = memoryview(b), 0
