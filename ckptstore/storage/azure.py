@@ -567,12 +567,7 @@ class _AzureMultipart(MultipartUpload):
         if nparts < 1:
             raise ValueError(f"{self.key}: a multipart upload needs at least one part")
         with self._lock:
-            missing = [n for n in range(1, nparts + 1) if n not in self._sizes]
-            if missing:
-                raise ValueError(f"{self.key}: parts {missing[:5]} were never uploaded")
-            for n in range(1, nparts):
-                if self._sizes[n] != self.part_size:
-                    raise ValueError(f"{self.key}: part {n} is {self._sizes[n]} bytes, not {self.part_size}")
+            self._check_parts(nparts, self._sizes)
         if self._aborted:
             raise ObjectNotFoundError(f"{self.store._where(self.key)}: multipart upload was aborted")
         store = self.store

@@ -118,6 +118,18 @@ class MultipartUpload(abc.ABC):
     def abort(self) -> None:
         """Discard the upload; safe to call more than once."""
 
+    def _check_parts(self, nparts: int, sizes) -> None:
+        """Before :meth:`complete`: every part ``1..nparts`` was uploaded, and all but the last are ``part_size`` bytes.
+
+        ``sizes`` maps each uploaded part's number to its size in bytes.
+        """
+        missing = [n for n in range(1, nparts + 1) if n not in sizes]
+        if missing:
+            raise ValueError(f"{self.key}: parts {missing[:5]} were never uploaded")
+        for n in range(1, nparts):
+            if sizes[n] != self.part_size:
+                raise ValueError(f"{self.key}: part {n} is {sizes[n]} bytes, not {self.part_size}")
+
     def _check_part(self, number: int, data, final: bool | None = None) -> None:
         if not 1 <= number <= MAX_PARTS:
             raise ValueError(f"part number {number} outside 1..{MAX_PARTS}")

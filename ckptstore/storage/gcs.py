@@ -801,12 +801,7 @@ class _GCSMultipart(MultipartUpload):
         if nparts < 1:
             raise ValueError(f"{self.key}: a multipart upload needs at least one part")
         with self._lock:
-            missing = [n for n in range(1, nparts + 1) if n not in self._parts]
-            if missing:
-                raise ValueError(f"{self.key}: parts {missing[:5]} were never uploaded")
-            for n in range(1, nparts):
-                if self._parts[n][0] != self.part_size:
-                    raise ValueError(f"{self.key}: part {n} is {self._parts[n][0]} bytes, not {self.part_size}")
+            self._check_parts(nparts, {n: size for n, (size, _) in self._parts.items()})
             sources = [(self._part_name(n), self._parts[n][1]) for n in range(1, nparts + 1)]
             expected = sum(self._parts[n][0] for n in range(1, nparts + 1))
         if self._aborted:

@@ -344,12 +344,7 @@ class _LocalMultipart(MultipartUpload):
     def complete(self, nparts: int) -> None:
         if self._written:
             raise ValueError(f"{self.store.url}/{self.key}: bytes were written at offsets; use complete_written")
-        missing = [n for n in range(1, nparts + 1) if n not in self._sizes]
-        if missing:
-            raise ValueError(f"{self.key}: parts {missing[:5]} were never uploaded")
-        for n in range(1, nparts):
-            if self._sizes[n] != self.part_size:
-                raise ValueError(f"{self.key}: part {n} is {self._sizes[n]} bytes, not {self.part_size}")
+        self._check_parts(nparts, self._sizes)
         self._finish((nparts - 1) * self.part_size + self._sizes[nparts])
 
     def complete_written(self, size: int) -> None:

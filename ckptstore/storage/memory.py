@@ -130,12 +130,7 @@ class _MemoryMultipart(MultipartUpload):
     def complete(self, nparts: int) -> None:
         with self.store._d.lock:
             parts = self._parts()
-            missing = [n for n in range(1, nparts + 1) if n not in parts]
-            if missing:
-                raise ValueError(f"{self.key}: parts {missing[:5]} were never uploaded")
-            for n in range(1, nparts):
-                if len(parts[n]) != self.part_size:
-                    raise ValueError(f"{self.key}: part {n} is {len(parts[n])} bytes, not {self.part_size}")
+            self._check_parts(nparts, {n: len(b) for n, b in parts.items()})
             self.store._d.objects[self.key] = (b"".join(parts[n] for n in range(1, nparts + 1)), time.time())
             del self.store._d.uploads[self.upload_id]
 

@@ -645,12 +645,7 @@ class _S3Multipart(MultipartUpload):
         if nparts < 1:
             raise ValueError(f"{self.key}: a multipart upload needs at least one part")
         with self._lock:
-            missing = [n for n in range(1, nparts + 1) if n not in self._etags]
-            if missing:
-                raise ValueError(f"{self.key}: parts {missing[:5]} were never uploaded")
-            for n in range(1, nparts):
-                if self._sizes[n] != self.part_size:
-                    raise ValueError(f"{self.key}: part {n} is {self._sizes[n]} bytes, not {self.part_size}")
+            self._check_parts(nparts, self._sizes)
             parts = [{"PartNumber": n, "ETag": self._etags[n]} for n in range(1, nparts + 1)]
         self.store._call("complete_multipart_upload", self.key, Key=self._full, UploadId=self.upload_id,
                          MultipartUpload={"Parts": parts})
