@@ -300,7 +300,9 @@ def test_transient_answers_are_tried_again_and_creates_are_not(gcs, monkeypatch)
 
     monkeypatch.setattr(session, "request", flaky)
     script[:] = [503, requests.ConnectionError("reset")]
-    assert s.get("k") == b"v" and len(waits) == 2 and 0 < waits[0] < waits[1]
+    # jittered backoff: 0.5 s then 1 s, each times a factor in [0.5, 1.5)
+    assert s.get("k") == b"v" and len(waits) == 2
+    assert 0.25 <= waits[0] < 0.75 and 0.5 <= waits[1] < 1.5, waits
     script[:] = [503, 429, 500]
     with pytest.raises(TransientStorageError, match="500"):
         s.get("k")
