@@ -97,6 +97,7 @@ class Catalog:
         self.store = store
         self.url = store.url
         self.options = RepoOptions.from_kwargs(bool(getattr(store, "remote", False)), **options)
+        self._fit_part_size(store)
         self.clock = clock or SYSTEM_CLOCK
         self.runtime = Runtime(self.options)
         self.relocations = Relocations(store)
@@ -110,10 +111,24 @@ class Catalog:
         #: The write-back queue (:mod:`ckptstore.writeback`) of a handle opened with ``write_back=True``.
         self.write_back = None
         self._config: dict | None = None
+        self._config_raw: bytes | None = None
         self._manifests: LRUCache[int, Manifest] = LRUCache(self.options.manifest_cache_bytes, manifest_weight)
         self._tombstones: LRUCache[str, tuple[StepRefs | None]] = LRUCache(
             TOMBSTONE_CACHE_BYTES, lambda v: refs_weight(v[0]) if v[0] is not None else 64
         )
+
+    def _fit_part_size(self, store: ObjectStore) -> None:
+        """The part size at least the store's minimum: raised from the default, refused if given."""
+        floor = int(getattr(store, "min_part_size", 0) or 0)
+        o = self.options
+        if o.part_size >= floor:
+            return
+        if "part_size" in o.explicit:
+            raise ValueError(
+                f"part_size={o.part_size} is below the smallest multipart part {store.url} accepts "
+                f"({floor} bytes, its storage option min_part_size): use part_size >= {floor}"
+            )
+        o.part_size = -(-floor // (1 << 20)) * (1 << 20)
 
     # ------------------------------------------------------------ lifetime
     def close(self) -> None:
@@ -138,9 +153,19 @@ class Catalog:
                 raw = self.store.get(CONFIG_KEY)
             except ObjectNotFoundError:
                 return {}
-            self._config = parse_config(raw, self.url)
-            self.options.adopt(self._config)
+            self.adopt_config(raw)
         return self._config
+
+    def config_bytes(self) -> bytes | None:
+        """The config object as stored (None until the first save): what one rank reads for a job."""
+        self.config()
+        return self._config_raw
+
+    def adopt_config(self, raw: bytes) -> None:
+        """Take the config from its stored bytes, read by this handle or by another rank of the job."""
+        self._config = parse_config(raw, self.url)
+        self._config_raw = bytes(raw)
+        self.options.adopt(self._config)
 
     def ensure_config(self) -> dict:
         """The config, created from this handle's options if the repository has none."""
@@ -233,7 +258,24 @@ class Catalog:
         m = self._manifests.get(step)
         if m is not None:
             return m
+        return self.adopt_manifest(step, self._manifest_bytes(step))
+
+    def manifest_bytes(self, step: int) -> bytes:
+        """One step's root manifest as stored (parsed and cached too): what one rank reads for a job."""
+        step = check_step(step)
         raw = self._manifest_bytes(step)
+        self.adopt_manifest(step, raw)
+        return raw
+
+    def adopt_manifest(self, step: int, raw: bytes) -> Manifest:
+        """Parse and cache a step's root manifest from its stored bytes (read here or by another rank).
+
+        The bytes are checked as if read from the store: a root of another
+        step, or one that does not parse, raises :class:`FormatError`.
+        """
+        step = check_step(step)
+        if len(raw) > _m.MAX_MANIFEST_BYTES:
+            raise FormatError(f"{self.url}: step {step}: manifest is {len(raw)} bytes, over the limit")
         try:
             m = _m.from_json(raw, expect_step=step)
         except FormatError as e:

@@ -421,6 +421,10 @@ class TorchComm:
     def all_gather_into_tensor(self, out: torch.Tensor, t: torch.Tensor):
         return dist.all_gather_into_tensor(out, t, group=self.group, async_op=True)
 
+    def broadcast(self, t: torch.Tensor, src: int):
+        """``t`` from group rank ``src`` to every rank (in place)."""
+        return dist.broadcast(t, group=self.group, group_src=src, async_op=True)
+
     def post(self, sends, recvs, batched: bool) -> list:
         """Start sends ``(tensor, dst, tag)`` and receives ``(tensor, src, tag)``: one work each, receives
         first (``batched``: one ``batch_isend_irecv``, sends first, as NCCL needs)."""
@@ -508,6 +512,24 @@ class Exchanger:
         if failure is not None:
             raise err from failure
         raise err
+
+    def share(self, payload: bytes | None, src: int, failure: BaseException | None, what: str) -> bytes:
+        """``payload`` of group rank ``src`` on every rank: one status (a failure on any rank, ``src``'s
+        read among them, raises on every rank), then one broadcast of the bytes.
+
+        For what one rank reads and every rank needs (the newest step, the
+        root manifest, the config): the store serves it once per job.
+        """
+        n = len(payload) if self.rank == src and payload is not None else 0
+        if self.rank == src and failure is None and payload is None:
+            failure = ValueError(f"nothing to share ({what})")
+        size = self.status(failure, f"before sharing {what}", n)
+        buf = torch.empty(size, dtype=torch.uint8, device=self.status_device)
+        if self.rank == src and size:
+            buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+        if size:
+            self._wait(self.comm.broadcast(buf, src), f"the broadcast of {what} from rank {src}")
+        return bytes(buf.cpu().numpy()) if size else b""
 
     def post(self, sends: list[tuple[torch.Tensor, int, int]], recvs: list[tuple[torch.Tensor, int, int]]):
         """Start sends ``(tensor, dst, tag)`` and receives ``(tensor, src, tag)``; the works to wait on."""

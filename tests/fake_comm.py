@@ -92,6 +92,9 @@ class FakeComm:
     def all_gather_into_tensor(self, out: torch.Tensor, t: torch.Tensor):
         return self._collective(t.clone(), lambda xs: out.copy_(torch.cat(xs)))
 
+    def broadcast(self, t: torch.Tensor, src: int):
+        return self._collective(t.clone(), lambda xs: t.copy_(xs[src]))
+
     def post(self, sends, recvs, batched: bool) -> list:
         hub = self.hub
         works = [_Receive(hub, (p, self.rank, tag), t) for t, p, tag in recvs]

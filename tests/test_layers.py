@@ -17,7 +17,8 @@ PKG = Path(__file__).resolve().parent.parent / "ckptstore"
 LAYERS: list[list[str]] = [
     ["errors", "units", "clock", "progress"],
     ["storage.base"],
-    ["storage._classify", "storage._blocking", "storage.upload", "storage.wrappers", "storage._azure_client"],
+    ["storage._classify", "storage._blocking", "storage.upload", "storage.wrappers", "storage._azure_client",
+     "storage.throttle"],
     ["storage.memory", "storage.local", "storage.retry", "storage.faults", "storage.s3", "storage.gcs", "storage.azure"],
     ["storage"],
     ["format.codec", "format.tree", "planner", "tensors"],
@@ -37,7 +38,7 @@ LAYERS: list[list[str]] = [
     [""],  # the package itself: ckptstore/__init__.py
     ["exchange"],
     ["replicas"],
-    ["dcp.ids", "dcp.metadata", "dcp.exchanged"],
+    ["dcp.ids", "dcp.metadata", "dcp.exchanged", "dcp.shared"],
     ["dcp.writer", "dcp.reader"],
     ["dcp"],
     ["integrations"],

@@ -38,6 +38,7 @@ from ..format.tree import leaf_values
 from .exchanged import ExchangedRead, _box, _piece_box
 from .ids import _is_url, _pick_step, split_checkpoint_id
 from .metadata import _check_weights_only, metadata_from_manifest
+from .shared import dcp_job, pack, unpack
 
 
 MiB = 1 << 20
@@ -83,6 +84,22 @@ class _ReadPlan:
 def _region_key(item) -> tuple:
     off = item.storage_index.offset
     return (item.storage_index.fqn, None if off is None else tuple(off), tuple(item.storage_offsets), tuple(item.lengths))
+
+
+def _exchangeable(item, man: Manifest, bytes_keys: set):
+    """The read item as the exchange sees it, or None: a tensor item as it is; a bytes item that
+    DCP stored as a uint8 tensor (every rank of a job reads the same ones: the step number, a
+    scheduler's state) as a read of its whole box, so one rank reads it and the others receive it."""
+    if item.type == LoadItemType.TENSOR:
+        return item
+    entry = man.tensors.get(item.storage_index.fqn) if item.storage_index.fqn in bytes_keys else None
+    if entry is None or len(entry.shape) != 1 or entry.shape[0] == 0:
+        return None
+    return dataclasses.replace(item, storage_offsets=torch.Size([0]), lengths=torch.Size([entry.shape[0]]))
+
+
+def _bytes_keys(man: Manifest) -> set:
+    return set((man.dcp or {}).get("bytes", []))
 
 
 def _read_region(man: Manifest, key: tuple, item, chunk: int, shard_sizes: dict) -> ReadRegion | None:
@@ -278,9 +295,39 @@ class CkptStoreReader(StorageReader):
             )
         return step
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        self._ckpt = self._get_repo().checkpoint(self._resolve_step())
+    def read_metadata(self, *args: Any) -> Metadata:
+        # No **kwargs: DCP then never asks for "rank-local" metadata (read_metadata(rank=r))
+        # after a failed read, which ckptstore does not keep; a failed read fails the load.
+        job = dcp_job()
+        if job is None:
+            self._ckpt = self._get_repo().checkpoint(self._resolve_step())
+        else:
+            self._ckpt = self._shared_checkpoint(job)
         return metadata_from_manifest(self._ckpt.manifest)
+
+    def _shared_checkpoint(self, job) -> "Checkpoint":
+        """The coordinator resolves the step and reads its root manifest and the config; the
+        other ranks receive the bytes (one listing and one read of each per job, :mod:`.shared`)."""
+        repo = self._get_repo()
+        xg = Exchanger(job.group if job.group is not None else dist.group.WORLD, job.rank, self.exchange_timeout,
+                       repo.url, activity="read of the step's metadata")
+        payload, failure, step = None, None, None
+        if job.is_coordinator:
+            try:
+                step = self._resolve_step()
+                payload = pack({"step": step}, repo.manifest_bytes(step), repo.config_bytes())
+            except Exception as e:  # reported to every rank by share()
+                failure = e
+        got = xg.share(payload, job.src, failure, "the step's metadata")
+        if not job.is_coordinator:
+            header, (raw, cfg) = unpack(got, "step's metadata")
+            step = header.get("step")
+            if not isinstance(step, int) or raw is None:
+                raise CkptStoreError(f"{repo.url}: the step's metadata received from the coordinator names no step")
+            if cfg is not None:
+                repo.adopt_config(cfg)
+            repo.adopt_manifest(step, raw)
+        return repo.checkpoint(step)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         rank = kwargs.get("rank")
@@ -358,19 +405,21 @@ class CkptStoreReader(StorageReader):
     def _plan_exchange(self, plans: list[LoadPlan]) -> list[Exchange | None] | None:
         """The coordinator's exchange plan, or None when the ranks read everything themselves."""
         # Which ranks read each region; nothing more to do when none is read twice (FSDP).
+        man = self._ckpt.manifest
+        bytes_keys = _bytes_keys(man)
         keyed: list[list[tuple[tuple, Any]]] = []
         count: dict[tuple, int] = {}
         for p in plans:
             mine = {}
             for item in p.items:
-                if item.type == LoadItemType.TENSOR:
-                    mine.setdefault(_region_key(item), item)
+                it = _exchangeable(item, man, bytes_keys)
+                if it is not None:
+                    mine.setdefault(_region_key(it), it)
             for key in mine:
                 count[key] = count.get(key, 0) + 1
             keyed.append(list(mine.items()))
         if not any(c > 1 for c in count.values()):
             return None
-        man = self._ckpt.manifest
         repo = self._get_repo()
         repo.config()  # the repository's chunk size: splits at chunk boundaries where rows allow
         chunk = repo.options.chunk_size
@@ -391,16 +440,27 @@ class CkptStoreReader(StorageReader):
 
     # -- read_data ----------------------------------------------------------
     def _prepare(self, plan: LoadPlan, planner: LoadPlanner, exchanged: set):
-        """Bytes items loaded; tensor items split into direct reads and exchanged regions."""
+        """Bytes items loaded; tensor items split into direct reads and exchanged regions.
+
+        Bytes items the exchange moves become regions too, into uint8 buffers, listed in the
+        third result as ``(item, buffer)`` to load once the exchange has filled them.
+        """
         ckpt = self._ckpt
         man = ckpt.manifest
-        bytes_keys = set((man.dcp or {}).get("bytes", []))
+        bytes_keys = _bytes_keys(man)
         values = leaf_values(man.tree) if man.dcp is None else {}
         direct = []
         regions: dict[tuple, list] = {}  # key -> [(item, entry, shard index, target), ...]
+        received = []
         for item in plan.items:
             fqn = item.storage_index.fqn
             if item.type == LoadItemType.BYTE_IO:
+                it = _exchangeable(item, man, bytes_keys) if exchanged else None
+                if it is not None and _region_key(it) in exchanged:
+                    target = torch.empty(it.lengths[0], dtype=torch.uint8)
+                    regions.setdefault(_region_key(it), []).append((it, man.tensors[fqn], ckpt.shard_at(fqn, None), target))
+                    received.append((item, target))
+                    continue
                 if fqn in bytes_keys:
                     data = ckpt.read(fqn).numpy().tobytes()
                 elif fqn in values:
@@ -411,8 +471,7 @@ class CkptStoreReader(StorageReader):
                     data = buf.getvalue()
                 else:
                     raise KeyError(f"{ckpt.repo.url}: step {man.step} has no value {fqn!r}")
-                _check_weights_only(data, f"{ckpt.repo.url}: step {man.step}: bytes item {fqn!r}")
-                planner.load_bytes(item, io.BytesIO(data))
+                self._load_bytes(item, planner, data)
                 continue
             entry = man.tensors.get(fqn)
             if entry is None:
@@ -432,7 +491,12 @@ class CkptStoreReader(StorageReader):
                 regions.setdefault(key, []).append((item, entry, index, target))
             else:
                 direct.append((item, entry, index, _box(item), target))
-        return direct, regions
+        return direct, regions, received
+
+    def _load_bytes(self, item, planner: LoadPlanner, data: bytes) -> None:
+        man = self._ckpt.manifest
+        _check_weights_only(data, f"{self._ckpt.repo.url}: step {man.step}: bytes item {item.storage_index.fqn!r}")
+        planner.load_bytes(item, io.BytesIO(data))
 
     def _read_all(self, jobs) -> None:
         """Run ``(entry, shard index, box, target)`` reads on ``item_workers`` threads."""
@@ -509,7 +573,7 @@ class CkptStoreReader(StorageReader):
         self.last_peer_stats = stats
 
     def _read_direct(self, plan: LoadPlan, planner: LoadPlanner) -> None:
-        direct, _ = self._prepare(plan, planner, set())
+        direct, _, _ = self._prepare(plan, planner, set())
         # One batch of chunk-table reads for every shard this rank reads.
         self._ckpt.resolve([(entry.key, index) for _, entry, index, _, _ in direct])
         self._read_all([(entry, index, local, target) for _, entry, index, local, target in direct])
@@ -539,16 +603,17 @@ class CkptStoreReader(StorageReader):
         failure: BaseException | None = None
         direct: list = []
         regions: dict = {}
+        received: list = []
         all_cuda = False
         try:
-            direct, regions = self._prepare(plan, planner, exchanged)
+            direct, regions, received = self._prepare(plan, planner, exchanged)
             missing = exchanged - set(regions)
             if missing:
                 raise CkptStoreError(f"{where}: the exchange plan names regions this rank does not read: "
                                      f"{sorted(k[0] for k in missing)[:5]}")
             owned = [(regions[p.key][0][1], regions[p.key][0][2]) for p in ex.owned(me)]
             ckpt.resolve([(e.key, i) for _, e, i, _, _ in direct] + [(e.key, i) for e, i in owned])
-            targets = [t for lst in regions.values() for (_, _, _, t) in lst]
+            targets = [t for lst in regions.values() for (it, _, _, t) in lst if it.type == LoadItemType.TENSOR]
             all_cuda = xg.cuda_capable and bool(targets) and all(t.device.type == "cuda" for t in targets)
         except Exception as e:  # reported to every rank at the first status
             failure = e
@@ -561,7 +626,10 @@ class CkptStoreReader(StorageReader):
         xg.run(ex.rounds, prepare, failure)
         for lst in regions.values():
             for item, _, _, target in lst:
-                planner.commit_tensor(item, target)
+                if item.type == LoadItemType.TENSOR:
+                    planner.commit_tensor(item, target)
+        for item, buf in received:
+            self._load_bytes(item, planner, buf.numpy().tobytes())
         for item, _, _, _, target in direct:
             planner.commit_tensor(item, target)
         self.last_read_stats = stats

@@ -31,6 +31,7 @@ from ..replicas import ReplicaError, Replicator, replica_group
 from ..save import ChunkWriter, StepCommit, dedup_share, pack_usage, write_segment
 from .ids import _is_url, _pick_step, split_checkpoint_id
 from .metadata import _ItemResult, _RankInfo, build_manifest
+from .shared import Job, dcp_job, pack, unpack
 
 
 MiB = 1 << 20
@@ -50,6 +51,8 @@ class _GlobalInfo:
     base_step: int | None
     # rows of a replicated item this rank writes: (fqn, offsets of the part) -> (the item, lo, hi)
     parts: dict | None = None
+    # the coordinator broadcasts the config and the base's root in write_data (every rank takes part)
+    share: bool = False
 
 
 @dataclass(frozen=True)
@@ -296,6 +299,9 @@ class CkptStoreWriter(StorageWriter):
         self.rank = int(rank)
         self._collective = (bool(kwargs.get("use_collectives", True)) and dist.is_available()
                             and dist.is_initialized() and dist.get_world_size(self._group()) > 1)
+        # The group DCP saves on: the config and the dedup base's root are read once and shared over it.
+        self._job = dcp_job() if self._collective else None
+        self._shared = None
 
     def _group(self):
         return self.process_group if self.process_group is not None else dist.group.WORLD
@@ -333,11 +339,41 @@ class CkptStoreWriter(StorageWriter):
                 "or CkptStoreWriter(url, step=M))"
             ) from None
         self._base_step = base_step
+        share = self._job is not None and self._job.size == len(plans) > 1
+        if share:
+            try:
+                base = repo.manifest_bytes(base_step) if base_step is not None else None
+                self._shared = pack({"base": base_step}, base, repo.config_bytes())
+            except BaseException:
+                self._commit.end()
+                self._commit = None
+                raise
         plans, self._parts = balance_save_plans(plans, chunk_size=repo.options.chunk_size)
         return [
-            dataclasses.replace(p, storage_data=_GlobalInfo(rank=i, base_step=base_step, parts=self._parts[i] or None))
+            dataclasses.replace(p, storage_data=_GlobalInfo(rank=i, base_step=base_step, parts=self._parts[i] or None,
+                                                            share=share))
             for i, p in enumerate(plans)
         ]
+
+    def _receive_shared(self) -> None:
+        """Every rank: the config and the dedup base's root from the coordinator (one broadcast)."""
+        repo = self._get_repo()
+        job = self._job
+        if job is None:  # the coordinator found DCP's job and this rank did not: take part all the same
+            group = self._group()
+            job = Job(group, dist.get_global_rank(group, 0), dist.get_world_size(group), dist.get_rank(group))
+        xg = Exchanger(job.group if job.group is not None else dist.group.WORLD, job.rank, None, repo.url,
+                       activity="save", error=RankWriteError)
+        mine = self._shared if job.is_coordinator else None
+        got = xg.share(mine, job.src, None, "the config and the dedup base's root manifest")
+        self._shared = None
+        if job.is_coordinator:
+            return
+        header, (base, cfg) = unpack(got, "config and dedup base")
+        if cfg is not None:
+            repo.adopt_config(cfg)
+        if base is not None:
+            repo.adopt_manifest(header["base"], base)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         info = plan.storage_data if isinstance(plan.storage_data, _GlobalInfo) else None
@@ -347,6 +383,8 @@ class CkptStoreWriter(StorageWriter):
         fut: Future = Future()
         self._packs_written = {}
         try:
+            if info is not None and info.share:
+                self._receive_shared()  # a collective: before anything that may fail on one rank alone
             fut.set_result(self._write_items(plan, planner, rank, base_step, parts))
         except BaseException as e:
             self._replicate({})  # every rank queues every save's replicas: the transfers stay in step
