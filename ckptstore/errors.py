@@ -20,7 +20,30 @@ class StorageError(CkptStoreError, OSError):
 
 
 class TransientStorageError(StorageError):
-    """A storage failure that may succeed when retried (throttling, 5xx, resets)."""
+    """A storage failure that may succeed when retried (throttling, 5xx, resets).
+
+    ``throttled``: the store said it was sent too many requests (S3 503
+    SlowDown, GCS 429, Azure 503 ServerBusy); ``retry_after``: the seconds
+    its ``Retry-After`` asked for, if any.
+    """
+
+    throttled: bool = False
+    retry_after: float | None = None
+
+
+class StoreThrottledError(TransientStorageError):
+    """The store kept throttling a request after every retry; nothing is assumed about what it holds.
+
+    Raised instead of an empty answer: a listing the store refused is an
+    error, never "no checkpoint".
+    """
+
+    throttled = True
+
+
+class ConditionalWriteUnsupportedError(StorageError):
+    """The store accepted a second conditional create (``If-None-Match: *``) of one key: it cannot
+    make a step's commit atomic, so ckptstore does not commit to it."""
 
 
 class ObjectNotFoundError(StorageError, FileNotFoundError):

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, fields
 from .format import codec as _codec
 from .format import manifest as _m
 from .format.layout import DEFAULT_GRACE
-from .storage.base import MIN_PART_SIZE
+from .storage.base import MAX_PARTS, MIN_PART_SIZE
 
 MiB = 1 << 20
 
@@ -28,7 +28,9 @@ class RepoOptions:
 
     chunk_size: raw bytes per chunk (dedup and range-read granularity).
     pack_size: target bytes per pack object.
-    part_size: multipart part size (S3: at least 5 MiB).
+    part_size: multipart part size (S3: at least 5 MiB; at least the store's
+        ``min_part_size``; grown so that a pack needs at most 10,000 parts).
+        Every part of an upload but the last has exactly this size.
     workers: threads hashing and compressing.
     io_workers: concurrent requests (parts in flight, ranged GETs); at
         most ``LOCAL_IO_WORKERS`` (4) on a local or memory store unless given.
@@ -98,6 +100,11 @@ class RepoOptions:
             raise ValueError(f"chunk_size must be in [4096, {_m.MAX_CHUNK_BYTES}], got {self.chunk_size}")
         if self.part_size < MIN_PART_SIZE:
             raise ValueError(f"part_size must be at least {MIN_PART_SIZE} (S3's minimum), got {self.part_size}")
+        # No pack may need more parts than S3 allows (a pack is pack_size plus at most a chunk
+        # and its table): the part size grows with pack_size.
+        need = -(-(self.pack_size + 2 * self.chunk_size + MiB) // MAX_PARTS)
+        if self.part_size < need:
+            self.part_size = -(-need // MiB) * MiB
         if not (self.grace >= 0):
             raise ValueError("grace must be a non-negative number of seconds")
         if self.pack_size < 1:

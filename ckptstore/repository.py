@@ -222,7 +222,11 @@ def open(url: str, storage_options: dict | None = None, **options) -> Repository
         ``max_inflight_bytes``, ``grace``, ...), ``clock`` (a
         :class:`~ckptstore.clock.Clock`), and ``retry``: a
         :class:`~ckptstore.storage.retry.RetryPolicy`, or False to turn off
-        the retries remote stores get by default; ``cache_dir`` (a
+        the retries remote stores get by default; ``throttle``: a
+        :class:`~ckptstore.storage.throttle.ThrottlePolicy` (how this
+        process's request rate to the bucket falls when the store answers
+        503 SlowDown / 429 and grows back), or False to never slow down
+        (``docs/dcp.md``, "Many ranks"); ``cache_dir`` (a
         node-local tier, shared by the node's processes that name it:
         saves keep what they upload there and reads take each chunk from it
         first, hash-checked; see ``docs/tier.md``) and ``cache_size`` (its
@@ -235,9 +239,14 @@ def open(url: str, storage_options: dict | None = None, **options) -> Repository
     """
     from .storage import open_store
     from .storage.retry import RetryPolicy, RetryStore
+    from .storage.throttle import ThrottlePolicy
 
     retry = options.pop("retry", True)
+    throttle = options.pop("throttle", None)
+    if not (throttle is None or throttle is False or isinstance(throttle, ThrottlePolicy)):
+        raise TypeError(f"throttle must be a ThrottlePolicy, None (the default policy) or False, got {throttle!r}")
     store = open_store(url, storage_options)
+    store.set_throttle(throttle)
     if retry and store.remote:
         store = RetryStore(store, retry if isinstance(retry, RetryPolicy) else None)
     return Repository(store, **options)

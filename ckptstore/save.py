@@ -7,9 +7,10 @@
 - :class:`StepCommit` is the commit protocol every writer follows
   (``Repository.save``, the DCP writer, ``cp`` and ``import``)::
 
-      begin()   refuse an existing step, create config.json, write the lease,
-                start the clock, then choose the dedup base (in that order:
-                docs/gc.md)
+      begin()   refuse an existing step, refuse a store that fakes conditional
+                creates (:func:`check_conditional_create`), create config.json,
+                write the lease, start the clock, then choose the dedup base
+                (in that order: docs/gc.md)
       ...       the caller writes chunks and finishes its packs
       commit()  record pack sizes, refuse if the dedup base may have been
                 collected meanwhile (invariant 5), create the manifest with
@@ -35,6 +36,7 @@ from .format import manifest as _m
 from .catalog import Catalog
 from .format.chunk_table import TableBuilder
 from .errors import (
+    ConditionalWriteUnsupportedError,
     ManifestTooLargeError,
     ObjectExistsError,
     ObjectNotFoundError,
@@ -43,7 +45,16 @@ from .errors import (
     StepExistsError,
     StorageError,
 )
-from .format.layout import check_step, manifest_key, new_pack_id, pack_key, safety_margin, segment_key
+from .format.layout import (
+    check_step,
+    lease_record,
+    manifest_key,
+    new_pack_id,
+    pack_key,
+    probe_key,
+    safety_margin,
+    segment_key,
+)
 from .format.manifest import (
     MAX_PACK_RANGES,
     ChunkRef,
@@ -180,6 +191,45 @@ def write_segment(cat: Catalog, builder: TableBuilder, store=None) -> SegmentRef
 
 
 # ==================================================================== commit protocol
+#: Stores (by :attr:`~ckptstore.storage.base.ObjectStore.identity`) whose conditional creates this
+#: process has seen refused: probed once per process, not once per handle or save.
+_CONDITIONAL_OK: set[str] = set()
+
+
+def check_conditional_create(cat: Catalog) -> None:
+    """Refuse a remote store that accepts a second ``If-None-Match: *`` create of one key.
+
+    The commit (invariant 2) rests on the store refusing the second of two
+    creates of a manifest; a store that ignores the condition (SeaweedFS up
+    to 4.16 under concurrency, proxies that drop the header) would let a
+    second writer of a step replace the first. The probe: create a fresh key
+    under ``leases/``, create it again with other bytes (this must be
+    refused), delete it. Three requests, once per store and process; local
+    and memory stores make their creates exclusive themselves.
+    """
+    store = cat.store
+    ident = store.identity
+    if not store.remote or ident in _CONDITIONAL_OK:
+        return
+    key = probe_key()
+    body = lease_record(-1, cat.clock.time())
+    store.put_if_absent(key, body)
+    try:
+        try:
+            store.put_if_absent(key, body + b"\n")
+        except ObjectExistsError:
+            _CONDITIONAL_OK.add(ident)
+            return
+        raise ConditionalWriteUnsupportedError(
+            f"{cat.url}: the store accepted a second conditional create (If-None-Match: *) of {key}: it does "
+            "not support conditional writes, so two writers of one step could replace each other's manifest. "
+            "ckptstore does not commit to it; nothing was committed. Use a store (or version) that refuses a "
+            "create of an existing key with 412 Precondition Failed"
+        )
+    finally:
+        cat.drop_lease(key)
+
+
 class StepCommit:
     """The commit protocol of one step; see the module docstring.
 
@@ -215,6 +265,7 @@ class StepCommit:
         cat = self.cat
         if cat.store.exists(manifest_key(self.step)) or (pending and self.step in cat.pending_steps()):
             raise StepExistsError(f"{cat.url}: step {self.step} already exists; nothing was written")
+        check_conditional_create(cat)
         cat.ensure_config()
         # The lease goes up, and the clock starts, before the dedup base is read.
         self.lease = cat.write_lease(self.step)
@@ -272,6 +323,7 @@ class StepCommit:
         self.check_base_age()
         body = _m.to_json(man)
         self.check_manifest_size(man, body)
+        check_conditional_create(cat)  # a commit whose begin() ran elsewhere (write-back drains)
         try:
             cat.store.put_if_absent(manifest_key(man.step), body)
         except ObjectExistsError:

@@ -54,6 +54,7 @@ import uuid
 from .format import codec as _codec
 from .format.layout import segment_key
 from .storage.local import LocalStore
+from .units import parse_size
 
 log = logging.getLogger(__name__)
 
@@ -67,27 +68,6 @@ FREE_FLOOR = 0.05
 #: Eviction takes the packs of this many newest saved steps (per repository) last.
 RECENT_STEPS = 2
 RECENT_NAME = re.compile(r"^([0-9]{20})\.[0-9a-f]{8}\.json$")
-_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgtp]?i?b?)?\s*$", re.IGNORECASE)
-_UNIT = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "p": 10**15}
-
-
-def parse_size(value) -> int:
-    """``"200GB"``, ``"1.5 TiB"``, ``"512M"`` or a number of bytes -> bytes (decimal and binary units)."""
-    if isinstance(value, bool):
-        raise ValueError(f"invalid size {value!r}")
-    if isinstance(value, (int, float)):
-        if value < 0:
-            raise ValueError(f"size must not be negative: {value}")
-        return int(value)
-    m = _SIZE.match(str(value))
-    if not m:
-        raise ValueError(f"invalid size {value!r}; use e.g. 200GB, 1.5TiB, 512MiB or a number of bytes")
-    unit = (m.group(2) or "").lower()
-    base = _UNIT[unit[:1]] if unit[:1] in _UNIT else 1
-    if "i" in unit:
-        base = 1 << (10 * "bkmgtp".index(unit[0])) if unit[0] != "b" else 1
-    return int(float(m.group(1)) * base)
-
 
 def repo_key(url: str) -> str:
     """The tier's folder name for a repository: 32 hex digits of the BLAKE3 of its canonical URL."""

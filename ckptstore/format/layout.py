@@ -165,6 +165,12 @@ def lease_key() -> str:
     return f"{LEASE_PREFIX}{uuid.uuid4().hex}.json"
 
 
+def probe_key() -> str:
+    """A key for the conditional-create probe: under ``leases/``, so that one a crash left
+    behind is removed by GC as a stale lease after the grace period."""
+    return f"{LEASE_PREFIX}probe-{uuid.uuid4().hex}.json"
+
+
 def tombstone_key(step: int) -> str:
     return f"{TOMBSTONE_PREFIX}{step:020d}-{uuid.uuid4().hex[:8]}.json"
 

@@ -183,10 +183,12 @@ class Client(NamedTuple):
     credential: object  # the azure.identity credential made for it, closed with it; else None
 
 
-def connect(account: Account, container: str, pool: int, req: dict) -> Client:
+def connect(account: Account, container: str, pool: int, req: dict, hooks: dict | None = None) -> Client:
     """A synchronous client for ``account``'s ``container``, its session keeping ``pool`` connections.
 
     ``req``: ``retry_total``, ``connection_timeout``, ``read_timeout``.
+    ``hooks``: ``raw_request_hook`` and ``raw_response_hook`` callables, called
+    for every request the client sends and every answer it gets.
     """
     import requests
     from azure.core.pipeline.transport import RequestsTransport
@@ -209,13 +211,13 @@ def connect(account: Account, container: str, pool: int, req: dict) -> Client:
     try:
         if account.connection_string:
             service = BlobServiceClient.from_connection_string(account.connection_string, transport=transport,
-                                                               retry_total=req["retry_total"])
+                                                               retry_total=req["retry_total"], **(hooks or {}))
         else:
             credential = account.credential
             if account.principal is not None or account.default:
                 credential = made = identity_credential(account)
             service = BlobServiceClient(account.url, credential=credential, transport=transport,
-                                        retry_total=req["retry_total"])
+                                        retry_total=req["retry_total"], **(hooks or {}))
         # Every request goes to the account's host: its proxies (none if NO_PROXY names it) hold for all.
         session.proxies.update(requests.utils.get_environ_proxies(service.url))
         return Client(service, service.get_container_client(container), session, made)

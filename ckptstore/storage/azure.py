@@ -59,6 +59,7 @@ the end is caught by the object size in ``Content-Range``.
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
 import re
@@ -67,11 +68,12 @@ import uuid
 from typing import Iterator, Sequence
 
 from ..errors import CkptStoreError, ObjectExistsError, ObjectNotFoundError, StorageError, TransientStorageError
-from ._azure_client import ACCOUNT_OPTIONS, POOL_CONNECTIONS, Client, connect, resolve_account
+from ._azure_client import ACCOUNT_OPTIONS, ENVIRONMENT, POOL_CONNECTIONS, Client, connect, resolve_account
 from ._azure_client import scrub_text as _scrub_text
 from ._azure_client import secrets_of as _secrets_of
 from ._blocking import each_threaded, get_ranges_threaded, stream_range
 from ._classify import MAX_MESSAGE, host_not_resolved, in_chain, is_network_error, optional_types
+from .throttle import AdaptiveRate, ThrottlePolicy, parse_retry_after, rate_for
 from .base import (MultipartInfo, MultipartUpload, ObjectInfo, ObjectStore, RangeReplyError, check_key,
                    check_range_reply)
 
@@ -108,6 +110,15 @@ def _http(exc: BaseException) -> tuple[int | None, str, str]:
     if not message:
         message = str(e.message or "").split("\n", 1)[0]
     return status, code, message
+
+
+def _retry_after(exc: BaseException) -> float | None:
+    """The ``Retry-After`` of the Azure HTTP error behind ``exc``, in seconds."""
+    from azure.core.exceptions import HttpResponseError
+
+    e = in_chain(exc, lambda x: x if isinstance(x, HttpResponseError) else None)
+    resp = getattr(e, "response", None)
+    return parse_retry_after((getattr(resp, "headers", None) or {}).get("Retry-After"))
 
 
 def _is_connection_error(exc: BaseException) -> bool:
@@ -165,7 +176,11 @@ def classify_error(exc: BaseException, where: str, op: str, exists_on_conflict: 
         if code == "BlobNotFound" or (status == 404 and not code):
             return ObjectNotFoundError(f"{where}: no such object (Azure {op}: {label})")
         if code in _TRANSIENT_CODES or status in _TRANSIENT_STATUS or (status is not None and status >= 500):
-            return TransientStorageError(text)
+            err = TransientStorageError(text)
+            if status in (429, 503) or code == "ServerBusy":
+                err.throttled = True
+                err.retry_after = _retry_after(exc)
+            return err
         return StorageError(text)
     detail = f"{type(exc).__name__}: {str(exc)[:MAX_MESSAGE]}"
     if isinstance(exc, FileNotFoundError):
@@ -245,6 +260,9 @@ class AzureStore(ObjectStore):
         self.url = f"az://{container}/{prefix}" if prefix else f"az://{container}"
         self.max_concurrency = max_concurrency
         self._secrets = _secrets_of(opts)
+        # which account (options and environment, hashed: they may hold secrets), for identity
+        self._account_id = hashlib.sha256(repr(sorted((k, repr(v)) for k, v in opts.items())).encode() + repr(
+            sorted((k, os.environ.get(k, "")) for k in ENVIRONMENT.values())).encode()).hexdigest()[:16]
         self._req = {
             "retry_total": int(opts.pop("retry_total", 0)),
             "connection_timeout": float(opts.pop("connection_timeout", CONNECTION_TIMEOUT)),
@@ -253,12 +271,50 @@ class AzureStore(ObjectStore):
         self._opts = opts
         # (pid that made it, lock, [its Client] or []): see _client.
         self._clients: tuple[int, threading.Lock, list] = (os.getpid(), threading.Lock(), [])
+        self._throttle: ThrottlePolicy | None | bool = None
+        self._rate: AdaptiveRate | None = None
         # requests' exceptions are OSErrors; urllib3's and http.client's come from bodies the store reads.
         self._catch = (OSError, *optional_types("azure.core.exceptions:AzureError", "urllib3.exceptions:HTTPError",
                                                 "http.client:HTTPException"))
 
     def __repr__(self) -> str:
         return f"AzureStore({self.url!r})"
+
+    def set_throttle(self, policy: ThrottlePolicy | None | bool) -> None:
+        """The adaptive request rate every request waits on (one per container of an account host in the
+        process; the account is known once the client is made)."""
+        self._throttle = policy
+        self._rate = None
+        made = self._clients[2]
+        if made:
+            self._take_rate(made[0])
+
+    def _take_rate(self, client: Client) -> None:
+        policy = self._throttle
+        if policy is not False:
+            host = getattr(client.service, "primary_hostname", "") or ""
+            self._rate = rate_for(f"azure|{host}|{self.container}",
+                                  policy if isinstance(policy, ThrottlePolicy) else None)
+
+    @property
+    def identity(self) -> str:
+        return f"azure|{self._account_id}|{self.url}"
+
+    def throttle_stats(self) -> dict | None:
+        return self._rate.stats() if self._rate is not None else None
+
+    def _before_request(self, request) -> None:
+        if self._rate is not None:
+            self._rate.before()
+
+    def _on_answer(self, response) -> None:
+        rate = self._rate
+        if rate is None:
+            return
+        http = response.http_response
+        headers = http.headers or {}
+        throttled = http.status_code in (429, 503) or headers.get("x-ms-error-code") == "ServerBusy"
+        rate.after(throttled, parse_retry_after(headers.get("Retry-After")) if throttled else None)
 
     # ------------------------------------------------------------ plumbing
     def _client(self) -> Client:
@@ -273,13 +329,16 @@ class AzureStore(ObjectStore):
         if not made:
             with lock:
                 if not made:
-                    made.append(self._connect())
+                    client = self._connect()
+                    self._take_rate(client)  # before the first request
+                    made.append(client)
         return made[0]
 
     def _connect(self) -> Client:
         try:
             account = resolve_account(self._opts)
-            return connect(account, self.container, max(POOL_CONNECTIONS, self.max_concurrency), self._req)
+            return connect(account, self.container, max(POOL_CONNECTIONS, self.max_concurrency), self._req,
+                           {"raw_request_hook": self._before_request, "raw_response_hook": self._on_answer})
         except (ValueError, TypeError) as e:
             # The SDK's message may quote the connection string: scrubbed, and the cause dropped.
             raise StorageError(

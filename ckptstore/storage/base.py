@@ -153,6 +153,15 @@ class ObjectStore(abc.ABC):
     mtime_resolution: float = 0.0
     #: Reached over a network: ``ckptstore.open`` wraps it in a RetryStore.
     remote: bool = False
+    #: Smallest multipart part (all but the last) the store accepts: S3's 5 MiB unless the
+    #: store says more (S3's ``min_part_size`` storage option: CoreWeave's 15 MiB, say).
+    min_part_size: int = MIN_PART_SIZE
+
+    @property
+    def identity(self) -> str:
+        """What tells this store's location apart in the process: its URL, and for remote stores the
+        endpoint too (two servers may hold buckets of one name)."""
+        return self.url
 
     @abc.abstractmethod
     def get(self, key: str) -> bytes:
@@ -242,6 +251,16 @@ class ObjectStore(abc.ABC):
         except ObjectNotFoundError:
             return False
         return True
+
+    def set_throttle(self, policy) -> None:
+        """How this store's requests slow down when the store throttles them: a
+        :class:`~ckptstore.storage.throttle.ThrottlePolicy`, None (the default policy) or False
+        (never). Remote stores share one adaptive rate per bucket of an endpoint in a process;
+        the others have nothing to slow down."""
+
+    def throttle_stats(self) -> dict | None:
+        """The adaptive rate's state (:meth:`~ckptstore.storage.throttle.AdaptiveRate.stats`), or None."""
+        return None
 
     def close(self) -> None:
         """Release connections and threads."""

@@ -96,6 +96,7 @@ from ..errors import (
     StorageError,
     TransientStorageError,
 )
+from .throttle import AdaptiveRate, ThrottlePolicy, parse_retry_after, rate_for
 from ._blocking import each_threaded, get_ranges_threaded, stream_range
 from ._classify import MAX_MESSAGE, check_resolves, host_not_resolved, in_chain, is_network_error, optional_types, scrub
 from .base import (
@@ -129,6 +130,9 @@ IGNORED_OPTIONS = frozenset({"skip_instance_cache", "use_listings_cache", "listi
 _ACCESS = ("read_only", "read_write", "full_control")
 _MARKER = "upload"
 _TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+#: Statuses by which GCS says it was sent too many requests (429 rateLimitExceeded, 503
+#: when a bucket's rate ramps up): they lower the process's request rate (:mod:`.throttle`).
+THROTTLE_STATUS = frozenset({429, 503})
 _UPLOAD_ID = re.compile(r"[0-9a-f]{32}")
 _TIMESTAMP = re.compile(r"(\d{4})-(\d\d)-(\d\d)T(\d\d):(\d\d):(\d\d)(?:\.(\d+))?(Z|[+-]\d\d:\d\d)?$")
 _CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)")
@@ -151,11 +155,12 @@ def parse_timestamp(text: str) -> float:
 
 # ------------------------------------------------------------------ errors
 class GCSHTTPError(Exception):
-    """An answer with an error status: ``status``, GCS's ``reason`` (``"conditionNotMet"``...) and message."""
+    """An answer with an error status: ``status``, GCS's ``reason`` (``"conditionNotMet"``...) and message;
+    ``retry_after``: its ``Retry-After`` in seconds, if any."""
 
-    def __init__(self, status: int, message: str = "", reason: str = ""):
+    def __init__(self, status: int, message: str = "", reason: str = "", retry_after: float | None = None):
         super().__init__(f"{status} {reason}: {message}".strip() if reason else f"{status}: {message}")
-        self.status, self.message, self.reason = status, message, reason
+        self.status, self.message, self.reason, self.retry_after = status, message, reason, retry_after
 
     @classmethod
     def from_response(cls, resp) -> "GCSHTTPError":
@@ -168,7 +173,8 @@ class GCSHTTPError(Exception):
             reason = str(((err.get("errors") or [{}])[0] or {}).get("reason") or "")
         except (ValueError, AttributeError, TypeError, IndexError):
             message, reason = text.strip().split("\n", 1)[0], ""
-        return cls(int(resp.status_code), message[:MAX_MESSAGE], reason)
+        retry_after = parse_retry_after((getattr(resp, "headers", None) or {}).get("Retry-After"))
+        return cls(int(resp.status_code), message[:MAX_MESSAGE], reason, retry_after)
 
 
 def _status(exc: BaseException) -> int | None:
@@ -214,7 +220,11 @@ def classify_error(exc: BaseException, where: str, op: str, exists_on_412: bool 
     if status is not None:
         text = f"{where}: GCS {op} failed ({exc})"
         if status in _TRANSIENT_STATUS or status >= 500:
-            return TransientStorageError(text)
+            err = TransientStorageError(text)
+            if status in THROTTLE_STATUS:
+                err.throttled = True
+                err.retry_after = in_chain(exc, lambda e: e.retry_after if isinstance(e, GCSHTTPError) else None)
+            return err
         return StorageError(text)
     message = str(exc)[:MAX_MESSAGE]
     if _is_connection_error(exc):
@@ -437,12 +447,26 @@ class GCSStore(ObjectStore):
         self._resolver = resolver or socket.getaddrinfo
         self._sleep = sleep
         ep, b = self._opts.endpoint, quote(bucket, safe="")
+        self._rate: AdaptiveRate | None = None
+        self.set_throttle(None)
         self._api = f"{ep}/storage/v1/b/{b}/o"
         self._upload_url = f"{ep}/upload/storage/v1/b/{b}/o"
         self._download = f"{ep}/download/storage/v1/b/{b}/o"
 
     def __repr__(self) -> str:
         return f"GCSStore({self.url!r})"
+
+    def set_throttle(self, policy: ThrottlePolicy | None | bool) -> None:
+        """The adaptive request rate every request waits on (one per bucket and endpoint in the process)."""
+        self._rate = None if policy is False else rate_for(
+            f"gcs|{self._opts.endpoint}|{self.bucket}", policy if isinstance(policy, ThrottlePolicy) else None)
+
+    @property
+    def identity(self) -> str:
+        return f"gcs|{self._opts.endpoint}|{self.url}"
+
+    def throttle_stats(self) -> dict | None:
+        return self._rate.stats() if self._rate is not None else None
 
     # ------------------------------------------------------------ plumbing
     def _session(self):
@@ -468,7 +492,10 @@ class GCSStore(ObjectStore):
         session = self._session()
         params = {**self._opts.params, **(params or {})}
         tries = self._opts.tries if retry else 1
+        rate = self._rate
         for attempt in range(1, tries + 1):
+            if rate is not None:
+                rate.before()
             try:
                 resp = session.request(method, url, params=params, stream=stream,
                                        timeout=(self._opts.connect, self._opts.read), **kwargs)
@@ -476,6 +503,9 @@ class GCSStore(ObjectStore):
                 if attempt == tries or not _is_connection_error(e) or host_not_resolved(e, "", ""):
                     raise
             else:
+                throttled = resp.status_code in THROTTLE_STATUS
+                if rate is not None:
+                    rate.after(throttled, parse_retry_after(resp.headers.get("Retry-After")) if throttled else None)
                 if resp.status_code < 400:
                     return resp
                 err = GCSHTTPError.from_response(resp)

@@ -3,7 +3,12 @@
 Only :class:`~ckptstore.errors.TransientStorageError` is retried (throttling,
 5xx, connection resets and timeouts, as the backends classify them by error
 code); everything else fails on the first attempt. Attempts and total time
-are both bounded. On by default for remote stores (``ckptstore.open(...,
+are both bounded. A throttled answer's ``Retry-After`` is waited out (at
+most :data:`MAX_RETRY_AFTER`); a request still throttled when the bounds
+run out raises :class:`~ckptstore.errors.StoreThrottledError`, which says
+so (a listing the store refused is never an empty repository). The
+process-wide request rate that throttling lowers is the backends' own
+(:mod:`ckptstore.storage.throttle`), below every retry. On by default for remote stores (``ckptstore.open(...,
 retry=RetryPolicy(...) | False)``).
 
 A host name that does not resolve (:class:`~ckptstore.errors.HostNotResolvedError`)
@@ -31,9 +36,18 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from ..errors import HostNotResolvedError, ObjectExistsError, ObjectNotFoundError, TransientStorageError
+from ..errors import (
+    HostNotResolvedError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    StoreThrottledError,
+    TransientStorageError,
+)
 from .base import MultipartUpload, ObjectStore
 from .wrappers import WrapperStore
+
+#: Longest ``Retry-After`` a retry waits for, seconds.
+MAX_RETRY_AFTER = 60.0
 
 
 @dataclass(frozen=True)
@@ -87,18 +101,30 @@ class RetryStore(WrapperStore):
     def _run(self, fn: Callable, on_retry_error: Callable | None = None):
         start = self._monotonic()
         attempt = 1
+        throttled = 0
         while True:
             try:
                 return fn()
             except (TransientStorageError, HostNotResolvedError) as e:
                 elapsed = self._monotonic() - start
                 delay = self._backoff(attempt)
+                if getattr(e, "throttled", False):
+                    throttled += 1
+                    if e.retry_after:
+                        delay = max(delay, min(e.retry_after, MAX_RETRY_AFTER))
                 bound = self.policy.max_total
                 if isinstance(e, HostNotResolvedError):
                     bound = min(bound, self.policy.max_unresolved) if e.temporary else -1.0
                 if attempt >= self.policy.max_attempts or elapsed + delay > bound:
                     with self._lock:
                         self.gave_up += 1
+                    if throttled and getattr(e, "throttled", False):
+                        raise StoreThrottledError(
+                            f"{e}; the store kept throttling this request ({throttled} of {attempt} attempts over "
+                            f"{elapsed:.3g} s answered 'slow down', and this process lowered its request rate to "
+                            "the store): the repository is not known to be empty or damaged. Retry later, spread the "
+                            "job's requests over time, or allow more time (retry=RetryPolicy(max_total=...))"
+                        ) from e
                     raise
                 with self._lock:
                     self.retries += 1

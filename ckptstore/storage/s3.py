@@ -70,7 +70,10 @@ from ..errors import (
 )
 from ._classify import MAX_MESSAGE, host_not_resolved, in_chain, is_network_error, optional_types, scrub
 from ._blocking import get_ranges_threaded, stream_range
+from .throttle import AdaptiveRate, ThrottlePolicy, parse_retry_after, rate_for
+from ..units import parse_size
 from .base import (
+    MIN_PART_SIZE,
     MultipartInfo,
     MultipartUpload,
     ObjectInfo,
@@ -97,6 +100,16 @@ TRANSIENT_CODES = frozenset(
     }
 )
 
+#: Codes (besides any 429 or 503 answer) that say the store was sent too many requests: they
+#: lower the process's request rate to the bucket (:mod:`~ckptstore.storage.throttle`).
+THROTTLE_CODES = frozenset(
+    {
+        "SlowDown", "Throttling", "ThrottlingException", "ThrottledException", "TooManyRequests",
+        "TooManyRequestsException", "RequestLimitExceeded", "RequestThrottled", "RequestThrottledException",
+        "BandwidthLimitExceeded",
+    }
+)
+
 #: Codes meaning "this object (or upload) does not exist". ``404`` is what
 #: HEAD requests report, having no body to carry a code (so a HEAD cannot
 #: tell a missing bucket from a missing key). ``NoSuchBucket`` is deliberately
@@ -114,7 +127,7 @@ TRIES = 3
 #: The storage options understood, by where they go (s3fs's names).
 OPTIONS = frozenset({"key", "secret", "token", "username", "password", "anon", "profile", "endpoint_url",
                      "region_name", "client_kwargs", "config_kwargs", "connect_timeout", "read_timeout",
-                     "requester_pays", "use_ssl", "s3_additional_kwargs"})
+                     "requester_pays", "use_ssl", "s3_additional_kwargs", "min_part_size"})
 #: s3fs options about its own caches: accepted and ignored (this store has no cache).
 IGNORED_OPTIONS = frozenset({"skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths",
                              "default_block_size", "default_fill_cache", "default_cache_type", "cache_regions"})
@@ -140,6 +153,30 @@ def error_code(exc: BaseException) -> tuple[str, int | None, str]:
     err = resp.get("Error") or {}
     status = (resp.get("ResponseMetadata") or {}).get("HTTPStatusCode")
     return str(err.get("Code") or ""), status, str(err.get("Message") or "")
+
+
+def _headers(exc: BaseException) -> dict:
+    """The HTTP headers of the S3 error answer behind ``exc`` (lower-case names), or {}."""
+    ce = _client_error(exc)
+    resp = getattr(ce, "response", None) or {}
+    return (resp.get("ResponseMetadata") or {}).get("HTTPHeaders") or {}
+
+
+def _on_answer(rate: AdaptiveRate, response=None, **kwargs) -> None:
+    """botocore's ``needs-retry`` event, every attempt: tell the adaptive rate how it went."""
+    if response is None:
+        return None  # no answer (a connection failure): says nothing about the request rate
+    http, parsed = response
+    status = getattr(http, "status_code", None)
+    code = str(((parsed or {}).get("Error") or {}).get("Code") or "")
+    throttled = code in THROTTLE_CODES or status in (429, 503)
+    rate.after(throttled, parse_retry_after(http.headers.get("Retry-After")) if throttled else None)
+    return None  # botocore's own retry handler decides on retrying
+
+
+def _before_send(rate: AdaptiveRate, **kwargs) -> None:
+    rate.before()
+    return None
 
 
 def _is_connection_error(exc: BaseException) -> bool:
@@ -183,14 +220,24 @@ def classify_error(exc: BaseException, where: str, op: str, exists_on_412: bool 
     if code or status:
         label = code or str(status)
         text = f"{where}: S3 {op} failed ({label})" + (f": {message}" if message else "")
-        if exists_on_412 and (code == "PreconditionFailed" or status == 412):
+        # 304: MinIO (minio #19442) refuses a conditional create of an existing key so
+        if exists_on_412 and (code in ("PreconditionFailed", "NotModified", "304") or status in (412, 304)):
             return ObjectExistsError(f"{where}: object already exists (S3 {op}: {label})")
         if code in NOT_FOUND_CODES or (not code and status == 404):
             return ObjectNotFoundError(f"{where}: no such object (S3 {op}: {label})")
         if code == "NoSuchBucket":
             return StorageError(f"{where}: bucket does not exist (S3 {op}: {label})")
+        if code == "EntityTooSmall":
+            return StorageError(f"{text}. The store refused a multipart part as too small: its minimum part "
+                                "is above this repository's part_size. Open the repository with a larger "
+                                "part_size=, or give the store's minimum as the storage option min_part_size "
+                                "(CoreWeave: '15MiB')")
         if code in TRANSIENT_CODES or (status is not None and (status >= 500 or status == 429)):
-            return TransientStorageError(text)
+            err = TransientStorageError(text)
+            if code in THROTTLE_CODES or status in (429, 503):
+                err.throttled = True
+                err.retry_after = parse_retry_after(_headers(exc).get("retry-after"))
+            return err
         return StorageError(text)
     detail = f"{type(exc).__name__}: {str(exc)[:MAX_MESSAGE]}"
     if exists_on_412 and isinstance(exc, FileExistsError):
@@ -258,6 +305,11 @@ class _Options:
         self.sign_payload = bool(s3cfg.get("payload_signing_enabled")) or self.checksums == "when_required"
         self.user_agent_extra = cfg.get("user_agent_extra")
         self.requester_pays = bool(opts.get("requester_pays"))
+        # Not every S3-compatible store takes S3's 5 MiB parts (CoreWeave: 15 MiB).
+        self.min_part_size = parse_size(opts.get("min_part_size") or MIN_PART_SIZE)
+        if self.min_part_size < MIN_PART_SIZE:
+            raise ValueError(f"S3 storage option min_part_size must be at least {MIN_PART_SIZE} bytes (S3's own "
+                             f"minimum), got {opts.get('min_part_size')!r}")
         self.extra = _extra_params(opts.get("s3_additional_kwargs"))
         if self.endpoint and opts.get("use_ssl", ck.get("use_ssl", True)) is False:
             self.endpoint = self.endpoint.replace("https://", "http://", 1)
@@ -415,6 +467,28 @@ class S3Store(ObjectStore):
         # (pid that made them, lock, {retries: client}): see _client.
         self._clients: tuple[int, threading.Lock, dict] = (os.getpid(), threading.Lock(), {})
         self._catch = (OSError, BotoCoreError, ClientError)
+        self._rate: AdaptiveRate | None = None
+        self.set_throttle(None)
+        self.min_part_size = self._opts.min_part_size
+
+    def set_throttle(self, policy: ThrottlePolicy | None | bool) -> None:
+        """The adaptive request rate this store's clients wait on (see :class:`ObjectStore`): one
+        per bucket and endpoint in the process. Takes effect for clients made after the call."""
+        if policy is False:
+            self._rate = None
+            return
+        self._rate = rate_for(f"s3|{self._endpoint}|{self.bucket}", policy if isinstance(policy, ThrottlePolicy) else None)
+
+    @property
+    def _endpoint(self) -> str:
+        return self._opts.endpoint or f"aws:{self._opts.region or 'default'}"
+
+    @property
+    def identity(self) -> str:
+        return f"s3|{self._endpoint}|{self.url}"
+
+    def throttle_stats(self) -> dict | None:
+        return self._rate.stats() if self._rate is not None else None
 
     def __repr__(self) -> str:
         return f"S3Store({self.url!r})"
@@ -446,7 +520,12 @@ class S3Store(ObjectStore):
             with lock:
                 client = clients.get(retries)
                 if client is None:
-                    client = clients[retries] = self._opts.client(retries)
+                    client = self._opts.client(retries)
+                    if self._rate is not None:
+                        # first: botocore's retry handler answers needs-retry, ending the event
+                        client.meta.events.register_first("before-send.s3", functools.partial(_before_send, self._rate))
+                        client.meta.events.register_first("needs-retry.s3", functools.partial(_on_answer, self._rate))
+                    clients[retries] = client
         return client
 
     def _call(self, op: str, key: str | None, retries: bool = True, exists_on_412: bool = False, **kwargs):

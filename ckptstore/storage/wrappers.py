@@ -28,6 +28,7 @@ class WrapperStore(ObjectStore):
         self.url = inner.url
         self.mtime_resolution = inner.mtime_resolution
         self.remote = inner.remote
+        self.min_part_size = inner.min_part_size
 
     def get(self, key):
         return self.inner.get(key)
@@ -61,6 +62,16 @@ class WrapperStore(ObjectStore):
 
     def abort_multipart(self, key, upload_id):
         return self.inner.abort_multipart(key, upload_id)
+
+    @property
+    def identity(self) -> str:
+        return self.inner.identity
+
+    def set_throttle(self, policy):
+        return self.inner.set_throttle(policy)
+
+    def throttle_stats(self):
+        return self.inner.throttle_stats()
 
     def close(self):
         self.inner.close()
