@@ -205,3 +205,19 @@ def test_gcs_and_azure_errors_carry_throttled():
     exc.status_code = 503
     e = az_classify(exc, "az://c/k", "Get Blob")
     assert isinstance(e, TransientStorageError) and e.throttled and e.retry_after == 2.0
+
+
+def test_a_minute_without_throttling_turns_the_bucket_off():
+    clock = Clock()
+    rate = AdaptiveRate(clock=clock, sleep=clock.sleep)
+    rate.after(True)
+    assert rate.enabled
+    clock.t += 30
+    rate.before()
+    rate.after(False)
+    assert rate.enabled  # idle, but throttled 30 s ago
+    clock.t += 31
+    t0 = clock.t
+    for _ in range(100):
+        rate.before()
+    assert not rate.enabled and clock.t == t0  # the next burst runs at full speed

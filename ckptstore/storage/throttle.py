@@ -20,7 +20,11 @@ retry mode):
   faster away from it) as answers succeed, never above twice the measured
   send rate;
 * ``Retry-After`` on a throttled answer stops every request to that
-  endpoint until it has passed (at most ``max_retry_after`` seconds).
+  endpoint until it has passed (at most ``max_retry_after`` seconds);
+* a minute without a throttled answer (``forget_after``) turns the bucket
+  off again: checkpoints come in bursts, and the next one should not start
+  at the rate measured while the process sat idle (the AWS SDKs' cap of
+  twice the measured rate would hold it there).
 
 One :class:`AdaptiveRate` serves every store of the process that talks to
 one endpoint (:func:`rate_for`): all threads, all handles. The backends call
@@ -46,18 +50,23 @@ class ThrottlePolicy:
     scale: the cubic growth constant, requests/s per second cubed (AWS: 0.4).
     min_rate: the lowest rate, requests a second.
     max_retry_after: longest ``Retry-After`` honoured, seconds.
+    forget_after: seconds without a throttled answer after which the bucket is off again
+        (checkpoints come in bursts: the next one starts at full speed, not at a
+        rate measured while the process was idle).
     """
 
     beta: float = 0.7
     scale: float = 0.4
     min_rate: float = 0.5
     max_retry_after: float = 60.0
+    forget_after: float = 60.0
 
     def __post_init__(self):
         if not 0 < self.beta < 1:
             raise ValueError(f"ThrottlePolicy.beta must be in (0, 1), got {self.beta!r}")
-        if not self.scale > 0 or not self.min_rate > 0 or not self.max_retry_after >= 0:
-            raise ValueError("ThrottlePolicy: scale and min_rate must be positive, max_retry_after not negative")
+        if not self.scale > 0 or not self.min_rate > 0 or not self.max_retry_after >= 0 or not self.forget_after > 0:
+            raise ValueError("ThrottlePolicy: scale, min_rate and forget_after must be positive, max_retry_after "
+                             "not negative")
 
 
 class AdaptiveRate:
@@ -101,6 +110,7 @@ class AdaptiveRate:
         while True:
             with self._lock:
                 now = self._clock()
+                self._forget(now)
                 wait = self._paused_until - now
                 if wait <= 0:
                     if not self.enabled:
@@ -112,6 +122,11 @@ class AdaptiveRate:
                     wait = max((1 - self._tokens) / self.rate, 1e-6)
                 self.waited += wait
             self._sleep(wait)
+
+    def _forget(self, now: float) -> None:
+        if self.enabled and now - self._last_throttle > self.policy.forget_after:
+            self.enabled = False
+            self.rate = math.inf
 
     # ------------------------------------------------------------ answers
     def _measure(self, now: float) -> float:
@@ -132,6 +147,7 @@ class AdaptiveRate:
         p = self.policy
         with self._lock:
             now = self._clock()
+            self._forget(now)
             measured = self._measure(now)
             if throttled:
                 self.throttled += 1

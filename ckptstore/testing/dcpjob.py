@@ -102,7 +102,9 @@ def _rank(rank: int, world: int, port: int, spec: dict) -> None:
                         if not torch.equal(full.view(torch.int32), v.view(torch.int32)):
                             raise AssertionError(f"{k}: loaded values differ from step {got}'s")
                 results.append("ok")
-            except Exception as e:  # noqa: BLE001 - reported to the parent
+            except BaseException as e:  # noqa: BLE001 - reported to the parent (DCP's CheckpointException
+                if isinstance(e, (KeyboardInterrupt, SystemExit)):  # is a BaseException)
+                    raise
                 results.append(f"{type(e).__name__}: {e}")
                 if spec.get("stop_on_error", True):
                     break
@@ -118,12 +120,15 @@ def _rank(rank: int, world: int, port: int, spec: dict) -> None:
 
 def run_job(world: int, url: str, ops: list, storage_options: list[dict], out: str | os.PathLike, *,
             shape: tuple[int, int, int] = (16, 64, 256), expect: int | None = None, options: dict | None = None,
-            stop_on_error: bool = True) -> list[list[str]]:
+            stop_on_error: bool = True, start_method: str = "spawn") -> list[list[str]]:
     """Run ``ops`` on ``world`` spawned ranks; returns each rank's results (``"ok"`` or the error).
 
     ``shape``: (tensors, rows per rank, columns) of the sharded float32
     tensors (the replicated one is rows x columns). ``options``: more
-    keywords for the writer and the reader.
+    keywords for the writer and the reader. ``start_method``: ``"spawn"``
+    (fresh interpreters, as a restarted job) or ``"fork"`` (a second each
+    instead of the time to import torch; the caller's threads are not
+    copied, and must hold no lock the ranks take).
     """
     import torch.multiprocessing as mp
 
@@ -135,5 +140,5 @@ def run_job(world: int, url: str, ops: list, storage_options: list[dict], out: s
         f.unlink()
     spec = {"url": url, "ops": [list(o) for o in ops], "storage_options": storage_options, "out": str(out),
             "shape": list(shape), "expect": expect, "options": options or {}, "stop_on_error": stop_on_error}
-    mp.spawn(_rank, args=(world, free_port(), spec), nprocs=world, join=True)
+    mp.start_processes(_rank, args=(world, free_port(), spec), nprocs=world, join=True, start_method=start_method)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]

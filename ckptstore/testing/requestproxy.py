@@ -99,6 +99,7 @@ class Request:
     at: float
     status: int = 0
     injected: str = ""  # the proxy's own error code, or ""
+    access_key: str = ""  # the key id the request was signed with
     sent: int = 0
     received: int = 0
 
@@ -290,7 +291,7 @@ class _Handler(BaseHTTPRequestHandler):
         req = Request(
             label=self.server.label, method=self.command, kind=proxy.classify(self.command, key, query), key=key,
             query=parsed.query, conditional=bool(self.headers.get("If-None-Match") or self.headers.get("If-Match")),
-            at=proxy.clock(),
+            at=proxy.clock(), access_key=_access_key(self.headers),
         )
         proxy._log(req)
         proxy._hold(req)
@@ -317,6 +318,14 @@ class _Listener(socketserver.ThreadingMixIn, socketserver.TCPServer):
     def __init__(self, proxy: "RequestProxy", label: str):
         self.proxy, self.label = proxy, label
         super().__init__((HOST, 0), _Handler)
+
+    def handle_error(self, request, client_address) -> None:
+        # A client that gave up (a timeout, a reset) or a proxy stopped under a held request:
+        # part of the faults this proxy plays, not worth a traceback on stderr.
+        import sys
+
+        if not isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError, OSError)):
+            super().handle_error(request, client_address)
 
 
 class RequestProxy:
@@ -437,11 +446,21 @@ class RequestProxy:
         """Refuse requests signed with a key issued (:func:`issue_key`) over ``lifetime`` seconds ago."""
         self._key_life = lifetime
 
-    def stall(self, pred: Callable[[Request], bool]) -> threading.Event:
-        """Hold matching requests before their body is read until the returned event is set."""
+    def stall(self, pred: Callable[[Request], bool], count: int | None = None) -> threading.Event:
+        """Hold matching requests (the first ``count`` of them; None: all) before their body is read,
+        until the returned event is set or the proxy stops: the client sees a server that never reads."""
         ev = threading.Event()
+        left = [count]
+
+        def take(r: Request) -> bool:
+            if not pred(r) or left[0] == 0:
+                return False
+            if left[0] is not None:
+                left[0] -= 1
+            return True
+
         with self._lock:
-            self._stalls.append((pred, ev))
+            self._stalls.append((take, ev))
         return ev
 
     # ------------------------------------------------------------ decisions (handler threads)
