@@ -171,12 +171,14 @@ class Catalog:
         """The config, created from this handle's options if the repository has none."""
         if self.config():
             return self._config
+        body = config_record(self.options, self.clock.time())
         try:
-            self.store.put_if_absent(CONFIG_KEY, config_record(self.options, self.clock.time()))
+            self.store.put_if_absent(CONFIG_KEY, body)
         except ObjectExistsError:
-            pass  # another writer created it first: use theirs
-        self._config = None
-        return self.config()
+            self._config = None  # another writer created it first: use theirs
+            return self.config()
+        self.adopt_config(body)  # what this handle just created: no need to read it back
+        return self._config
 
     def adopt_defaults(self, cfg: dict) -> None:
         """Take another repository's write defaults (chunking, codec, grace) where not given.

@@ -286,70 +286,107 @@ class Checkpoint:
         receives the decoded bytes directly, any other gets them through a
         buffer of the box's rows and one ``copy_``.
         """
+        self.read_shards([(e, shard, local, target)])
+
+    def read_shards(self, jobs) -> None:
+        """:meth:`read_shard` for each ``(entry, shard, box, target)`` job, in one fetch: the chunks of
+        every job are coalesced together, so boxes that lie close in a pack (a rank's shards of many
+        small tensors) cost a few range requests, not one or more each."""
+        plans = [_ShardRead(self, *job) for job in jobs]
+        refs, owner = [], []
+        for j, plan in enumerate(plans):
+            refs += plan.refs
+            owner += [(j, k) for k in range(len(plan.refs))]
+
+        def into(i: int):
+            j, k = owner[i]
+            return plans[j].into(k)
+
+        def deliver(i: int, raw, stored) -> None:
+            j, k = owner[i]
+            plans[j].deliver(k, raw)
+
+        self.repo.fetcher.fetch(
+            refs, deliver, lambda i: f"{self.repo.url}: step {self.step}: tensor {plans[owner[i][0]].e.key!r}: ",
+            into=into,
+        )
+        for plan in plans:
+            plan.finish()
+
+
+class _ShardRead:
+    """One box of one shard as :meth:`Checkpoint.read_shards` reads it: the chunks it needs, where
+    each one's bytes go (straight into the target, or a buffer of the box's rows), the copy after."""
+
+    def __init__(self, ckpt: Checkpoint, e: TensorEntry, shard: Shard, local, target: torch.Tensor):
         isz = _m.itemsize(e.dtype)
         stored_dtype = _m.DTYPES[e.dtype]
         if not castable(stored_dtype, target.dtype):
             raise ValueError(
-                f"{self.repo.url}: step {self.step}: tensor {e.key!r} is {e.dtype}; "
+                f"{ckpt.repo.url}: step {ckpt.step}: tensor {e.key!r} is {e.dtype}; "
                 + _cast_note(e.dtype, target.dtype)
             )
+        self.e, self.shard, self.local, self.target = e, shard, local, target
         shape = shard.sizes
-        nd = len(shape)
+        nd = self.nd = len(shape)
         row = isz * math.prod(shape[1:]) if nd else isz
         if nd:
             r0 = local[0][0]
             r1 = local[0][0] + (_plan.box_len(local[0]) - 1) * local[0][2] + 1
         else:
             r0, r1 = 0, 1
+        self.r0 = r0
         span_lo, span_hi = r0 * row, r1 * row
-        starts = shard.chunk_starts()
+        self.starts = shard.chunk_starts()
         runs = _plan.byte_runs(shape, isz, local)
-        needed = _plan.chunks_for_runs(starts, shard.nbytes, runs)
+        self.needed = _plan.chunks_for_runs(self.starts, shard.nbytes, runs)
+        self.refs = [shard.chunks[i] for i in self.needed]
         # A box whose bytes are one contiguous run of the shard (the whole
         # shard, a range of rows, or a range of one row's elements: the
         # blocks ckptstore.loading stages) decodes straight into a
         # contiguous target of the stored dtype.
-        direct = (
+        self.direct = (
             writable_in_place(target)
             and target.dtype == stored_dtype
             and len(runs) == 1
             and int(runs[0, 1] - runs[0, 0]) == target.numel() * isz
         )
-        if direct:
-            buf = target.detach()
+        if self.direct:
+            self.buf = target.detach()
             span_lo, span_hi = int(runs[0, 0]), int(runs[0, 1])
         elif nd == 0:
-            buf = torch.empty((), dtype=stored_dtype)
+            self.buf = torch.empty((), dtype=stored_dtype)
         else:
-            buf = torch.empty((r1 - r0,) + tuple(shape[1:]), dtype=stored_dtype)
-        view = byte_view(buf)
+            self.buf = torch.empty((r1 - r0,) + tuple(shape[1:]), dtype=stored_dtype)
+        self.view = byte_view(self.buf)
+        self.span = (span_lo, span_hi)
 
-        def into(k: int):
-            # A chunk wholly inside the span decodes straight into its place.
-            i = needed[k]
-            cs, ce = starts[i], starts[i] + shard.chunks[i].raw_len
-            return view[cs - span_lo : ce - span_lo] if span_lo <= cs and ce <= span_hi else None
+    def into(self, k: int):
+        # A chunk wholly inside the span decodes straight into its place.
+        i = self.needed[k]
+        cs, ce = self.starts[i], self.starts[i] + self.shard.chunks[i].raw_len
+        lo, hi = self.span
+        return self.view[cs - lo : ce - lo] if lo <= cs and ce <= hi else None
 
-        def deliver(k: int, raw, stored) -> None:
-            i = needed[k]
-            cs, ce = starts[i], starts[i] + shard.chunks[i].raw_len
-            lo, hi = max(cs, span_lo), min(ce, span_hi)
-            if lo < hi:
-                view[lo - span_lo : hi - span_lo] = np.frombuffer(raw, dtype=np.uint8, count=hi - lo, offset=lo - cs)
+    def deliver(self, k: int, raw) -> None:
+        i = self.needed[k]
+        cs, ce = self.starts[i], self.starts[i] + self.shard.chunks[i].raw_len
+        span_lo, span_hi = self.span
+        lo, hi = max(cs, span_lo), min(ce, span_hi)
+        if lo < hi:
+            self.view[lo - span_lo : hi - span_lo] = np.frombuffer(raw, dtype=np.uint8, count=hi - lo, offset=lo - cs)
 
-        self.repo.fetcher.fetch(
-            [shard.chunks[i] for i in needed], deliver, lambda k: f"{self.repo.url}: step {self.step}: tensor {e.key!r}: ",
-            into=into,
-        )
-        if not direct:
-            sub = buf
-            if nd:
-                sub = buf[
-                    (slice(local[0][0] - r0, local[0][1] - r0, local[0][2]),)
-                    + tuple(slice(a, b, s) for a, b, s in local[1:])
-                ]
-            with torch.no_grad():
-                target.copy_(sub)
+    def finish(self) -> None:
+        if self.direct:
+            return
+        sub, local, r0 = self.buf, self.local, self.r0
+        if self.nd:
+            sub = self.buf[
+                (slice(local[0][0] - r0, local[0][1] - r0, local[0][2]),)
+                + tuple(slice(a, b, st) for a, b, st in local[1:])
+            ]
+        with torch.no_grad():
+            self.target.copy_(sub)
 
 
 def open_checkpoint(cat: Catalog, step: int) -> Checkpoint:

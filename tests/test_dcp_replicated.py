@@ -86,7 +86,9 @@ def test_mixed_ddp_fsdp_saves_balanced_and_loads_bit_exact_with_exchange(tmp_pat
     assert all(r["stats"]["exchange"] and r["stats"]["rounds"] > 1 for r in on)
     # on 4 ranks everything goes point to point (the HSDP shards between pairs of ranks too)
     assert all(r["stats"]["all_gathers"] == 0 and r["stats"]["messages"] > 0 for r in on)
-    assert sum(r["packs"] for r in on) < 0.5 * sum(r["packs"] for r in off)
+    # about half: boxes close together in a pack are read in one range (Checkpoint.read_shards), which
+    # also reads the gaps between them (at most coalesce_gap each): 0.48 read box by box, 0.51 batched
+    assert sum(r["packs"] for r in on) < 0.55 * sum(r["packs"] for r in off)
     print("save", saved, "packs on", [r["packs"] for r in on], "off", [r["packs"] for r in off])
 
 

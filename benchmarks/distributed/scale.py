@@ -2,6 +2,10 @@
 
     python -m benchmarks.distributed.scale [--sizes 100GB,1TB,10TB] [--fsdp] [--gc-steps 1000]
                                [--v1 100GB,1TB] [--json OUT]
+    python -m benchmarks.distributed.scale --requests [--ranks 8] [--json OUT]
+
+``--requests``: requests by kind of a save and a restore, measured at
+``--ranks`` ranks and modelled at 1,000 (:mod:`.request_budget`).
 
 Drives the real save/commit/load/GC code with synthetic chunk hashes (no
 tensor bytes are hashed or stored): each simulated rank writes its
@@ -392,7 +396,16 @@ def main(argv=None) -> int:
     ap.add_argument("--v1", default="100GB,1TB", help="sizes whose 1.0 manifest is built and parsed too")
     ap.add_argument("--gc-steps", type=int, default=0)
     ap.add_argument("--json")
+    ap.add_argument("--requests", action="store_true",
+                    help="requests by kind of a save and a restore instead: measured on --ranks ranks "
+                         "through a request-logging proxy, modelled at 1,000 (request_budget.py)")
+    ap.add_argument("--ranks", type=int, default=8)
     a = ap.parse_args(argv)
+    if a.requests:
+        from .request_budget import main as requests_main
+
+        print(f"command: python -m benchmarks.distributed.scale {' '.join(argv if argv is not None else sys.argv[1:])}")
+        return requests_main(a.ranks, a.json)
     names = [s for s in a.sizes.split(",") if s] + (["fsdp"] if a.fsdp else [])
     v1 = {s for s in a.v1.split(",") if s}
     rows = []

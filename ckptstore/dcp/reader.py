@@ -499,21 +499,35 @@ class CkptStoreReader(StorageReader):
         planner.load_bytes(item, io.BytesIO(data))
 
     def _read_all(self, jobs) -> None:
-        """Run ``(entry, shard index, box, target)`` reads on ``item_workers`` threads."""
+        """Run ``(entry, shard index, box, target)`` reads, batched, on ``item_workers`` threads.
+
+        Consecutive small boxes go together in batches of about ``max_request`` bytes, read in one
+        fetch (:meth:`~ckptstore.reader.Checkpoint.read_shards`), so their chunks coalesce into
+        few range requests: a rank's shards of many small tensors cost a few GETs, not one each.
+        """
         if not jobs:
             return
         ckpt = self._ckpt
+        limit = ckpt.repo.options.max_request
+        batches, cur, size = [], [], 0
+        for entry, index, local, target in jobs:
+            n = target.numel() * _m.itemsize(entry.dtype)
+            if cur and size + n > limit:
+                batches.append(cur)
+                cur, size = [], 0
+            cur.append((entry, index, local, target))
+            size += n
+        if cur:
+            batches.append(cur)
 
-        def run(job):
-            entry, index, local, target = job
-            (shard,) = ckpt.shards(entry.key, [index])
-            ckpt.read_shard(entry, shard, local, target)
+        def run(batch):
+            ckpt.read_shards([(e, ckpt.shards(e.key, [i])[0], local, t) for e, i, local, t in batch])
 
-        if len(jobs) == 1:
-            run(jobs[0])
+        if len(batches) == 1:
+            run(batches[0])
             return
-        with cf.ThreadPoolExecutor(min(self.item_workers, len(jobs)), thread_name_prefix="ckpt-dcp") as ex:
-            futures = [ex.submit(run, j) for j in jobs]
+        with cf.ThreadPoolExecutor(min(self.item_workers, len(batches)), thread_name_prefix="ckpt-dcp") as ex:
+            futures = [ex.submit(run, b) for b in batches]
             for f in futures:
                 f.result()
 

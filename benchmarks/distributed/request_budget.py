@@ -1,0 +1,195 @@
+"""Requests per save and restore: 8 ranks measured, 1,000 ranks from a model checked against them.
+
+    python -m benchmarks.distributed.scale --requests [--ranks 8] [--json OUT]
+
+Measured: ``ranks`` gloo ranks (``ckptstore.testing.dcpjob``, spawned for
+every operation, as a restarted job starts) save a step (16 DTensors
+sharded over the ranks, 32 MiB a rank, one replicated tensor, an int), save
+a second one (a quarter of the tensors changed: it deduplicates against the
+first), and restart to restore the newest. Every rank talks to moto through
+its own endpoint of a ``RequestProxy``, which counts each request by kind
+and rank.
+
+Modelled (:func:`model`): what each operation sends, from the code's
+structure. The coordinator's requests do not grow with the ranks (the
+newest step, the config, the dedup base's root and the commit: one each
+per job, :mod:`ckptstore.dcp.shared`); each rank's grow with its own share
+only (its packs: a PUT, or a multipart upload of ``part_size`` parts, and a
+HEAD each; its chunk-table segment: a PUT and a HEAD; on restore a header
+and a block of its segment, and its boxes' chunks coalesced into ranges of
+at most ``max_request``). The model is printed beside the measurement at
+``ranks`` and must match it; then it is evaluated at 1,000 ranks (1 GiB a
+rank, 64 tensors, a quarter changed a save), beside what the same job sent
+before issue 33 (every rank listing the store and reading the root and the
+config; a save's every rank reading the config and the base root; a
+restore's every rank reading each bytes item and one GET per box).
+
+Costs at S3 Standard's list prices (us-east-1): PUT, COPY, POST, LIST
+$0.005 per 1,000; GET, HEAD and the rest $0.0004 per 1,000; DELETE free.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import sys
+import tempfile
+import time
+from collections import Counter
+
+MiB = 1 << 20
+GiB = 1 << 30
+#: Request kinds as the tables group them.
+GROUPS = {"LIST": "LIST", "LIST_UPLOADS": "LIST", "GET": "GET", "HEAD": "HEAD", "PUT": "PUT", "PART": "PART",
+          "MPU_CREATE": "MPU", "MPU_COMPLETE": "MPU", "MPU_ABORT": "MPU", "DELETE": "DELETE",
+          "DELETE_BATCH": "DELETE", "OTHER": "OTHER"}
+COLUMNS = ("LIST", "GET", "HEAD", "PUT", "PART", "MPU", "DELETE")
+PRICE = {"LIST": 0.005, "PUT": 0.005, "PART": 0.005, "MPU": 0.005, "GET": 0.0004, "HEAD": 0.0004, "DELETE": 0.0,
+         "OTHER": 0.0004}
+
+
+def cost(counts: dict) -> float:
+    """US dollars at S3 Standard's list prices (per 1,000 requests)."""
+    return sum(PRICE[k] * n / 1000 for k, n in counts.items())
+
+
+def _grouped(counter) -> Counter:
+    out = Counter()
+    for kind, n in counter.items():
+        out[GROUPS.get(kind, "OTHER")] += n
+    return out
+
+
+# ------------------------------------------------------------------ the model
+def _upload(nbytes: int, part: int) -> Counter:
+    """One object written through ParallelUploader, its size checked with HEAD."""
+    c = Counter(HEAD=1)
+    if nbytes <= part:
+        c["PUT"] += 1
+    else:
+        c["MPU"] += 2
+        c["PART"] += math.ceil(nbytes / part)
+    return c
+
+
+def model(ranks: int, rank_bytes: int, tensors: int, changed: float, *, pack_size: int = 256 * MiB,
+          part_size: int = 16 * MiB, max_request: int = 32 * MiB, before: bool = False) -> dict[str, Counter]:
+    """Requests of a first save, a deduplicating save and a restart's restore, by kind (see the module
+    docstring); ``before``: what the same job sent before the metadata was shared."""
+    out = {}
+
+    def rank_writes(new: int) -> Counter:
+        c = Counter()
+        left = new
+        while left > 0:  # packs of pack_size, the last one shorter
+            c += _upload(min(left, pack_size), part_size)
+            left -= pack_size
+        c += _upload(1, part_size)  # the chunk-table segment (small)
+        return c
+
+    # first save: the coordinator probes the store, creates the config, leases, lists, commits
+    coord = Counter(HEAD=1, PUT=2 + 1 + 1 + 1, DELETE=1 + 1, GET=1, LIST=1)  # probe x2, config, lease, manifest
+    every = Counter()
+    if before:
+        coord["PUT"] -= 2
+        coord["DELETE"] -= 1
+        coord["GET"] += 1  # the config read back after creating it
+        every["GET"] += 1  # every rank: config.json
+    out["first save"] = coord + sum((rank_writes(rank_bytes) + every for _ in range(ranks)), Counter())
+
+    # a save that deduplicates: config, base root (HEAD + GET) once; each rank its base segment share
+    coord = Counter(HEAD=1 + 1, PUT=1 + 1, DELETE=1, GET=1 + 1, LIST=1)
+    every = Counter(GET=2)  # a header and a block of the base segment
+    if before:
+        every += Counter(GET=2, HEAD=1)  # every rank: config and the base root (HEAD + GET)
+        coord += Counter(GET=-1, HEAD=-1)  # the coordinator's own base read is one of them
+    new = int(rank_bytes * changed)
+    out["dedup save"] = coord + sum((rank_writes(new) + every for _ in range(ranks)), Counter())
+
+    # restart: the newest step, its root and the config once; each rank its segment and its boxes
+    coord = Counter(LIST=1, HEAD=1, GET=2)
+    steps = 2  # a quarter changed a save: a rank's boxes lie in the packs of two steps
+    per_pack = rank_bytes * (changed if steps == 2 else 1.0)
+    data = math.ceil(per_pack / max_request) + math.ceil((rank_bytes - per_pack) / max_request)
+    every = Counter(GET=2 * steps + data)  # header + block of the segments its boxes' records are in
+    owner = Counter(GET=2 + 1)  # the int every rank loads: read by one rank (its segment and its chunk)
+    if before:
+        coord = Counter()
+        every = Counter(LIST=1, HEAD=1, GET=2 + 2 * steps + tensors + 1 + 3)
+        owner = Counter()
+    out["restore"] = coord + owner + sum((every for _ in range(ranks)), Counter())
+    return out
+
+
+# ------------------------------------------------------------------ the measurement
+def measure(ranks: int, shape=(16, 2048, 256)) -> dict:
+    from ckptstore.testing.dcpjob import run_job
+    from ckptstore.testing.moto import MotoServer
+    from ckptstore.testing.requestproxy import RequestProxy
+
+    out = {}
+    with MotoServer() as m, tempfile.TemporaryDirectory() as tmp:
+        m.create_bucket("bench")
+        with RequestProxy(m.endpoint) as p:
+            so = []
+            for r in range(ranks):
+                o = copy.deepcopy(m.storage_options())
+                o["client_kwargs"]["endpoint_url"] = p.endpoint(f"rank{r}")
+                so.append(o)
+            for name, ops, expect in (("first save", [("save", 1)], None), ("dedup save", [("save", 2)], None),
+                                      ("restore", [("load", None)], 2)):
+                p.clear()
+                t0 = time.perf_counter()
+                res = run_job(ranks, "s3://bench/run", ops, so, tmp, shape=shape, expect=expect)
+                if any(r != ["ok"] for r in res):
+                    raise RuntimeError(f"{name}: {res}")
+                reqs = p.requests()
+                per_rank = Counter(r.label for r in reqs)
+                meta = Counter(r.key for r in reqs if r.kind in ("GET", "HEAD") and not r.key.startswith("run/packs/"))
+                out[name] = {"counts": _grouped(p.counts()), "seconds": time.perf_counter() - t0,
+                             "per_rank_max": max(per_rank.values()), "per_rank_min": min(per_rank.values()),
+                             "metadata_reads_max": max(meta.values()) if meta else 0,
+                             "metadata_most_read": meta.most_common(1)[0][0] if meta else None}
+    return out
+
+
+def _row(name: str, c: Counter, extra: str = "") -> str:
+    total = sum(c.values())
+    return "| " + " | ".join([name, *(f"{c.get(k, 0):,}" for k in COLUMNS), f"{total:,}", f"${cost(c):.4f}", extra]) + " |"
+
+
+def main(ranks: int = 8, json_out: str | None = None) -> int:
+    import json
+
+    tensors, rows, cols = 16, 2048, 256
+    rank_bytes = tensors * rows * cols * 4
+    print(f"measuring {ranks} ranks ({rank_bytes / MiB:.0f} MiB a rank) through the request proxy...", file=sys.stderr)
+    got = measure(ranks, (tensors, rows, cols))
+    mod = model(ranks, rank_bytes, tensors, 0.25)
+    head = "| operation | " + " | ".join(COLUMNS) + " | total | at S3 prices | |"
+    sep = "|" + "---|" * (len(COLUMNS) + 4)
+    print(f"\n{ranks} ranks, measured (model in brackets where it differs):\n")
+    print(head + "\n" + sep)
+    ok = True
+    for name, m in got.items():
+        c, predicted = m["counts"], mod[name]
+        diff = {k: predicted.get(k, 0) for k in COLUMNS if predicted.get(k, 0) != c.get(k, 0)}
+        ok &= not diff
+        note = (f"per rank {m['per_rank_min']}-{m['per_rank_max']}; most-read metadata object read "
+                f"{m['metadata_reads_max']}x" + (f"; model: {diff}" if diff else ""))
+        print(_row(name, c, note))
+    print(f"\nmodel matches the measurement: {ok}")
+    big = dict(ranks=1000, rank_bytes=1 * GiB, tensors=64, changed=0.25)
+    after, before = model(**big), model(**big, before=True)
+    print("\n1,000 ranks, 1 GiB a rank (about 1 TiB), 64 tensors a rank, a quarter changed a save (model):\n")
+    print(head + "\n" + sep)
+    for name in after:
+        print(_row(f"{name}, before issue 33", before[name]))
+        print(_row(f"{name}, now", after[name]))
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump({"ranks": ranks, "measured": {k: {**v, "counts": dict(v["counts"])} for k, v in got.items()},
+                       "model_small": {k: dict(v) for k, v in mod.items()}, "model_matches": ok,
+                       "model_1000": {k: dict(v) for k, v in after.items()},
+                       "model_1000_before": {k: dict(v) for k, v in before.items()}}, f, indent=1)
+    return 0
