@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .errors import (
     CkptStoreError,
+    ConditionalWriteUnsupportedError,
     FormatError,
     IntegrityError,
     MissingDataError,
@@ -12,6 +13,7 @@ from .errors import (
     StepExistsError,
     StepNotFoundError,
     StorageError,
+    StoreThrottledError,
     StoreURLError,
     UnsupportedVersionError,
 )
@@ -19,6 +21,7 @@ from .gc import GCPlan, RetentionPolicy
 from .loading import load_module
 from .repository import Checkpoint, Repository, StepInfo, TensorMeta, open
 from .storage.retry import RetryPolicy
+from .storage.throttle import ThrottlePolicy
 
 __version__ = "0.1.0"
 
@@ -32,6 +35,7 @@ __all__ = [
     "GCPlan",
     "RetentionPolicy",
     "RetryPolicy",
+    "ThrottlePolicy",
     "StaleBaseError",
     "CkptStoreError",
     "FormatError",
@@ -41,6 +45,8 @@ __all__ = [
     "StepExistsError",
     "StepNotFoundError",
     "StorageError",
+    "StoreThrottledError",
+    "ConditionalWriteUnsupportedError",
     "StoreURLError",
     "UnsupportedVersionError",
 ]

@@ -1,6 +1,6 @@
 """Format 2.x at a small multi-process scale, in CI: 16 gloo ranks save 20k
 DTensor shards, 8 ranks reshard-load them bit-exact, and each loading rank
-reads only its share of the metadata."""
+reads only its share of the metadata (the root: only the coordinator)."""
 
 from __future__ import annotations
 
@@ -45,5 +45,6 @@ def test_16_ranks_save_20k_shards_8_ranks_load_their_share(tmp_path):
         touched = [by_key[k] for k in r["segment_keys"]]
         proofs = sum(s.size - s.header - RECORD_SIZE * s.records for s in touched)
         bound = root + sum(s.header for s in touched) + proofs + share + len(touched) * BLOCK_RECORDS * RECORD_SIZE
-        assert r["manifests"] == root
+        # the root is read once for the job, by the coordinator, and sent to the others
+        assert r["manifests"] == (root if rank == 0 else 0), (rank, r["manifests"])
         assert r["manifests"] + r["segments"] <= bound, (rank, r, bound)

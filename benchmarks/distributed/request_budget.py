@@ -72,52 +72,101 @@ def _upload(nbytes: int, part: int) -> Counter:
     return c
 
 
-def model(ranks: int, rank_bytes: int, tensors: int, changed: float, *, pack_size: int = 256 * MiB,
-          part_size: int = 16 * MiB, max_request: int = 32 * MiB, before: bool = False) -> dict[str, Counter]:
+def _restore_data_gets(tensors: int, tensor_bytes: int, *, chunk: int, pack_size: int, max_request: int,
+                       gap: int = 1 * MiB) -> int:
+    """Ranged GETs of one rank's boxes of the second step (a quarter of its tensors new), as the
+    reader plans them: batches of about ``max_request`` bytes, each coalesced by the real
+    :func:`ckptstore.planner.coalesce` over a simulated layout (the first save's packs, then the
+    changed tensors in the second save's)."""
+    from ckptstore.planner import coalesce
+
+    def write(which: list[int], tag: str) -> dict[int, list[tuple[str, int, int]]]:
+        out, pack, off = {}, 0, 0
+        for i in which:
+            refs = []
+            left = tensor_bytes
+            while left > 0:
+                n = min(chunk, left)
+                if off + n > pack_size and off:
+                    pack, off = pack + 1, 0
+                refs.append((f"{tag}{pack}", off, off + n))
+                off += n
+                left -= n
+            out[i] = refs
+        return out
+
+    first = write(list(range(tensors)), "a")
+    changed = [i for i in range(tensors) if i % 4 == 2]
+    second = write(changed, "b")
+    gets, batch, size = 0, [], 0
+    for i in range(tensors):
+        refs = second.get(i, first[i])
+        if batch and size + tensor_bytes > max_request:
+            gets += len(coalesce(batch, gap, max_request))
+            batch, size = [], 0
+        batch += refs
+        size += tensor_bytes
+    if batch:
+        gets += len(coalesce(batch, gap, max_request))
+    return gets
+
+
+def model(ranks: int, rank_bytes: int, tensors: int, changed: float = 0.25, *, pack_size: int = 256 * MiB,
+          part_size: int = 16 * MiB, max_request: int = 32 * MiB, chunk: int = 4 * MiB, extra_bytes: int = 0,
+          stored: float = 0.92, probe_each_save: bool = True, before: bool = False) -> dict[str, Counter]:
     """Requests of a first save, a deduplicating save and a restart's restore, by kind (see the module
-    docstring); ``before``: what the same job sent before the metadata was shared."""
+    docstring). ``extra_bytes``: a replicated tensor written once a save, by one rank (new every
+    save). ``stored``: stored bytes per raw byte (zstd on float32 noise: about 0.92).
+    ``probe_each_save``: each save is a new process (as in the measurement, where each
+    operation is a job of its own); a long-running job probes the store at its first save only.
+    ``before``: what the same job sent before the metadata was shared."""
     out = {}
 
     def rank_writes(new: int) -> Counter:
         c = Counter()
-        left = new
+        left = int(new * stored)
         while left > 0:  # packs of pack_size, the last one shorter
             c += _upload(min(left, pack_size), part_size)
             left -= pack_size
         c += _upload(1, part_size)  # the chunk-table segment (small)
         return c
 
-    # first save: the coordinator probes the store, creates the config, leases, lists, commits
-    coord = Counter(HEAD=1, PUT=2 + 1 + 1 + 1, DELETE=1 + 1, GET=1, LIST=1)  # probe x2, config, lease, manifest
+    def save(new: int, coord: Counter, every: Counter, probe: bool) -> Counter:
+        if probe and not before:
+            coord = coord + Counter(PUT=2, DELETE=1)  # the conditional-create probe
+        writes = [rank_writes(new) for _ in range(ranks)]
+        if extra_bytes:
+            writes[0] = rank_writes(new + extra_bytes)
+        return coord + sum(writes, Counter()) + sum((every for _ in range(ranks)), Counter())
+
+    # first save: the coordinator checks the step, creates the config, leases, lists, commits
+    coord = Counter(HEAD=1, GET=1, PUT=1 + 1 + 1, LIST=1, DELETE=1)  # GET: config missing; PUT: config, lease, manifest
     every = Counter()
     if before:
-        coord["PUT"] -= 2
-        coord["DELETE"] -= 1
         coord["GET"] += 1  # the config read back after creating it
         every["GET"] += 1  # every rank: config.json
-    out["first save"] = coord + sum((rank_writes(rank_bytes) + every for _ in range(ranks)), Counter())
+    out["first save"] = save(rank_bytes, coord, every, True)
 
-    # a save that deduplicates: config, base root (HEAD + GET) once; each rank its base segment share
-    coord = Counter(HEAD=1 + 1, PUT=1 + 1, DELETE=1, GET=1 + 1, LIST=1)
-    every = Counter(GET=2)  # a header and a block of the base segment
+    # a save that deduplicates: config and the base root (HEAD + GET) once; each rank its base share
+    coord = Counter(HEAD=1 + 1, GET=1 + 1, PUT=1 + 1, LIST=1, DELETE=1)
+    every = Counter(GET=2)  # a header and a block of records of the base step's segment
     if before:
         every += Counter(GET=2, HEAD=1)  # every rank: config and the base root (HEAD + GET)
-        coord += Counter(GET=-1, HEAD=-1)  # the coordinator's own base read is one of them
-    new = int(rank_bytes * changed)
-    out["dedup save"] = coord + sum((rank_writes(new) + every for _ in range(ranks)), Counter())
+        coord -= Counter(GET=1, HEAD=1)  # the coordinator's own base read is one of them
+    out["dedup save"] = save(int(rank_bytes * changed), coord, every, probe_each_save)
 
     # restart: the newest step, its root and the config once; each rank its segment and its boxes
+    data = _restore_data_gets(tensors, rank_bytes // tensors, chunk=min(chunk, rank_bytes // tensors),
+                              pack_size=pack_size, max_request=max_request)
     coord = Counter(LIST=1, HEAD=1, GET=2)
-    steps = 2  # a quarter changed a save: a rank's boxes lie in the packs of two steps
-    per_pack = rank_bytes * (changed if steps == 2 else 1.0)
-    data = math.ceil(per_pack / max_request) + math.ceil((rank_bytes - per_pack) / max_request)
-    every = Counter(GET=2 * steps + data)  # header + block of the segments its boxes' records are in
-    owner = Counter(GET=2 + 1)  # the int every rank loads: read by one rank (its segment and its chunk)
+    every = Counter(GET=2 + data)  # a header and a block of its segment, then its boxes
+    # the int every rank loads and the replicated tensor: one rank each reads their records and chunks
+    owners = Counter(GET=(2 + 1) * (2 if extra_bytes else 1))
     if before:
         coord = Counter()
-        every = Counter(LIST=1, HEAD=1, GET=2 + 2 * steps + tensors + 1 + 3)
-        owner = Counter()
-    out["restore"] = coord + owner + sum((every for _ in range(ranks)), Counter())
+        every = Counter(LIST=1, HEAD=1, GET=2 + 2 + tensors + 3)  # root, config, segment, a GET a box, the int
+        owners = Counter(GET=3 * ranks) if extra_bytes else Counter()  # the replicated tensor: every rank
+    out["restore"] = coord + owners + sum((every for _ in range(ranks)), Counter())
     return out
 
 
@@ -165,7 +214,7 @@ def main(ranks: int = 8, json_out: str | None = None) -> int:
     rank_bytes = tensors * rows * cols * 4
     print(f"measuring {ranks} ranks ({rank_bytes / MiB:.0f} MiB a rank) through the request proxy...", file=sys.stderr)
     got = measure(ranks, (tensors, rows, cols))
-    mod = model(ranks, rank_bytes, tensors, 0.25)
+    mod = model(ranks, rank_bytes, tensors, 0.25, extra_bytes=rows * cols * 4)
     head = "| operation | " + " | ".join(COLUMNS) + " | total | at S3 prices | |"
     sep = "|" + "---|" * (len(COLUMNS) + 4)
     print(f"\n{ranks} ranks, measured (model in brackets where it differs):\n")
@@ -179,7 +228,7 @@ def main(ranks: int = 8, json_out: str | None = None) -> int:
                 f"{m['metadata_reads_max']}x" + (f"; model: {diff}" if diff else ""))
         print(_row(name, c, note))
     print(f"\nmodel matches the measurement: {ok}")
-    big = dict(ranks=1000, rank_bytes=1 * GiB, tensors=64, changed=0.25)
+    big = dict(ranks=1000, rank_bytes=1 * GiB, tensors=64, changed=0.25, probe_each_save=False)
     after, before = model(**big), model(**big, before=True)
     print("\n1,000 ranks, 1 GiB a rank (about 1 TiB), 64 tensors a rank, a quarter changed a save (model):\n")
     print(head + "\n" + sep)

@@ -37,8 +37,9 @@ def _values(step: int, rank_world: int, tensors: int, rows: int, cols: int):
 
     out = {}
     for i in range(tensors):
-        # a quarter of the tensors change from one step to the next
-        version = step // 4 if i % 4 != step % 4 else step
+        # a quarter of the tensors change from one step to the next: tensor i last changed at the
+        # newest step t <= step with t = i (mod 4), or never (0)
+        version = max(0, step - (step - i) % 4)
         g = torch.Generator().manual_seed(1000 * i + version)
         out[f"layers.{i}.weight"] = torch.randn(rows * rank_world, cols, generator=g)
     g = torch.Generator().manual_seed(7 + step)
