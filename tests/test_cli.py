@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -169,6 +170,46 @@ def test_read_commands_fail_on_a_location_without_a_repository(cmd, where, tmp_p
     assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == (
         ["runs", "runs/exp1"] if where == "empty dir" else []
     )
+
+
+@pytest.mark.parametrize("argv,extra", [
+    (["ls", "az://c/x"], ("azure.storage.blob", "az", "azure")),
+    (["cp", "{src}", "gs://bucket/copy"], ("google.auth", "gs", "gcs")),
+    (["ls", "s3://bucket/x", "--json"], ("botocore", "s3", "s3")),
+])
+def test_a_missing_cloud_extra_is_one_line_naming_the_install(argv, extra, tmp_path, monkeypatch, capsys):
+    # As after `pip install 'ckptstore[s3]'` (or a plain install): the cloud's client cannot be imported.
+    module, scheme, name = extra
+    monkeypatch.setitem(sys.modules, module, None)
+    monkeypatch.delenv("CKPTSTORE_DEBUG", raising=False)
+    src = _repo(tmp_path) if "{src}" in argv else ""
+    assert main([a.format(src=src) for a in argv]) == 1
+    assert _one_line_error(capsys) == (
+        f"{scheme}:// URLs need {module}, which is not installed: pip install 'ckptstore[{name}]'")
+    # the traceback is there for whoever asks for it
+    monkeypatch.setenv("CKPTSTORE_DEBUG", "1")
+    assert main([a.format(src=src) for a in argv]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "MissingExtraError" in err
+
+
+def test_a_missing_cloud_extra_exits_1_without_a_traceback_from_the_console_script(tmp_path):
+    hide = (
+        "import sys, importlib.abc\n"
+        "class Hide(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'google' or name.startswith('google.'):\n"
+        "            raise ModuleNotFoundError(name)\n"
+        "sys.meta_path.insert(0, Hide())\n"
+        "from ckptstore.cli.main import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "CKPTSTORE_DEBUG"}
+    r = subprocess.run([sys.executable, "-c", hide, "ls", "gs://bucket/runs/exp1"], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "ckptstore: error: gs:// URLs need google.auth, which is not installed: pip install 'ckptstore[gcs]'"]
 
 
 @pytest.mark.parametrize("url", ["s3:/my-bucket/runs/exp1", "gs:/bucket/x", "s3:bucket", "az:/"])

@@ -2,8 +2,9 @@
 
 Known errors print one line (``ckptstore: error: ...``) and exit 1; set
 ``CKPTSTORE_DEBUG=1`` for the full traceback. Errors that are the user's
-input (no repository at the URL, a mistyped URL, a host that does not
-resolve) print that line alone: a traceback would not help.
+input or set-up (no repository at the URL, a mistyped URL, a host that does
+not resolve, a cloud's client extra not installed, credentials the store
+refused) print that line alone: a traceback would not help.
 """
 
 from __future__ import annotations
@@ -14,7 +15,14 @@ import sys
 import traceback
 
 from .. import __version__
-from ..errors import CkptStoreError, HostNotResolvedError, RepositoryNotFoundError, StoreURLError
+from ..errors import (
+    CkptStoreError,
+    CredentialsRefusedError,
+    HostNotResolvedError,
+    MissingExtraError,
+    RepositoryNotFoundError,
+    StoreURLError,
+)
 from ..tier_admin import NotATierError
 from . import commands
 from .cache import TIER_LS_HELP, TIER_STEP_HELP, add_cache_commands, add_tier_options
@@ -193,7 +201,8 @@ def _transfer_commands(sub) -> None:
 
 
 #: Errors whose message says all there is (the URL or host given): no traceback hint.
-_INPUT_ERRORS = (RepositoryNotFoundError, StoreURLError, HostNotResolvedError, NotATierError)
+_INPUT_ERRORS = (RepositoryNotFoundError, StoreURLError, HostNotResolvedError, NotATierError, MissingExtraError,
+                 CredentialsRefusedError)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("ckptstore: interrupted", file=sys.stderr)
         return 130
-    except (CkptStoreError, OSError, ValueError, KeyError, TypeError) as e:
+    except (CkptStoreError, OSError, ValueError, KeyError, TypeError) as e:  # MissingExtraError included
         if os.environ.get("CKPTSTORE_DEBUG"):
             traceback.print_exc()
         msg = str(e) if not isinstance(e, KeyError) else str(e.args[0] if e.args else e)
