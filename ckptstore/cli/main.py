@@ -79,13 +79,17 @@ def _read_commands(sub) -> None:
         "ls",
         help="list committed steps",
         description="Committed steps: time, tensors, logical and newly stored bytes, tags, and the checkpoint "
-        "names the integrations gave them (lightning:last.ckpt, deepspeed:global_step1000).",
+        "names the integrations gave them (lightning:last.ckpt, deepspeed:global_step1000). 'tensors' counts "
+        "what `show` lists; a step saved through DCP also holds bytes items (objects DCP pickled: optimizer "
+        "param groups, extra state), counted apart as '+N bytes'.",
     )
     _common(sp)
     add_tier_options(sp, help_text=TIER_LS_HELP)
     sp.set_defaults(func=commands.cmd_ls)
 
-    sp = sub.add_parser("show", help="tensors and metadata of one step")
+    sp = sub.add_parser("show", help="tensors and metadata of one step",
+                        description="Tensors (name, dtype, shape, shards, size, stored size) and metadata of one "
+                        "step; a step saved through DCP also lists its bytes items (objects DCP pickled).")
     _common(sp)
     sp.add_argument("step", type=int, metavar="STEP")
     add_tier_options(sp, help_text=TIER_STEP_HELP)
@@ -130,10 +134,16 @@ def _gc_commands(sub) -> None:
     sp.add_argument("--yes", "-y", action="store_true", help="do not ask before deleting")
     sp.set_defaults(func=commands.cmd_gc)
 
-    sp = sub.add_parser("rm", help="delete one step (its data goes with the next gc)")
+    sp = sub.add_parser(
+        "rm",
+        help="delete one step (its data goes with the next gc)",
+        description="Delete one step; its data is reclaimed by the next gc. The newest step and a tagged step "
+        "(tags protect a step from gc) are deleted only with --force; in a terminal, deleting a tagged step "
+        "asks first.",
+    )
     _common(sp)
     sp.add_argument("step", type=int, metavar="STEP")
-    sp.add_argument("--force", action="store_true", help="allow deleting the newest step")
+    sp.add_argument("--force", action="store_true", help="allow deleting the newest step or a tagged step")
     sp.set_defaults(func=commands.cmd_rm)
 
     sp = sub.add_parser("tag", help="name a step (tagged steps survive gc)")
