@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import io
 import json
@@ -575,7 +574,9 @@ class CkptStoreWriter(StorageWriter):
 
 
 #: Write-back handles of this process, shared by every CkptStoreWriter with the same
-#: repository and options: their background uploads and commits outlive each writer.
+#: repository and options: their background uploads and commits outlive each writer, and
+#: are finished at interpreter exit (``ckptstore.writeback.finish_at_exit``, as every
+#: write-back handle's: bounded, or naming the steps left and the command that commits them).
 _WRITE_BACK_HANDLES: dict[str, Repository] = {}
 _WRITE_BACK_LOCK = threading.Lock()
 
@@ -587,18 +588,4 @@ def _write_back_handle(url: str, storage_options, options: dict) -> Repository:
         if repo is None:
             repo = _open(url, storage_options=storage_options, **options)
             _WRITE_BACK_HANDLES[key] = repo
-            if len(_WRITE_BACK_HANDLES) == 1:
-                atexit.register(_close_write_back_handles)
         return repo
-
-
-def _close_write_back_handles() -> None:
-    """At exit: finish the uploads and commits that can finish (the rest stays pending in the tier)."""
-    with _WRITE_BACK_LOCK:
-        handles = list(_WRITE_BACK_HANDLES.values())
-        _WRITE_BACK_HANDLES.clear()
-    for repo in handles:
-        try:
-            repo.close()
-        except Exception:  # noqa: BLE001 - at exit: the tier keeps what did not finish
-            pass
