@@ -67,6 +67,7 @@ class PackWriter:
         self._copies: list[tuple[str, int, cf.Future]] = []
         self.sizes: dict[str, int] = {}  # packs verified complete, by finish()
         self.counts: dict[str, int] = {}  # chunks written into each pack
+        self.created: list[str] = []  # every pack this writer started, in order (a failed save deletes them)
 
     # -- the tier's copy
     def _start_copy(self, pid: str) -> None:
@@ -116,6 +117,7 @@ class PackWriter:
         """Append one encoded chunk (``pieces``: buffers whose bytes are its stored form)."""
         if self._open is None:
             pid = new_pack_id()
+            self.created.append(pid)  # before its first request: an interrupted upload is still known
             up = ParallelUploader(self.store, pack_key(pid), self.o.part_size, self.runtime.io,
                                   window=self.window, buffers=self._buffers)
             up.write(_pack.header())
@@ -180,7 +182,8 @@ class PackWriter:
         return dict(self.sizes)
 
     def abort(self) -> None:
-        """Abandon the open pack and wait for sealing ones (finished packs stay, unreferenced)."""
+        """Abandon the open pack and wait for sealing ones (finished packs stay, unreferenced, until
+        the failed save deletes them, :func:`ckptstore.save.discard_uncommitted`, or GC)."""
         if self._open is not None:
             self._open[2].abort()
             self._open = None

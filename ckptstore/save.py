@@ -15,6 +15,14 @@
                 collected meanwhile (invariant 5), create the manifest with
                 put-if-absent (invariant 2)
       end()     drop the lease (also on failure)
+
+A writer that fails in its own process before its manifest create was sent
+(an exception, ``KeyboardInterrupt``, a SIGTERM handler that raises) deletes
+the packs and chunk-table segments it uploaded for the step
+(:func:`discard_uncommitted`): no manifest names them, and none can, since
+only this step's own commit could. Its multipart uploads are aborted as it
+stops. A killed process, or a failure of the manifest create itself (whose
+outcome is unknown), leaves them to GC after the grace period.
 """
 
 from __future__ import annotations
@@ -149,15 +157,19 @@ def pack_usage(refs, counts: dict[str, int], base: Manifest | None = None) -> di
     return out
 
 
-def write_segment(cat: Catalog, builder: TableBuilder, store=None) -> SegmentRef:
+def write_segment(cat: Catalog, builder: TableBuilder, store=None, written: list | None = None) -> SegmentRef:
     """Write one chunk-table segment (a new, write-once object) and check its size.
 
     ``store``: where to write it (default the repository's store; a
-    write-back save writes it into the node-local tier).
+    write-back save writes it into the node-local tier). ``written``: a
+    list its key is appended to before the upload starts (what a failed
+    save deletes, :func:`discard_uncommitted`).
     """
     data, header_len, digest = builder.encode()
     sid = new_pack_id()
     key = segment_key(sid)
+    if written is not None:
+        written.append(key)
     o = cat.options
     store = cat.store if store is None else store
     up = ParallelUploader(store, key, o.part_size, cat.runtime.io, window=4,
@@ -177,6 +189,35 @@ def write_segment(cat: Catalog, builder: TableBuilder, store=None) -> SegmentRef
     if cat.tier is not None and store is cat.store:
         cat.tier.put_segment(sid, data)  # write-through: a restart on this node reads its chunk table here
     return SegmentRef(sid, len(data), len(builder), header_len, digest.hex())
+
+
+def discard_uncommitted(cat: Catalog, step: int, error: BaseException, packs=(), keys=(), store=None,
+                        tier: bool = True) -> None:
+    """Delete what a writer uploaded for ``step`` that it did not commit: packs and segment keys.
+
+    Nothing references them (only the step's own commit could), so they go
+    now rather than after GC's grace period; so do the tier's copies of the
+    packs (``tier``, when they went to the repository's store). ``error``:
+    why the step was not committed, for the log. A failed delete leaves
+    them for GC, with a warning.
+    """
+    keys = [pack_key(p) for p in packs] + list(keys)
+    if not keys:
+        return
+    store = cat.store if store is None else store
+    why = type(error).__name__ + (f": {error}" if str(error) else "")
+    try:
+        store.delete_many(keys)
+    except BaseException as e:  # noqa: BLE001 - a second Ctrl-C, an unreachable store: GC's job then
+        log.warning("ckptstore: %s: step %d was not committed (%s); %d object(s) its save uploaded could not be "
+                    "deleted (%s: %s): gc reclaims them after the grace period",
+                    cat.url, step, why, len(keys), type(e).__name__, e)
+        return
+    if tier and cat.tier is not None and store is cat.store:
+        for p in packs:
+            cat.tier.discard_pack(p)
+    log.info("ckptstore: %s: step %d was not committed (%s); deleted the %d pack(s) and %d chunk table(s) "
+             "its save uploaded", cat.url, step, why, len(packs), len(keys) - len(packs))
 
 
 # ==================================================================== commit protocol
@@ -200,6 +241,8 @@ class StepCommit:
         self.base_step: int | None = None
         self.lease: str | None = None
         self.t0: float | None = None
+        #: The manifest's create was sent: from then on this writer's objects may be referenced.
+        self.creating = False
 
     def begin(self, base_read_at: float | None = None, pending: bool = False, pending_base: bool | None = None) -> int | None:
         """Claim the step (not committed yet), write the lease; returns the dedup base step.
@@ -272,6 +315,7 @@ class StepCommit:
         self.check_base_age()
         body = _m.to_json(man)
         self.check_manifest_size(man, body)
+        self.creating = True
         try:
             cat.store.put_if_absent(manifest_key(man.step), body)
         except ObjectExistsError:
@@ -284,10 +328,15 @@ class StepCommit:
             if stored != body:
                 raise StepExistsError(
                     f"{cat.url}: step {man.step} was committed by another writer during this save; "
-                    "this save's packs are unreferenced and will be reclaimed by gc"
+                    "this save's packs are unreferenced: the save deletes them (else gc reclaims them)"
                 ) from None
         cat.remember(man)
         return body
+
+    def uncommitted(self, error: BaseException) -> bool:
+        """Whether a writer that failed with ``error`` knows its step was not committed by it: the
+        manifest's create was never sent, or another writer's manifest took the step."""
+        return not self.creating or isinstance(error, StepExistsError)
 
     def end(self) -> None:
         """Drop the lease (a stale one only delays GC)."""
@@ -430,6 +479,10 @@ class ChunkWriter:
         self.pending.clear()
         self.packs.abort()
 
+    def started(self) -> list[str]:
+        """Ids of every pack this writer started (after :meth:`abort`: what a failed save deletes)."""
+        return list(self.packs.created)
+
 
 # ==================================================================== Repository.save
 def check_metadata(metadata) -> dict:
@@ -477,6 +530,8 @@ def _save_step(cat: Catalog, tree, tensors, step: int, metadata: dict, base, rep
     commit = StepCommit(cat, step, base)
     handed_over = False
     target = wb.store if wb is not None else None  # write-back: packs and segment go to the tier
+    writer: ChunkWriter | None = None
+    segments: list[str] = []  # keys of the chunk tables this save wrote
     try:
         base_step = commit.begin(pending=wb is not None)
         on_bytes = None
@@ -498,7 +553,7 @@ def _save_step(cat: Catalog, tree, tensors, step: int, metadata: dict, base, rep
                 first, count = builder.extend(refs)
                 te[key] = TensorEntry(key, _m.dtype_name(t.dtype), shape,
                                       (Shard((0,) * len(shape), shape, tuple(refs), TableRef(0, first, count)),))
-            seg = write_segment(cat, builder, store=target)
+            seg = write_segment(cat, builder, store=target, written=segments)
             packs = writer.finish()
         except PackVanishedError as e:
             writer.abort()
@@ -529,6 +584,13 @@ def _save_step(cat: Catalog, tree, tensors, step: int, metadata: dict, base, rep
             body = commit.commit(commit.pack_sizes(man, packs))
         if cat.tier is not None:
             cat.tier.note_step(commit.step, packs)  # eviction takes the newest steps' packs last
+    except BaseException as e:
+        # Not committed here (and, write-back, not recorded as pending): what it uploaded goes now.
+        if (writer is not None and not handed_over and commit.uncommitted(e)
+                and (wb is None or wb.records.read(commit.step) is None)):
+            writer.abort()
+            discard_uncommitted(cat, commit.step, e, writer.started(), segments, store=target)
+        raise
     finally:
         if not handed_over:
             commit.end()

@@ -39,7 +39,7 @@ from .format.chunk_table import TableBuilder
 from .format.manifest import ChunkRef, Manifest, Shard, TableRef, TensorEntry
 from .pack_writer import PackWriter
 from .reader import load_step, open_checkpoint
-from .save import StepCommit, flatten_for_save, pack_usage, save_step, write_segment
+from .save import StepCommit, discard_uncommitted, flatten_for_save, pack_usage, save_step, write_segment
 from .format.tree import leaf_values, tree_keys, unflatten
 from .verify import verify
 
@@ -633,6 +633,8 @@ def _copy_steps(job: _CopyJob, plans: list) -> CopyResult:
     for man in plans:
         step = man.step
         commit = StepCommit(dst, step, base=None)
+        writer = None
+        segments: list[str] = []
         try:
             commit.begin(base_read_at=index_read_at)
             writer = PackWriter(dst.store, dst.runtime, dst.options, window=4)
@@ -662,7 +664,7 @@ def _copy_steps(job: _CopyJob, plans: list) -> CopyResult:
                     used += refs
                     shards.append(Shard(s.offsets, s.sizes, tuple(refs), TableRef(0, first, count)))
                 tensors[k] = TensorEntry(e.key, e.dtype, e.shape, tuple(shards))
-            segment = write_segment(dst, builder)
+            segment = write_segment(dst, builder, written=segments)
             res.chunks_reused += reused
             stats = dict(man.stats)
             stats.update(
@@ -690,6 +692,12 @@ def _copy_steps(job: _CopyJob, plans: list) -> CopyResult:
             new_man = commit.pack_sizes(new_man, sealed, known=pack_sizes)
             _m.from_json(_m.to_json(new_man), expect_step=step)  # strict validation before the commit
             commit.commit(new_man)
+        except BaseException as e:
+            # This step's new packs serve only its own commit (later steps reuse them once it is committed).
+            if writer is not None and commit.uncommitted(e):
+                writer.abort()
+                discard_uncommitted(dst, step, e, list(writer.created), segments)
+            raise
         finally:
             commit.end()
         index.update(new_refs)
