@@ -112,9 +112,10 @@ class Repository(Catalog):
         progress:
             None (default: silent), True (a bar on stderr), or a callable
             ``progress("save bytes", done, total)`` called as each chunk of
-            the state dict's bytes is hashed and either found in the dedup
-            base or handed to the uploads (:mod:`ckptstore.progress`). With
-            ``blocking=False`` it reports from the background save.
+            the state dict's bytes is done: found in the dedup base, or
+            acknowledged by the store (every byte of it uploaded, not merely
+            queued; :mod:`ckptstore.progress`). With ``blocking=False`` it
+            reports from the background save.
 
         Returns
         -------

@@ -367,8 +367,11 @@ class ChunkWriter:
     tensor's chunk references. Memory: at most ``max_inflight_bytes / 4`` of
     chunks are being hashed and encoded; the rest of the budget holds part
     buffers (:func:`~ckptstore.pack_writer.part_window`). ``on_bytes(n)`` is called
-    (on the thread calling ``add``/``drain``) as each chunk of ``n`` bytes is
-    referenced or handed to the pack uploads, in order.
+    as each chunk of ``n`` raw bytes is done: at once for a chunk the dedup
+    base or this save already holds, once the store has acknowledged all of
+    its stored bytes for a new one (from the thread that saw that; not when
+    it is handed to the uploads, which run up to ``max_inflight_bytes``
+    ahead).
     """
 
     def __init__(self, cat: Catalog, base_refs: dict[str, ChunkRef], on_bytes: Callable[[int], None] | None = None,
@@ -384,7 +387,8 @@ class ChunkWriter:
         self.lookahead = max(2 * o.chunk_size, min(o.max_inflight_bytes // 4, 4 * o.workers * o.chunk_size))
         # A write-back save writes its packs into the tier (``store``), with no second copy.
         self.packs = PackWriter(cat.store if store is None else store, cat.runtime, o, part_window(o, self.lookahead),
-                                mirror=cat.tier if store is None else None)
+                                mirror=cat.tier if store is None else None,
+                                on_acked=None if on_bytes is None else (lambda raw, stored: on_bytes(raw)))
         self.raw_tier = cat.tier if cat.tier is not None and cat.tier.decoded and cat.tier.writable else None
         self.scratch = cat.runtime.buffers("scratch", o.chunk_size, self.lookahead // o.chunk_size + o.workers + 1)
         self.logical = self.reused = self.new_raw = self.new_stored = 0
@@ -442,6 +446,8 @@ class ChunkWriter:
             if ref is not None:
                 self.reused += len(piece)
                 self.reused_chunks += 1
+                if self.on_bytes is not None:
+                    self.on_bytes(len(piece))  # nothing to upload
             else:
                 if stored is None:  # raced with a chunk that was then not written
                     codec, stored = _codec.encode_pieces(piece, self.o.codec, self.o.level, dtype)
@@ -454,8 +460,6 @@ class ChunkWriter:
             if scratch is not None:
                 self.scratch.put(scratch)
         refs.append(ref)
-        if self.on_bytes is not None:
-            self.on_bytes(len(piece))
 
     def drain(self) -> None:
         """Append every pending chunk and start sealing the open pack (returns before it is sealed).

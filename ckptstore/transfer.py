@@ -38,6 +38,7 @@ from .format.layout import check_step, name_key, name_record, tag_key, tag_recor
 from .format.chunk_table import TableBuilder
 from .format.manifest import ChunkRef, Manifest, Shard, TableRef, TensorEntry
 from .pack_writer import PackWriter
+from .progress import Counter
 from .reader import load_step, open_checkpoint
 from .save import StepCommit, discard_uncommitted, flatten_for_save, pack_usage, save_step, write_segment
 from .format.tree import leaf_values, tree_keys, unflatten
@@ -513,7 +514,7 @@ def copy(
     those of selected steps are listed in :attr:`CopyResult.refs_skipped`.
     Copying again finds every step and pointer in place and writes nothing.
 
-    ``progress("copy bytes", done, total)`` counts stored bytes copied.
+    ``progress("copy bytes", done, total)`` counts stored bytes copied, as the destination acknowledges them.
     """
     progress = progress or _noop
     t0 = time.perf_counter()
@@ -627,8 +628,7 @@ def _copy_steps(job: _CopyJob, plans: list) -> CopyResult:
             if c.hash not in seen:
                 seen.add(c.hash)
                 total += c.stored_len
-    done = 0
-    progress("copy bytes", 0, total)
+    copied = Counter(progress, "copy bytes", total)  # stored bytes the destination acknowledged
 
     for man in plans:
         step = man.step
@@ -637,15 +637,14 @@ def _copy_steps(job: _CopyJob, plans: list) -> CopyResult:
         segments: list[str] = []
         try:
             commit.begin(base_read_at=index_read_at)
-            writer = PackWriter(dst.store, dst.runtime, dst.options, window=4)
+            writer = PackWriter(dst.store, dst.runtime, dst.options, window=4,
+                                on_acked=lambda raw, stored: copied.add(stored))
             try:
-                new_refs = _copy_chunks(src, man, index, writer, batch_bytes, res, lambda n: progress(
-                    "copy bytes", done + n, total))
+                new_refs = _copy_chunks(src, man, index, writer, batch_bytes, res)
                 sealed = writer.finish()
             except BaseException:
                 writer.abort()
                 raise
-            done += sum(r.stored_len for r in new_refs.values())
             tensors = {}
             reused = 0
             builder = TableBuilder()
@@ -713,8 +712,8 @@ def _copy_steps(job: _CopyJob, plans: list) -> CopyResult:
     return res
 
 
-def _copy_chunks(src: Catalog, man: Manifest, index, writer: PackWriter, batch_bytes: int, res: CopyResult,
-                 progress) -> dict[str, ChunkRef]:
+def _copy_chunks(src: Catalog, man: Manifest, index, writer: PackWriter, batch_bytes: int,
+                 res: CopyResult) -> dict[str, ChunkRef]:
     """Copy the chunks of ``man`` that ``index`` lacks, unique, in state-dict order."""
     need: list[ChunkRef] = []
     need_set = set()
@@ -728,7 +727,6 @@ def _copy_chunks(src: Catalog, man: Manifest, index, writer: PackWriter, batch_b
                     need_set.add(c.hash)
                     need.append(c)
     new_refs: dict[str, ChunkRef] = {}
-    moved = 0
     where = f"{src.url}: step {man.step}: "
     batch: list[ChunkRef] = []
     for n, c in enumerate(need):
@@ -746,8 +744,6 @@ def _copy_chunks(src: Catalog, man: Manifest, index, writer: PackWriter, batch_b
             res.chunks_copied += 1
             res.bytes_copied += len(data)
             res.raw_bytes_copied += r.raw_len
-            moved += len(data)
-        progress(moved)
         batch = []
     return new_refs
 
