@@ -17,7 +17,8 @@ PKG = Path(__file__).resolve().parent.parent / "ckptstore"
 LAYERS: list[list[str]] = [
     ["errors", "units", "clock", "progress"],
     ["storage.base"],
-    ["storage._classify", "storage._blocking", "storage.upload", "storage.wrappers", "storage._azure_client"],
+    ["storage._classify", "storage._blocking", "storage.upload", "storage.wrappers", "storage._azure_client",
+     "storage._credentials"],
     ["storage.memory", "storage.local", "storage.retry", "storage.faults", "storage.s3", "storage.gcs", "storage.azure"],
     ["storage"],
     ["format.codec", "format.tree", "planner", "tensors"],
