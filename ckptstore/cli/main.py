@@ -53,7 +53,8 @@ def add_flush_command(sub, common) -> None:
         "flush",
         help="commit the steps a node-local tier holds from write-back saves",
         description="Steps saved with write_back=True are durable in the node-local tier first and committed "
-        "in the object store in the background; a process that died leaves them there. This uploads and "
+        "in the object store in the background; a process that died leaves them there, and so does one that "
+        "could not commit them at exit (it prints this command, naming the steps). This uploads and "
         "commits them, in step order (a step another live process is committing is left to it), and waits. "
         "Exit 1 if one cannot be committed (it stays in the tier).",
     )
