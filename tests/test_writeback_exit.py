@@ -146,3 +146,12 @@ def test_a_tier_that_cannot_be_written_is_refused_at_open_naming_it(tmp_path, mo
     with ckptstore.open(url, cache_dir=tier) as repo:
         assert repo.steps() == []
     assert not (tmp_path / "repo").exists()
+
+
+def test_flush_of_a_directory_that_is_no_tier_creates_nothing(tmp_path, capsys):
+    typo = tmp_path / "tierr"
+    assert cli(["flush", str(tmp_path / "repo"), "--cache-dir", str(typo)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"ckptstore: error: {typo}: not a ckptstore node-local tier (no such directory): no step saved "
+                   "with write-back can be pending there"]
+    assert not typo.exists() and not (tmp_path / "repo").exists()

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from .. import open as open_repo
 from ..progress import Bars
+from ..tier import is_tier
+from ..tier_admin import NotATierError
 from ._format import emit_json, human_bytes, iso, table
 from .cache import tier_options
 
@@ -394,6 +397,10 @@ def cmd_diff(args) -> int:
 
 
 def cmd_flush(args) -> int:
+    if not is_tier(args.cache_dir):  # a mistyped DIR: no tier made there (a write-back handle creates one)
+        why = "no such directory" if not os.path.isdir(args.cache_dir) else "no TIER file"
+        raise NotATierError(f"{os.path.abspath(args.cache_dir)}: not a ckptstore node-local tier ({why}): no "
+                            "step saved with write-back can be pending there")
     with open_repo(args.url, storage_options=_storage_options(args), cache_dir=args.cache_dir, write_back=True) as repo:
         before = repo.pending_steps()
         repo.flush()  # a failure is one line, exit 1 (cli.main)
