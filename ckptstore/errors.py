@@ -68,6 +68,21 @@ class HostNotResolvedError(StorageError):
     temporary: bool = True
 
 
+class CredentialsRefusedError(StorageError, PermissionError):
+    """The store refused the credentials a request was signed with (HTTP 401/403: a wrong key or
+    secret, an expired token, or a key without permission on the bucket or prefix).
+
+    The message names the credential source that was used (environment
+    variables, a profile, an explicit storage option...), never a secret.
+    Not retried: trying again cannot fix a credential.
+    """
+
+
+class MissingExtraError(CkptStoreError, ImportError):
+    """A URL's cloud client is an optional extra that is not installed; the message names the
+    ``pip install`` that adds it."""
+
+
 class StoreURLError(CkptStoreError, ValueError):
     """A repository URL is malformed, names an unknown scheme, or looks like a mistyped one."""
 

@@ -24,8 +24,11 @@ goes on against the store alone.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import logging
+import threading
+from typing import Callable
 
 from .format import pack as _pack
 from .errors import ObjectNotFoundError, PackVanishedError, StorageError
@@ -51,11 +54,46 @@ def part_window(options: RepoOptions, reserved: int) -> int:
     return max(1, min(8, per_pack - 1))
 
 
-class PackWriter:
-    """Writes chunks into new packs of one store; see the module docstring."""
+class _Acks:
+    """One pack's chunks in order, reported (``on_acked(raw_len, stored_len)``) once the store has
+    acknowledged every byte up to each one's end: progress counts bytes the store took, not queued ones."""
 
-    def __init__(self, store: ObjectStore, runtime: Runtime, options: RepoOptions, window: int, mirror=None):
+    def __init__(self, on_acked: Callable[[int, int], None]):
+        self.on_acked = on_acked
+        self._chunks: collections.deque = collections.deque()  # (end offset in the pack, raw, stored)
+        self._upto = 0
+        self._lock = threading.Lock()
+
+    def chunk(self, end: int, raw_len: int, stored_len: int) -> None:
+        with self._lock:
+            if end > self._upto:
+                self._chunks.append((end, raw_len, stored_len))
+                return
+        self.on_acked(raw_len, stored_len)
+
+    def acked(self, upto: int) -> None:
+        done = []
+        with self._lock:
+            self._upto = max(self._upto, upto)
+            while self._chunks and self._chunks[0][0] <= self._upto:
+                done.append(self._chunks.popleft())
+        for _, raw, stored in done:
+            self.on_acked(raw, stored)
+
+
+class PackWriter:
+    """Writes chunks into new packs of one store; see the module docstring.
+
+    ``on_acked(raw_len, stored_len)`` (optional) is called for each chunk
+    once the store has acknowledged all of its bytes (from the thread that
+    saw the acknowledgement): what progress bars count.
+    """
+
+    def __init__(self, store: ObjectStore, runtime: Runtime, options: RepoOptions, window: int, mirror=None,
+                 on_acked: Callable[[int, int], None] | None = None):
         self.store = store
+        # on_acked(raw_len, stored_len) for each chunk once the store holds all of its bytes
+        self.on_acked = on_acked
         self.runtime = runtime
         self.o = options
         self.window = window
@@ -67,6 +105,8 @@ class PackWriter:
         self._copies: list[tuple[str, int, cf.Future]] = []
         self.sizes: dict[str, int] = {}  # packs verified complete, by finish()
         self.counts: dict[str, int] = {}  # chunks written into each pack
+        self.created: list[str] = []  # every pack this writer started, in order (a failed save deletes them)
+        self._acks: _Acks | None = None  # the open pack's chunks not yet acknowledged by the store
 
     # -- the tier's copy
     def _start_copy(self, pid: str) -> None:
@@ -116,8 +156,11 @@ class PackWriter:
         """Append one encoded chunk (``pieces``: buffers whose bytes are its stored form)."""
         if self._open is None:
             pid = new_pack_id()
+            self.created.append(pid)  # before its first request: an interrupted upload is still known
+            self._acks = _Acks(self.on_acked) if self.on_acked is not None else None
             up = ParallelUploader(self.store, pack_key(pid), self.o.part_size, self.runtime.io,
-                                  window=self.window, buffers=self._buffers)
+                                  window=self.window, buffers=self._buffers,
+                                  on_acked=None if self._acks is None else self._acks.acked)
             up.write(_pack.header())
             self._open = (pid, _pack.PackBuilder(), up)
             self._start_copy(pid)
@@ -125,6 +168,8 @@ class PackWriter:
         stored_len = sum(len(p) for p in pieces)
         e = builder.add(h, codec, stored_len, raw_len)
         self.counts[pid] = self.counts.get(pid, 0) + 1
+        if self._acks is not None:
+            self._acks.chunk(e.offset + stored_len, raw_len, stored_len)
         up.write_many(pieces)
         self._copy_write(lambda ps: self._copy.write_many(ps), pieces)
         if builder.size >= self.o.pack_size:
@@ -180,7 +225,8 @@ class PackWriter:
         return dict(self.sizes)
 
     def abort(self) -> None:
-        """Abandon the open pack and wait for sealing ones (finished packs stay, unreferenced)."""
+        """Abandon the open pack and wait for sealing ones (finished packs stay, unreferenced, until
+        the failed save deletes them, :func:`ckptstore.save.discard_uncommitted`, or GC)."""
         if self._open is not None:
             self._open[2].abort()
             self._open = None

@@ -14,6 +14,8 @@ Create with :func:`open` (``ckptstore.open``). Where each part lives:
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import functools
 import signal
 from typing import Mapping
 
@@ -26,7 +28,7 @@ from .progress import callback as progress_callback
 from .reader import Checkpoint, TensorMeta, load_step, open_checkpoint
 from .save import AsyncSaver, StepInfo, flatten_for_save, save_step
 from .storage.base import ObjectStore
-from .writeback import WRITE_BACK_STEPS, WriteBack, flush_on_signal
+from .writeback import EXIT_TIMEOUT, WRITE_BACK_STEPS, WriteBack, flush_on_signal
 
 __all__ = ["Repository", "Checkpoint", "StepInfo", "TensorMeta", "open"]
 
@@ -40,11 +42,17 @@ class Repository(Catalog):
     """
 
     def __init__(self, store: ObjectStore, clock: Clock | None = None, write_back: bool = False,
-                 write_back_steps: int = WRITE_BACK_STEPS, **options):
+                 write_back_steps: int = WRITE_BACK_STEPS, write_back_exit_timeout: float | None = EXIT_TIMEOUT,
+                 **options):
         super().__init__(store, clock=clock, **options)
         self._async = AsyncSaver(self)
         if write_back:
-            self.write_back = WriteBack(self, write_back_steps)
+            try:
+                self.write_back = WriteBack(self, write_back_steps, write_back_exit_timeout,
+                                            before_exit=functools.partial(_wait_async, self._async))
+            except BaseException:
+                super().close()  # the handle's threads: nothing else was opened
+                raise
 
     def flush(self) -> None:
         """Wait for this handle's background work: async saves, and (write-back) every pending step's
@@ -104,9 +112,10 @@ class Repository(Catalog):
         progress:
             None (default: silent), True (a bar on stderr), or a callable
             ``progress("save bytes", done, total)`` called as each chunk of
-            the state dict's bytes is hashed and either found in the dedup
-            base or handed to the uploads (:mod:`ckptstore.progress`). With
-            ``blocking=False`` it reports from the background save.
+            the state dict's bytes is done: found in the dedup base, or
+            acknowledged by the store (every byte of it uploaded, not merely
+            queued; :mod:`ckptstore.progress`). With ``blocking=False`` it
+            reports from the background save.
 
         Returns
         -------
@@ -203,6 +212,13 @@ class Repository(Catalog):
         return _transfer.diff(self, a, b)
 
 
+def _wait_async(saver: AsyncSaver) -> None:
+    """Wait for an async save still running (its failure is its own future's to report)."""
+    last = saver.last
+    if last is not None:
+        cf.wait([last])
+
+
 def open(url: str, storage_options: dict | None = None, **options) -> Repository:  # noqa: A001
     """Open (or prepare to create) the repository at ``url``.
 
@@ -235,7 +251,11 @@ def open(url: str, storage_options: dict | None = None, **options) -> Repository
         into their destinations (about the raw size more disk); ``write_back=True`` (with a
         ``cache_dir``): a save returns once the step is durable in the tier
         and is committed in the store in the background, at most
-        ``write_back_steps`` (2) steps pending (:mod:`ckptstore.writeback`).
+        ``write_back_steps`` (2) steps pending (:mod:`ckptstore.writeback`); a
+        handle not closed when the interpreter exits commits its pending steps
+        then, waiting at most ``write_back_exit_timeout`` seconds (600; None: no
+        limit), or says which it left and the ``ckptstore flush`` command that
+        commits them. The ``cache_dir`` must be writable: checked at open.
     """
     from .storage import open_store
     from .storage.retry import RetryPolicy, RetryStore

@@ -16,6 +16,14 @@
                 collected meanwhile (invariant 5), create the manifest with
                 put-if-absent (invariant 2)
       end()     drop the lease (also on failure)
+
+A writer that fails in its own process before its manifest create was sent
+(an exception, ``KeyboardInterrupt``, a SIGTERM handler that raises) deletes
+the packs and chunk-table segments it uploaded for the step
+(:func:`discard_uncommitted`): no manifest names them, and none can, since
+only this step's own commit could. Its multipart uploads are aborted as it
+stops. A killed process, or a failure of the manifest create itself (whose
+outcome is unknown), leaves them to GC after the grace period.
 """
 
 from __future__ import annotations
@@ -160,15 +168,19 @@ def pack_usage(refs, counts: dict[str, int], base: Manifest | None = None) -> di
     return out
 
 
-def write_segment(cat: Catalog, builder: TableBuilder, store=None) -> SegmentRef:
+def write_segment(cat: Catalog, builder: TableBuilder, store=None, written: list | None = None) -> SegmentRef:
     """Write one chunk-table segment (a new, write-once object) and check its size.
 
     ``store``: where to write it (default the repository's store; a
-    write-back save writes it into the node-local tier).
+    write-back save writes it into the node-local tier). ``written``: a
+    list its key is appended to before the upload starts (what a failed
+    save deletes, :func:`discard_uncommitted`).
     """
     data, header_len, digest = builder.encode()
     sid = new_pack_id()
     key = segment_key(sid)
+    if written is not None:
+        written.append(key)
     o = cat.options
     store = cat.store if store is None else store
     up = ParallelUploader(store, key, o.part_size, cat.runtime.io, window=4,
@@ -188,6 +200,35 @@ def write_segment(cat: Catalog, builder: TableBuilder, store=None) -> SegmentRef
     if cat.tier is not None and store is cat.store:
         cat.tier.put_segment(sid, data)  # write-through: a restart on this node reads its chunk table here
     return SegmentRef(sid, len(data), len(builder), header_len, digest.hex())
+
+
+def discard_uncommitted(cat: Catalog, step: int, error: BaseException, packs=(), keys=(), store=None,
+                        tier: bool = True) -> None:
+    """Delete what a writer uploaded for ``step`` that it did not commit: packs and segment keys.
+
+    Nothing references them (only the step's own commit could), so they go
+    now rather than after GC's grace period; so do the tier's copies of the
+    packs (``tier``, when they went to the repository's store). ``error``:
+    why the step was not committed, for the log. A failed delete leaves
+    them for GC, with a warning.
+    """
+    keys = [pack_key(p) for p in packs] + list(keys)
+    if not keys:
+        return
+    store = cat.store if store is None else store
+    why = type(error).__name__ + (f": {error}" if str(error) else "")
+    try:
+        store.delete_many(keys)
+    except BaseException as e:  # noqa: BLE001 - a second Ctrl-C, an unreachable store: GC's job then
+        log.warning("ckptstore: %s: step %d was not committed (%s); %d object(s) its save uploaded could not be "
+                    "deleted (%s: %s): gc reclaims them after the grace period",
+                    cat.url, step, why, len(keys), type(e).__name__, e)
+        return
+    if tier and cat.tier is not None and store is cat.store:
+        for p in packs:
+            cat.tier.discard_pack(p)
+    log.info("ckptstore: %s: step %d was not committed (%s); deleted the %d pack(s) and %d chunk table(s) "
+             "its save uploaded", cat.url, step, why, len(packs), len(keys) - len(packs))
 
 
 # ==================================================================== commit protocol
@@ -250,6 +291,8 @@ class StepCommit:
         self.base_step: int | None = None
         self.lease: str | None = None
         self.t0: float | None = None
+        #: The manifest's create was sent: from then on this writer's objects may be referenced.
+        self.creating = False
 
     def begin(self, base_read_at: float | None = None, pending: bool = False, pending_base: bool | None = None) -> int | None:
         """Claim the step (not committed yet), write the lease; returns the dedup base step.
@@ -324,6 +367,7 @@ class StepCommit:
         body = _m.to_json(man)
         self.check_manifest_size(man, body)
         check_conditional_create(cat)  # a commit whose begin() ran elsewhere (write-back drains)
+        self.creating = True
         try:
             cat.store.put_if_absent(manifest_key(man.step), body)
         except ObjectExistsError:
@@ -336,10 +380,15 @@ class StepCommit:
             if stored != body:
                 raise StepExistsError(
                     f"{cat.url}: step {man.step} was committed by another writer during this save; "
-                    "this save's packs are unreferenced and will be reclaimed by gc"
+                    "this save's packs are unreferenced: the save deletes them (else gc reclaims them)"
                 ) from None
         cat.remember(man)
         return body
+
+    def uncommitted(self, error: BaseException) -> bool:
+        """Whether a writer that failed with ``error`` knows its step was not committed by it: the
+        manifest's create was never sent, or another writer's manifest took the step."""
+        return not self.creating or isinstance(error, StepExistsError)
 
     def end(self) -> None:
         """Drop the lease (a stale one only delays GC)."""
@@ -370,8 +419,11 @@ class ChunkWriter:
     tensor's chunk references. Memory: at most ``max_inflight_bytes / 4`` of
     chunks are being hashed and encoded; the rest of the budget holds part
     buffers (:func:`~ckptstore.pack_writer.part_window`). ``on_bytes(n)`` is called
-    (on the thread calling ``add``/``drain``) as each chunk of ``n`` bytes is
-    referenced or handed to the pack uploads, in order.
+    as each chunk of ``n`` raw bytes is done: at once for a chunk the dedup
+    base or this save already holds, once the store has acknowledged all of
+    its stored bytes for a new one (from the thread that saw that; not when
+    it is handed to the uploads, which run up to ``max_inflight_bytes``
+    ahead).
     """
 
     def __init__(self, cat: Catalog, base_refs: dict[str, ChunkRef], on_bytes: Callable[[int], None] | None = None,
@@ -387,7 +439,8 @@ class ChunkWriter:
         self.lookahead = max(2 * o.chunk_size, min(o.max_inflight_bytes // 4, 4 * o.workers * o.chunk_size))
         # A write-back save writes its packs into the tier (``store``), with no second copy.
         self.packs = PackWriter(cat.store if store is None else store, cat.runtime, o, part_window(o, self.lookahead),
-                                mirror=cat.tier if store is None else None)
+                                mirror=cat.tier if store is None else None,
+                                on_acked=None if on_bytes is None else (lambda raw, stored: on_bytes(raw)))
         self.raw_tier = cat.tier if cat.tier is not None and cat.tier.decoded and cat.tier.writable else None
         self.scratch = cat.runtime.buffers("scratch", o.chunk_size, self.lookahead // o.chunk_size + o.workers + 1)
         self.logical = self.reused = self.new_raw = self.new_stored = 0
@@ -445,6 +498,8 @@ class ChunkWriter:
             if ref is not None:
                 self.reused += len(piece)
                 self.reused_chunks += 1
+                if self.on_bytes is not None:
+                    self.on_bytes(len(piece))  # nothing to upload
             else:
                 if stored is None:  # raced with a chunk that was then not written
                     codec, stored = _codec.encode_pieces(piece, self.o.codec, self.o.level, dtype)
@@ -457,8 +512,6 @@ class ChunkWriter:
             if scratch is not None:
                 self.scratch.put(scratch)
         refs.append(ref)
-        if self.on_bytes is not None:
-            self.on_bytes(len(piece))
 
     def drain(self) -> None:
         """Append every pending chunk and start sealing the open pack (returns before it is sealed).
@@ -481,6 +534,10 @@ class ChunkWriter:
             fut.cancel()
         self.pending.clear()
         self.packs.abort()
+
+    def started(self) -> list[str]:
+        """Ids of every pack this writer started (after :meth:`abort`: what a failed save deletes)."""
+        return list(self.packs.created)
 
 
 # ==================================================================== Repository.save
@@ -529,6 +586,8 @@ def _save_step(cat: Catalog, tree, tensors, step: int, metadata: dict, base, rep
     commit = StepCommit(cat, step, base)
     handed_over = False
     target = wb.store if wb is not None else None  # write-back: packs and segment go to the tier
+    writer: ChunkWriter | None = None
+    segments: list[str] = []  # keys of the chunk tables this save wrote
     try:
         base_step = commit.begin(pending=wb is not None)
         on_bytes = None
@@ -550,7 +609,7 @@ def _save_step(cat: Catalog, tree, tensors, step: int, metadata: dict, base, rep
                 first, count = builder.extend(refs)
                 te[key] = TensorEntry(key, _m.dtype_name(t.dtype), shape,
                                       (Shard((0,) * len(shape), shape, tuple(refs), TableRef(0, first, count)),))
-            seg = write_segment(cat, builder, store=target)
+            seg = write_segment(cat, builder, store=target, written=segments)
             packs = writer.finish()
         except PackVanishedError as e:
             writer.abort()
@@ -581,6 +640,13 @@ def _save_step(cat: Catalog, tree, tensors, step: int, metadata: dict, base, rep
             body = commit.commit(commit.pack_sizes(man, packs))
         if cat.tier is not None:
             cat.tier.note_step(commit.step, packs)  # eviction takes the newest steps' packs last
+    except BaseException as e:
+        # Not committed here (and, write-back, not recorded as pending): what it uploaded goes now.
+        if (writer is not None and not handed_over and commit.uncommitted(e)
+                and (wb is None or wb.records.read(commit.step) is None)):
+            writer.abort()
+            discard_uncommitted(cat, commit.step, e, writer.started(), segments, store=target)
+        raise
     finally:
         if not handed_over:
             commit.end()

@@ -38,8 +38,9 @@ from .format.layout import check_step, name_key, name_record, tag_key, tag_recor
 from .format.chunk_table import TableBuilder
 from .format.manifest import ChunkRef, Manifest, Shard, TableRef, TensorEntry
 from .pack_writer import PackWriter
+from .progress import Counter
 from .reader import load_step, open_checkpoint
-from .save import StepCommit, flatten_for_save, pack_usage, save_step, write_segment
+from .save import StepCommit, discard_uncommitted, flatten_for_save, pack_usage, save_step, write_segment
 from .format.tree import leaf_values, tree_keys, unflatten
 from .verify import verify
 
@@ -513,7 +514,7 @@ def copy(
     those of selected steps are listed in :attr:`CopyResult.refs_skipped`.
     Copying again finds every step and pointer in place and writes nothing.
 
-    ``progress("copy bytes", done, total)`` counts stored bytes copied.
+    ``progress("copy bytes", done, total)`` counts stored bytes copied, as the destination acknowledges them.
     """
     progress = progress or _noop
     t0 = time.perf_counter()
@@ -627,23 +628,23 @@ def _copy_steps(job: _CopyJob, plans: list) -> CopyResult:
             if c.hash not in seen:
                 seen.add(c.hash)
                 total += c.stored_len
-    done = 0
-    progress("copy bytes", 0, total)
+    copied = Counter(progress, "copy bytes", total)  # stored bytes the destination acknowledged
 
     for man in plans:
         step = man.step
         commit = StepCommit(dst, step, base=None)
+        writer = None
+        segments: list[str] = []
         try:
             commit.begin(base_read_at=index_read_at)
-            writer = PackWriter(dst.store, dst.runtime, dst.options, window=4)
+            writer = PackWriter(dst.store, dst.runtime, dst.options, window=4,
+                                on_acked=lambda raw, stored: copied.add(stored))
             try:
-                new_refs = _copy_chunks(src, man, index, writer, batch_bytes, res, lambda n: progress(
-                    "copy bytes", done + n, total))
+                new_refs = _copy_chunks(src, man, index, writer, batch_bytes, res)
                 sealed = writer.finish()
             except BaseException:
                 writer.abort()
                 raise
-            done += sum(r.stored_len for r in new_refs.values())
             tensors = {}
             reused = 0
             builder = TableBuilder()
@@ -662,7 +663,7 @@ def _copy_steps(job: _CopyJob, plans: list) -> CopyResult:
                     used += refs
                     shards.append(Shard(s.offsets, s.sizes, tuple(refs), TableRef(0, first, count)))
                 tensors[k] = TensorEntry(e.key, e.dtype, e.shape, tuple(shards))
-            segment = write_segment(dst, builder)
+            segment = write_segment(dst, builder, written=segments)
             res.chunks_reused += reused
             stats = dict(man.stats)
             stats.update(
@@ -690,6 +691,12 @@ def _copy_steps(job: _CopyJob, plans: list) -> CopyResult:
             new_man = commit.pack_sizes(new_man, sealed, known=pack_sizes)
             _m.from_json(_m.to_json(new_man), expect_step=step)  # strict validation before the commit
             commit.commit(new_man)
+        except BaseException as e:
+            # This step's new packs serve only its own commit (later steps reuse them once it is committed).
+            if writer is not None and commit.uncommitted(e):
+                writer.abort()
+                discard_uncommitted(dst, step, e, list(writer.created), segments)
+            raise
         finally:
             commit.end()
         index.update(new_refs)
@@ -705,8 +712,8 @@ def _copy_steps(job: _CopyJob, plans: list) -> CopyResult:
     return res
 
 
-def _copy_chunks(src: Catalog, man: Manifest, index, writer: PackWriter, batch_bytes: int, res: CopyResult,
-                 progress) -> dict[str, ChunkRef]:
+def _copy_chunks(src: Catalog, man: Manifest, index, writer: PackWriter, batch_bytes: int,
+                 res: CopyResult) -> dict[str, ChunkRef]:
     """Copy the chunks of ``man`` that ``index`` lacks, unique, in state-dict order."""
     need: list[ChunkRef] = []
     need_set = set()
@@ -720,7 +727,6 @@ def _copy_chunks(src: Catalog, man: Manifest, index, writer: PackWriter, batch_b
                     need_set.add(c.hash)
                     need.append(c)
     new_refs: dict[str, ChunkRef] = {}
-    moved = 0
     where = f"{src.url}: step {man.step}: "
     batch: list[ChunkRef] = []
     for n, c in enumerate(need):
@@ -738,8 +744,6 @@ def _copy_chunks(src: Catalog, man: Manifest, index, writer: PackWriter, batch_b
             res.chunks_copied += 1
             res.bytes_copied += len(data)
             res.raw_bytes_copied += r.raw_len
-            moved += len(data)
-        progress(moved)
         batch = []
     return new_refs
 

@@ -18,17 +18,30 @@ tier (or ``ckptstore flush URL --cache-dir DIR``) claims them and commits
 them in step order. A step whose upload fails stays pending, with every
 later one; the error is raised by :meth:`WriteBack.flush` and by the next
 save, and ``flush`` tries again.
+
+At interpreter exit, a handle that was not closed and still has pending
+steps finishes them (:func:`finish_at_exit`): it says so on stderr, waits
+at most ``write_back_exit_timeout`` seconds (default
+:data:`EXIT_TIMEOUT`) for their uploads and commits, and where they cannot
+finish (the store unreachable, the wait ran out, Ctrl-C) it says which
+steps are left pending and the ``ckptstore flush`` command that commits
+them. It runs before Python stops the thread pools the uploads need
+(``threading._register_atexit``, as ``concurrent.futures`` does).
 """
 
 from __future__ import annotations
 
+import atexit
 import collections
 import json
 import logging
 import os
+import shlex
 import signal
+import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 from .format import manifest as _m
@@ -45,10 +58,42 @@ log = logging.getLogger(__name__)
 
 #: Default number of steps a handle keeps pending before a save waits.
 WRITE_BACK_STEPS = 2
+#: Default seconds a handle waits at interpreter exit for its pending steps' uploads and commits.
+EXIT_TIMEOUT = 600.0
+#: Seconds between the lines saying an exit wait is still going on.
+EXIT_REPORT_EVERY = 30.0
 
 
 class WriteBackError(CkptStoreError):
     """A pending step could not be committed in the store; its data stays in the tier."""
+
+
+class TierNotWritableError(WriteBackError, OSError):
+    """``write_back=True`` on a ``cache_dir`` this process cannot write (read-only, no permission...)."""
+
+
+def check_writable(tier, url: str) -> None:
+    """Refuse, at open, a tier a write-back save could not write: say which directory, and what to do.
+
+    Creates the tier's folders (a write-back handle writes there from its
+    first save) and one empty probe file, removed at once.
+    """
+    try:
+        tier.prepare()
+        records = tier.pending
+        for d in (records.dir, records.durable.root):
+            os.makedirs(d, exist_ok=True)
+        probe = os.path.join(records.dir, f".probe.{os.getpid()}.{threading.get_ident()}")
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        os.unlink(probe)
+    except OSError as e:
+        where = e.filename or tier.cache_dir
+        raise TierNotWritableError(
+            f"{url}: write_back=True needs a node-local tier it can write, and {tier.cache_dir} is not "
+            f"writable ({e.strerror or type(e).__name__}: {where}): each step is written there before it is "
+            "uploaded. Give a cache_dir on a writable local disk (check the mount and the permissions), or "
+            "open without write_back=True (a cache_dir alone still reads from a read-only tier)"
+        ) from e
 
 
 @dataclass
@@ -73,11 +118,18 @@ class _Pending:
 class WriteBack:
     """The write-back queue of one repository handle; see the module docstring."""
 
-    def __init__(self, cat: Catalog, max_pending: int = WRITE_BACK_STEPS):
+    def __init__(self, cat: Catalog, max_pending: int = WRITE_BACK_STEPS, exit_timeout: float | None = EXIT_TIMEOUT,
+                 before_exit=None):
         if cat.tier is None:
             raise ValueError("write_back=True needs a cache_dir (the node-local tier the steps are written to first)")
         if max_pending < 1:
             raise ValueError("write_back_steps must be at least 1")
+        if exit_timeout is not None and not exit_timeout >= 0:
+            raise ValueError(f"write_back_exit_timeout must be a number of seconds >= 0 or None, got {exit_timeout!r}")
+        self.exit_timeout = exit_timeout
+        self._before_exit = before_exit  # waits for the handle's async save (it may hand over one more step)
+        self._failed: list[int] = []  # steps whose commit failed, left pending (for the exit report)
+        self._deadline: float | None = None  # the exit wait's end (monotonic): a DCP commit stops waiting then
         self.cat = cat
         self.tier = cat.tier
         self.records = cat.tier.pending
@@ -91,7 +143,9 @@ class WriteBack:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._closing = False  # a commit waiting for other ranks' uploads gives up at once (left pending)
+        check_writable(cat.tier, cat.url)
         self.recover()
+        _register(self)
 
     # ------------------------------------------------------------ saving
     def reserve(self, need: int = 0, what: str = "the save") -> None:
@@ -253,10 +307,12 @@ class WriteBack:
             try:
                 self._commit(job)
             except BaseException as e:  # kept: raised by flush() and the next save
-                log.warning("ckptstore: write-back of step %d to %s failed (its data stays in %s): %s",
-                            job.step, self.cat.url, self.tier.cache_dir, e)
+                log.warning("ckptstore: write-back of step %d to %s failed (its data stays in %s; commit it with "
+                            "repo.flush() or `%s`): %s", job.step, self.cat.url, self.tier.cache_dir,
+                            self.flush_command(), e)
                 with self._cv:
                     self._error = e
+                    self._failed = sorted({j.step for j in self._queue})
                     for j in self._queue:
                         self.records.release(j.name)
                     self._queue.clear()
@@ -316,7 +372,7 @@ class WriteBack:
             if want <= have:
                 break
             job.commit.check_base_age()  # a rank that never uploads: refused as stale, as any slow save
-            if self._closing:
+            if self._closing or (self._deadline is not None and time.monotonic() > self._deadline):
                 raise WriteBackError(
                     f"{cat.url}: step {job.step} waits for the uploads of rank(s) {sorted(want - have)}; "
                     "left pending in the tier for the next handle or `ckptstore flush`"
@@ -371,21 +427,93 @@ class WriteBack:
     def pending_steps(self) -> list[int]:
         return self.records.steps()
 
-    def flush(self) -> None:
+    def flush(self, timeout: float | None = None) -> bool:
         """Wait until every pending step is committed; after a failure, try again first.
 
         Raises :class:`WriteBackError` if a step still cannot be committed;
         until one flush succeeds, saves raise it too (a later step may reuse
-        the failed one's chunks).
+        the failed one's chunks). ``timeout``: seconds to wait at most
+        (None: until done); returns False if uploads were still under way
+        then, True once every step is committed.
         """
         with self._cv:
             failed, self._error = self._error, None
         if failed is not None:
             self.recover()  # try again from the first step that failed
+        end = None if timeout is None else time.monotonic() + timeout
         with self._cv:
             while (self._queue or self._busy) and self._error is None:
-                self._cv.wait()
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cv.wait(left)
             self._raise_error()
+            self._failed = []
+        return True
+
+    def flush_command(self) -> str:
+        """The shell command that commits this handle's pending steps from another process."""
+        return f"ckptstore flush {shlex.quote(self.cat.url)} --cache-dir {shlex.quote(self.tier.cache_dir)}"
+
+    def _mine(self) -> list[int]:
+        """Steps this handle queued and has not committed, or whose commit failed."""
+        with self._cv:
+            return sorted({j.step for j in self._queue} | set(self._failed))
+
+    def finish_at_exit(self, timeout: float | None = None, out=None) -> bool:
+        """At interpreter exit: commit this handle's pending steps, or say loudly that they are not.
+
+        Waits for an async save still running (it ends in one more pending
+        step), then at most ``timeout`` seconds (default: the handle's
+        ``write_back_exit_timeout``) for the uploads and commits, with a
+        line on ``out`` (stderr) when it starts, every
+        :data:`EXIT_REPORT_EVERY` seconds, and when it ends. Steps that
+        cannot be committed (a failure, the wait ran out, Ctrl-C) stay in
+        the tier; the last lines name them and the command that commits
+        them. Returns True if nothing is left pending by this handle.
+        """
+        out = sys.stderr if out is None else out
+        timeout = self.exit_timeout if timeout is None else timeout
+        if self._closed:
+            return True
+        t0 = time.monotonic()
+        self._deadline = None if timeout is None else t0 + timeout
+        reason = None
+        try:
+            if self._before_exit is not None:
+                self._before_exit()
+            self.recover()  # a record of this process not queued (a save stopped right after its local commit)
+            steps = self._mine()
+            if not steps:
+                return True
+            bound = "no time limit" if timeout is None else f"at most {timeout:g} s"
+            _say(out, f"ckptstore: write-back: step{_s(steps)} {_list(steps)} not committed in {self.cat.url} "
+                      f"yet; uploading and committing before exit ({bound}; Ctrl-C leaves them pending)")
+            while True:
+                left = None if self._deadline is None else self._deadline - time.monotonic()
+                wait = EXIT_REPORT_EVERY if left is None else max(0.0, min(EXIT_REPORT_EVERY, left))
+                if self.flush(wait):
+                    _say(out, f"ckptstore: write-back: committed step{_s(steps)} {_list(steps)} in {self.cat.url} "
+                              f"({time.monotonic() - t0:.1f} s)")
+                    return True
+                if left is not None and left <= wait:
+                    reason = f"still uploading after {timeout:g} s, the write_back_exit_timeout"
+                    break
+                _say(out, f"ckptstore: write-back: still uploading step{_s(self._mine())} {_list(self._mine())} "
+                          f"({time.monotonic() - t0:.0f} s)")
+        except KeyboardInterrupt:
+            reason = "interrupted"
+        except WriteBackError as e:
+            reason = str(e.__cause__ or e)
+        except Exception as e:  # noqa: BLE001 - at exit: report, never raise
+            reason = f"{type(e).__name__}: {e}"
+        left = self._mine() or self.pending_steps()
+        _say(out, f"ckptstore: WARNING: write-back: step{_s(left)} {_list(left)} saved with write_back=True "
+                  f"{'are' if len(left) > 1 else 'is'} NOT committed in {self.cat.url} ({reason}); "
+                  f"{'they stay' if len(left) > 1 else 'it stays'} pending in the node-local tier "
+                  f"{self.tier.cache_dir}. Commit {'them' if len(left) > 1 else 'it'} with:\n"
+                  f"    {self.flush_command()}")
+        return False
 
     def discard(self, step: int) -> None:
         """Give up a pending step (its record goes; its files stay as ordinary tier copies)."""
@@ -393,6 +521,7 @@ class WriteBack:
             if self._busy and self._queue and self._queue[0].step == step:
                 raise WriteBackError(f"{self.cat.url}: step {step} is being committed; flush() first")
             self._queue = collections.deque(j for j in self._queue if j.step != step)
+            self._failed = [s for s in self._failed if s != step]
         names = [n for n in self.records.names() if n[:20] == PendingSteps.name(step)]
         if not names:
             raise KeyError(f"{self.cat.url}: step {step} is not pending in {self.tier.cache_dir}")
@@ -436,6 +565,64 @@ class WriteBack:
         with self._cv:
             self._closed = True
             self._cv.notify_all()
+        _unregister(self)
+
+
+def _s(steps) -> str:
+    return "s" if len(steps) != 1 else ""
+
+
+def _list(steps) -> str:
+    return ", ".join(map(str, steps))
+
+
+def _say(out, line: str) -> None:
+    try:
+        print(line, file=out, flush=True)
+    except (OSError, ValueError):  # stderr closed at exit
+        pass
+
+
+#: Write-back queues of this process not closed yet (weak: a handle dropped with nothing to upload goes;
+#: one whose uploader thread runs is held by that thread).
+_LIVE: "weakref.WeakSet[WriteBack]" = weakref.WeakSet()
+_LIVE_LOCK = threading.Lock()
+_HOOKED = False
+
+
+def _register(wb: WriteBack) -> None:
+    global _HOOKED
+    with _LIVE_LOCK:
+        _LIVE.add(wb)
+        if _HOOKED:
+            return
+        _HOOKED = True
+    # Before concurrent.futures stops its pools at exit (it registers the same way, earlier: these run
+    # last-registered first), so that uploads can still use the handle's I/O threads.
+    hook = getattr(threading, "_register_atexit", None)
+    try:
+        if hook is None:
+            raise RuntimeError("no threading._register_atexit")
+        hook(finish_at_exit)
+    except RuntimeError:  # already shutting down, or an interpreter without the hook
+        atexit.register(finish_at_exit)
+
+
+def _unregister(wb: WriteBack) -> None:
+    with _LIVE_LOCK:
+        _LIVE.discard(wb)
+
+
+def finish_at_exit(out=None) -> None:
+    """Every write-back handle of this process not closed: commit its pending steps, or say which are left
+    and how to commit them (:meth:`WriteBack.finish_at_exit`). Runs at interpreter exit."""
+    with _LIVE_LOCK:
+        live = list(_LIVE)
+    for wb in live:
+        try:
+            wb.finish_at_exit(out=out)
+        except BaseException as e:  # noqa: BLE001 - one handle's failure must not hide the next one's report
+            _say(sys.stderr if out is None else out, f"ckptstore: write-back: at exit: {type(e).__name__}: {e}")
 
 
 def flush_on_signal(repo, signals=(signal.SIGTERM,)) -> None:

@@ -19,12 +19,18 @@ fit::
                                             AWS_* variables, with the buckets they name
     <!-- run: synopsis -->                  text: every `ckptstore CMD --opt` in it exists
     <!-- run: recipe=NAME (why) -->         run by another test (doc_blocks.recipe(page, NAME))
+    <!-- run: install (why) -->             sh: creates an environment or installs packages: not
+                                            run by test_doc_blocks.py (the tests' own environment
+                                            has them); tests/test_newcomer.py runs them in a fresh
+                                            virtual environment, as a newcomer does
     <!-- run: skip (why) -->                not run, for the reason given
 
 Shell blocks run line by line: ``export A=B`` sets variables for the rest of
-the page, ``ckptstore ...`` runs in the page's interpreter (as the console
-script would), anything else under ``bash -c`` in the page's folder; every
-command must exit 0.
+the page, ``. DIR/bin/activate`` activates a virtual environment for the rest
+of the page (``VIRTUAL_ENV`` and ``PATH``, as the script does), ``ckptstore
+...`` runs in the page's interpreter (as the console script would; the
+console script itself in a newcomer's run), anything else under ``bash -c``
+in the page's folder; every command must exit 0.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ class Marker:
     s3: bool = False
     synopsis: bool = False
     recipe: str | None = None
+    install: bool = False
     skip: bool = False
     reason: str | None = None
 
@@ -80,7 +87,8 @@ class Block:
     @property
     def runs(self) -> bool:
         """Whether the test executes it (python and shell blocks not skipped nor run elsewhere)."""
-        return self.lang != "text" and not self.marker.skip and self.marker.recipe is None
+        return (self.lang != "text" and not self.marker.skip and self.marker.recipe is None
+                and not self.marker.install)
 
 
 def parse_marker(text: str, where: str) -> Marker:
@@ -92,7 +100,7 @@ def parse_marker(text: str, where: str) -> Marker:
     kw: dict = {"reason": reason}
     for tok in text.split():
         key, _, value = tok.partition("=")
-        if key in ("server", "s3", "synopsis", "skip") and not value:
+        if key in ("server", "s3", "synopsis", "skip", "install") and not value:
             kw[key] = True
         elif key == "session" and value:
             kw["sessions"] = tuple(s for s in value.split(",") if s)
@@ -102,7 +110,7 @@ def parse_marker(text: str, where: str) -> Marker:
             kw["recipe"] = value
         else:
             raise DocError(f"{where}: unknown run marker {tok!r} in <!-- run: {text} -->")
-    if (kw.get("skip") or kw.get("recipe")) and not reason:
+    if (kw.get("skip") or kw.get("recipe") or kw.get("install")) and not reason:
         raise DocError(f"{where}: a skipped block says why: <!-- run: skip (reason) -->")
     if kw.get("ranks") and len(kw.get("sessions", ())) != 1:
         raise DocError(f"{where}: ranks=N needs one session=NAME (its blocks run as one script)")
@@ -144,6 +152,8 @@ def _check_marker(marker: Marker, lang: str, where: str) -> None:
         raise DocError(f"{where}: a text block is not run; only <!-- run: synopsis --> applies")
     if marker.synopsis and lang != "text":
         raise DocError(f"{where}: synopsis is for text blocks")
+    if marker.install and lang != "sh":
+        raise DocError(f"{where}: install is for shell blocks")
     if marker.server and lang != "sh":
         raise DocError(f"{where}: server is for a shell block of one command")
     if (marker.sessions or marker.ranks) and lang != "python":

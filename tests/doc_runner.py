@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from ckptstore.testing import free_port
@@ -60,12 +61,12 @@ def run_group(cmd: list[str], cwd: Path, env: dict, timeout: float) -> tuple[int
 class Interpreter:
     """One ``doc_worker.py --serve`` process: a session's namespace, kept across blocks."""
 
-    def __init__(self, name: str, folder: Path, env: dict, log: Path):
+    def __init__(self, name: str, folder: Path, env: dict, log: Path, python: str = sys.executable):
         self.name, self.log = name, log
         r, w = os.pipe()
         self._log = open(log, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, WORKER, "--serve", str(w)], stdin=subprocess.PIPE, stdout=self._log,
+            [python, WORKER, "--serve", str(w)], stdin=subprocess.PIPE, stdout=self._log,
             stderr=subprocess.STDOUT, pass_fds=(w,), cwd=folder, env=env, text=True, start_new_session=True)
         os.close(w)
         self._r, self._buf = r, b""
@@ -116,6 +117,33 @@ class Interpreter:
         self._log.close()
 
 
+@dataclass(frozen=True)
+class Newcomer:
+    """How a newcomer's run differs (tests/test_newcomer.py): install blocks run, in a fresh virtual
+    environment the page creates, with ``ckptstore`` from ``wheel`` (the work tree built: ``pip install
+    'ckptstore[s3]'`` and ``pip install -e '.[demo]'`` install ``WHEEL[s3]``, ``WHEEL[demo]``); ``ckptstore``
+    commands run as the console script the environment has; python blocks in its interpreter (``python``,
+    relative to the page's folder)."""
+
+    wheel: Path
+    python: str = ".venv/bin/python"
+
+    def install_words(self, argv: list[str]) -> list[str]:
+        """A ``pip install`` line with the package this work tree builds in place of ckptstore's name."""
+        if "pip" not in Path(argv[0]).name or "install" not in argv[1:3]:
+            return argv
+        out: list[str] = []
+        for w in argv:
+            extra = re.fullmatch(r"(?:ckptstore|\.)(\[[a-z0-9,]+\])?", w)
+            if extra:
+                if out and out[-1] == "-e":
+                    out.pop()
+                out.append(f"{self.wheel}{extra.group(1) or ''}")
+            else:
+                out.append(w)
+        return out
+
+
 class PageRun:
     """The blocks of one page, run in order in ``folder`` with environment ``env``.
 
@@ -123,12 +151,17 @@ class PageRun:
     its kind), ``skipped`` (``page:line`` and the reason) and ``seconds``
     (``page:line`` -> seconds spent at that block; a multi-rank session's time
     is its last block's).
+
+    ``blocks``: run these (of one page or several, in order) instead of the
+    page's; ``newcomer``: run as a newcomer does (:class:`Newcomer`).
     """
 
-    def __init__(self, page: str, folder: Path, env: dict, text: str | None = None):
+    def __init__(self, page: str, folder: Path, env: dict, text: str | None = None, *,
+                 blocks: list[Block] | None = None, newcomer: Newcomer | None = None):
         self.page, self.folder, self.env = page, folder, dict(env)
-        self.blocks = read_blocks(page, text)
-        self.path = str(ROOT / page)
+        self.blocks = read_blocks(page, text) if blocks is None else list(blocks)
+        self.newcomer = newcomer
+        self.python = str(folder / newcomer.python) if newcomer is not None else sys.executable
         self.harness = folder.parent / f"{folder.name}-harness"
         self.harness.mkdir(parents=True, exist_ok=True)
         self.ports: dict[str, str] = {}
@@ -154,7 +187,7 @@ class PageRun:
                 if b.marker.synopsis:
                     self._synopsis(b)
                 continue
-            if not b.runs:
+            if not b.runs and not (self.newcomer is not None and b.marker.install):
                 self.skipped.append((b.where, b.marker.reason or ""))
                 continue
             t0 = time.monotonic()
@@ -203,7 +236,7 @@ class PageRun:
     def _session(self, name: str) -> Interpreter:
         if name not in self.sessions:
             log = self.harness / f"session-{name}.log"
-            self.sessions[name] = Interpreter(name, self.folder, self.env, log)
+            self.sessions[name] = Interpreter(name, self.folder, self.env, log, self.python)
             self.pending_env[name] = {}
         return self.sessions[name]
 
@@ -223,15 +256,20 @@ class PageRun:
     # ------------------------------------------------------------ kinds
     def _python(self, session: str, b: Block) -> None:
         label = "python block" + ("" if session == "main" else f" (session {session})")
-        self._request(session, b.where, {"op": "python", "path": self.path, "line": b.line, "code": self._code(b)},
-                      f"{label} failed")
+        self._request(session, b.where, {"op": "python", "path": str(ROOT / b.page), "line": b.line,
+                                         "code": self._code(b)}, f"{label} failed")
 
     def _shell(self, b: Block) -> None:
         for cmd in shell_commands(Block(b.page, b.line, b.lang, self._code(b), b.marker)):
             where = f"{b.page}:{cmd.line}"
             if cmd.export:
                 self._export(cmd.overlay)
-            elif cmd.argv[:1] == ["ckptstore"]:
+            elif cmd.argv[:1] in ([""], ["."], ["source"]) and cmd.argv[1:2] and cmd.argv[1].endswith("bin/activate"):
+                venv = (self.folder / cmd.argv[1]).resolve().parent.parent  # what the script sets
+                if not (venv / "bin" / "python").exists():
+                    self._fail(where, f"`{cmd.text}`: no virtual environment at {venv}")
+                self._export({"VIRTUAL_ENV": str(venv), "PATH": f"{venv / 'bin'}{os.pathsep}{self.env['PATH']}"})
+            elif cmd.argv[:1] == ["ckptstore"] and self.newcomer is None:
                 self._request("main", where, {"op": "cli", "argv": cmd.argv[1:], "overlay": cmd.overlay},
                               f"`{cmd.text}` failed")
             else:
@@ -239,7 +277,8 @@ class PageRun:
         self.ran.append((b.where, "sh"))
 
     def _subprocess(self, where: str, cmd: Command) -> None:
-        words = [shlex.quote(w) for w in cmd.argv]
+        argv = cmd.argv if self.newcomer is None else self.newcomer.install_words(cmd.argv)
+        words = [shlex.quote(w) for w in argv]
         rc, out = run_group(["bash", "-c", " ".join(words)], self.folder, dict(self.env, **cmd.overlay), BLOCK_TIMEOUT)
         if rc is None:
             self._fail(where, f"`{cmd.text}` did not finish within {BLOCK_TIMEOUT:.0f} s (killed)", out)
@@ -281,16 +320,18 @@ class PageRun:
         spec = self.harness / f"ranks-{session}.json"
         results = self.harness / f"ranks-{session}"
         results.mkdir(exist_ok=True)
-        spec.write_text(json.dumps([{"path": self.path, "line": b.line, "code": self._code(b)} for b in blocks]))
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}", "--master-addr=127.0.0.1",
+        spec.write_text(json.dumps([{"path": str(ROOT / b.page), "line": b.line, "code": self._code(b)}
+                                    for b in blocks]))
+        cmd = [self.python, "-m", "torch.distributed.run", f"--nproc-per-node={n}", "--master-addr=127.0.0.1",
                f"--master-port={free_port()}", WORKER, "--script", str(spec), "--results", str(results)]
-        where, label = f"{self.page}:{blocks[0].line}", f"session {session} ({n} ranks under torchrun)"
+        where, label = f"{blocks[0].page}:{blocks[0].line}", f"session {session} ({n} ranks under torchrun)"
         rc, out = run_group(cmd, self.folder, self.env, BLOCK_TIMEOUT * 2)
         for rank in range(n):
             f = results / f"rank-{rank}.json"
             res = json.loads(f.read_text()) if f.exists() else None
             if res is not None and not res["ok"]:
-                self._fail(f"{self.page}:{res['line']}", f"python block failed on rank {rank} of {label}", res["error"])
+                self._fail(f"{blocks[0].page}:{res['line']}", f"python block failed on rank {rank} of {label}",
+                           res["error"])
         if rc is None:
             self._fail(where, f"{label} did not finish within {BLOCK_TIMEOUT * 2:.0f} s (killed)", out)
         if rc != 0 or any(not (results / f"rank-{k}.json").exists() for k in range(n)):

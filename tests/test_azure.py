@@ -15,6 +15,7 @@ import torch
 
 import ckptstore
 from ckptstore.errors import (
+    CredentialsRefusedError,
     ObjectExistsError,
     ObjectNotFoundError,
     StorageError,
@@ -542,7 +543,7 @@ def _http_error(cls_name: str, status: int, code: str):
         ("HttpResponseError", 500, "OperationTimedOut", TransientStorageError),
         ("HttpResponseError", 429, "", TransientStorageError),
         ("HttpResponseError", 408, "", TransientStorageError),
-        ("ClientAuthenticationError", 403, "AuthenticationFailed", StorageError),
+        ("ClientAuthenticationError", 403, "AuthenticationFailed", CredentialsRefusedError),  # a StorageError
         ("HttpResponseError", 400, "InvalidHeaderValue", StorageError),
     ],
 )

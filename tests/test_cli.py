@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -171,6 +172,46 @@ def test_read_commands_fail_on_a_location_without_a_repository(cmd, where, tmp_p
     )
 
 
+@pytest.mark.parametrize("argv,extra", [
+    (["ls", "az://c/x"], ("azure.storage.blob", "az", "azure")),
+    (["cp", "{src}", "gs://bucket/copy"], ("google.auth", "gs", "gcs")),
+    (["ls", "s3://bucket/x", "--json"], ("botocore", "s3", "s3")),
+])
+def test_a_missing_cloud_extra_is_one_line_naming_the_install(argv, extra, tmp_path, monkeypatch, capsys):
+    # As after `pip install 'ckptstore[s3]'` (or a plain install): the cloud's client cannot be imported.
+    module, scheme, name = extra
+    monkeypatch.setitem(sys.modules, module, None)
+    monkeypatch.delenv("CKPTSTORE_DEBUG", raising=False)
+    src = _repo(tmp_path) if "{src}" in argv else ""
+    assert main([a.format(src=src) for a in argv]) == 1
+    assert _one_line_error(capsys) == (
+        f"{scheme}:// URLs need {module}, which is not installed: pip install 'ckptstore[{name}]'")
+    # the traceback is there for whoever asks for it
+    monkeypatch.setenv("CKPTSTORE_DEBUG", "1")
+    assert main([a.format(src=src) for a in argv]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "MissingExtraError" in err
+
+
+def test_a_missing_cloud_extra_exits_1_without_a_traceback_from_the_console_script(tmp_path):
+    hide = (
+        "import sys, importlib.abc\n"
+        "class Hide(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'google' or name.startswith('google.'):\n"
+        "            raise ModuleNotFoundError(name)\n"
+        "sys.meta_path.insert(0, Hide())\n"
+        "from ckptstore.cli.main import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "CKPTSTORE_DEBUG"}
+    r = subprocess.run([sys.executable, "-c", hide, "ls", "gs://bucket/runs/exp1"], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "ckptstore: error: gs:// URLs need google.auth, which is not installed: pip install 'ckptstore[gcs]'"]
+
+
 @pytest.mark.parametrize("url", ["s3:/my-bucket/runs/exp1", "gs:/bucket/x", "s3:bucket", "az:/"])
 def test_a_mistyped_url_fails_saying_what_was_meant_and_creates_nothing(url, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
@@ -265,3 +306,66 @@ def test_import_and_cp_show_progress_and_a_second_cp_moves_nothing(tmp_path, mon
     assert main(["import", str(f), src, "--step", "2", "--json"]) == 0
     assert tty.take() == ""  # --json: no bars
     assert not re.search(r"\d[kMGT]B?/s", err)
+
+
+def test_rm_of_a_tagged_step_needs_force_as_gc_protects_tags(tmp_path, monkeypatch, capsys):
+    url = _repo(tmp_path)  # step 1 is tagged "best", step 2 is the newest
+    with ckptstore.open(url) as repo:
+        repo.save({"w": torch.ones(3)}, step=3)
+    monkeypatch.setattr(sys.stdin, "isatty", lambda: False)
+    assert main(["rm", url, "1"]) == 1
+    assert _one_line_error(capsys) == "step 1 is tagged best; pass --force to delete it"
+    assert main(["rm", url, "1", "--json"]) == 1
+    capsys.readouterr()
+    assert ckptstore.open(url).steps() == [1, 2, 3]
+    # in a terminal it asks; anything but yes changes nothing
+    monkeypatch.setattr(sys.stdin, "isatty", lambda: True)
+    monkeypatch.setattr("builtins.input", lambda prompt: "n")
+    assert main(["rm", url, "1"]) == 1
+    assert ckptstore.open(url).steps() == [1, 2, 3]
+    monkeypatch.setattr("builtins.input", lambda prompt: "y")
+    assert main(["rm", url, "1"]) == 0
+    assert "tag best now names no step" in capsys.readouterr().out
+    assert ckptstore.open(url).steps() == [2, 3]
+    # --force without asking; an untagged step needs nothing
+    with ckptstore.open(url) as repo:
+        repo.tag(2, "keep")
+    monkeypatch.setattr("builtins.input", lambda prompt: pytest.fail("asked"))
+    assert main(["rm", url, "2", "--force", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"deleted": 2, "tags": ["keep"]}
+    with ckptstore.open(url) as repo:
+        repo.save({"w": torch.ones(3)}, step=4)
+    assert main(["rm", url, "3"]) == 0
+    assert ckptstore.open(url).steps() == [4]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_ls_and_show_count_the_same_tensors_and_name_dcp_bytes_items_apart(tmp_path, capsys):
+    import torch.distributed.checkpoint as dcp
+
+    from ckptstore.dcp import CkptStoreWriter
+
+    url = str(tmp_path / "repo")
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    # DCP keeps what is not a tensor (the optimizer's param groups) as pickled bytes items
+    sd = {"model": model.state_dict(), "optim": opt.state_dict()}
+    dcp.save(sd, storage_writer=CkptStoreWriter(url, step=1), no_dist=True)
+    man = ckptstore.open(url).manifest(1)
+    nbytes = len(man.dcp["bytes"])
+    assert nbytes > 0
+    assert main(["ls", url, "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["steps"]
+    assert main(["show", url, "1", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert row["tensors"] == len(shown["tensors"]) == len(man.tensors) - nbytes
+    assert row["bytes_items"] == len(shown["bytes_items"]) == nbytes
+    assert {b["key"] for b in shown["bytes_items"]} == set(man.dcp["bytes"])
+    # the tables say the same
+    assert main(["ls", url]) == 0
+    assert f" {row['tensors']} +{nbytes} bytes " in capsys.readouterr().out
+    assert main(["show", url, "1"]) == 0
+    out = capsys.readouterr().out
+    assert f"{row['tensors']} tensors, {nbytes} DCP bytes items" in out and "bytes item" in out

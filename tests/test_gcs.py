@@ -8,6 +8,7 @@ import torch
 
 import ckptstore
 from ckptstore.errors import (
+    CredentialsRefusedError,
     ObjectExistsError,
     ObjectNotFoundError,
     StorageError,
@@ -240,8 +241,8 @@ def test_emulator_answers_412_like_gcs(gcs):
         (502, TransientStorageError),
         (503, TransientStorageError),
         (400, StorageError),
-        (401, StorageError),
-        (403, StorageError),
+        (401, CredentialsRefusedError),  # a StorageError; the store adds the credential source
+        (403, CredentialsRefusedError),
         (409, StorageError),
     ],
 )

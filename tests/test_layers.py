@@ -18,7 +18,7 @@ LAYERS: list[list[str]] = [
     ["errors", "units", "clock", "progress"],
     ["storage.base"],
     ["storage._classify", "storage._blocking", "storage.upload", "storage.wrappers", "storage._azure_client",
-     "storage.throttle"],
+     "storage.throttle", "storage._credentials"],
     ["storage.memory", "storage.local", "storage.retry", "storage.faults", "storage.s3", "storage.gcs", "storage.azure"],
     ["storage"],
     ["format.codec", "format.tree", "planner", "tensors"],

@@ -651,7 +651,13 @@ def test_a_manifest_readers_would_refuse_is_never_committed(monkeypatch):
     with pytest.raises(ManifestTooLargeError, match=r"step 2: the manifest would be \d+ bytes.*nothing was committed.*chunk_size"):
         repo.save({f"t{i}": torch.ones(10) * i for i in range(20)}, step=2)
     assert repo.steps() == [1]
-    assert repo.plan_gc().young_packs  # what the refused save uploaded is an orphan for GC
+    # what the refused save uploaded was deleted with it (nothing could reference it): no orphan for GC
+    assert not repo.plan_gc().young_packs
+    from ckptstore.format.layout import pack_key, segment_key
+
+    man = repo.manifest(1)
+    assert {o.key for o in repo.store.list("packs/")} == {pack_key(p) for p in man.packs}
+    assert {o.key for o in repo.store.list("segments/")} == {segment_key(s.id) for s in man.segments}
 
 
 def test_pack_ranges_are_capped_by_closing_the_smallest_gaps():

@@ -9,6 +9,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from ckptstore.errors import (
+    CredentialsRefusedError,
     ObjectExistsError,
     ObjectNotFoundError,
     StorageError,
@@ -381,7 +382,7 @@ def _client_error(code: str, status: int, op: str = "GetObject"):
         ("RequestTimeout", 400, TransientStorageError),
         ("ConditionalRequestConflict", 409, TransientStorageError),
         ("SomethingNew", 502, TransientStorageError),
-        ("AccessDenied", 403, StorageError),
+        ("AccessDenied", 403, CredentialsRefusedError),  # a StorageError; the store adds the credential source
         ("InvalidArgument", 400, StorageError),
         ("NoSuchBucket", 404, StorageError),
         ("PreconditionFailed", 412, StorageError),
@@ -413,7 +414,7 @@ def test_classify_without_response():
         TransientStorageError
     )
     assert type(classify_error(ConnectionResetError(), "s3://b", "GetObject")) is TransientStorageError
-    assert type(classify_error(NoCredentialsError(), "s3://b", "GetObject")) is StorageError
+    assert type(classify_error(NoCredentialsError(), "s3://b", "GetObject")) is CredentialsRefusedError
     assert type(classify_error(FileExistsError("x"), "s3://b", "PutObject", exists_on_412=True)) is ObjectExistsError
 
 

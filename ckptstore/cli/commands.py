@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from .. import open as open_repo
 from ..progress import Bars
+from ..tier import is_tier
+from ..tier_admin import NotATierError
 from ._format import emit_json, human_bytes, iso, table
 from .cache import tier_options
 
@@ -45,12 +48,15 @@ def cmd_ls(args) -> int:
         pending = set(repo.pending_steps())  # with --cache-dir: steps saved with write-back, local only
         for step in repo.steps(pending=True):
             m = repo.manifest(step)
+            nbytes_items = len(_bytes_items(m))
             rows.append(
                 {
                     "step": step,
                     "pending": step in pending,
                     "time": iso(m.created),
-                    "tensors": len(m.tensors),
+                    # what `show` lists: tensors; DCP's bytes items (pickled objects) apart
+                    "tensors": len(m.tensors) - nbytes_items,
+                    "bytes_items": nbytes_items,
                     "logical_bytes": m.stats.get("logical_bytes", 0),
                     "new_bytes": m.stats.get("stored_bytes", 0),
                     "reused_bytes": m.stats.get("reused_bytes", 0),
@@ -66,7 +72,8 @@ def cmd_ls(args) -> int:
         return 0
     head = ["step", "time (UTC)", "tensors", "logical", "new (stored)", "tags", "names"]
     cells = [
-        [r["step"], r["time"], r["tensors"], human_bytes(r["logical_bytes"]), human_bytes(r["new_bytes"]),
+        [r["step"], r["time"], f"{r['tensors']} +{r['bytes_items']} bytes" if r["bytes_items"] else r["tensors"],
+         human_bytes(r["logical_bytes"]), human_bytes(r["new_bytes"]),
          ",".join(r["tags"]), ",".join(r["names"])]
         for r in rows
     ]
@@ -78,11 +85,17 @@ def cmd_ls(args) -> int:
     return 0
 
 
+def _bytes_items(m) -> list[str]:
+    """The keys of a DCP step's bytes items (objects DCP pickled, stored beside the tensors)."""
+    return list((m.dcp or {}).get("bytes", []))
+
+
 def cmd_show(args) -> int:
     with _open(args) as repo:
         ckpt = repo.checkpoint(args.step)
         metas = [ckpt.tensor_meta(k) for k in ckpt.keys()]
         m = ckpt.manifest
+        items = [(k, m.tensors[k]) for k in _bytes_items(m) if k in m.tensors]
     if args.json:
         emit_json(
             {
@@ -102,12 +115,16 @@ def cmd_show(args) -> int:
                     }
                     for t in metas
                 ],
+                "bytes_items": [{"key": k, "nbytes": e.nbytes, "stored_bytes": e.stored_bytes} for k, e in items],
             }
         )
         return 0
     print(f"step {m.step}  created {iso(m.created)} UTC  base step {m.base_step}")
     if m.metadata:
         print("metadata: " + ", ".join(f"{k}={v!r}" for k, v in m.metadata.items()))
+    print(f"{len(metas)} tensor{'s' if len(metas) != 1 else ''}"
+          + (f", {len(items)} DCP bytes item{'s' if len(items) != 1 else ''} (objects DCP pickled: "
+             "optimizer param groups, extra state...)" if items else ""))
     table(
         [
             [t.key, str(t.dtype).removeprefix("torch."), "x".join(map(str, t.shape)) or "()", len(t.shards),
@@ -116,6 +133,9 @@ def cmd_show(args) -> int:
         ],
         ["tensor", "dtype", "shape", "shards", "size", "stored"],
     )
+    if items:
+        table([[k, human_bytes(e.nbytes), human_bytes(e.stored_bytes)] for k, e in items],
+              ["bytes item", "size", "stored"])
     return 0
 
 
@@ -205,11 +225,24 @@ def cmd_rm(args) -> int:
             print(f"ckptstore: error: step {args.step} is the newest step; pass --force to delete it",
                   file=sys.stderr)
             return 1
+        tags = sorted(name for name, step in repo.tags().items() if step == args.step)
+        if tags and not args.force:
+            # Tags protect a step from gc; rm should not drop one without a word either.
+            what = f"step {args.step} is tagged {', '.join(tags)}"
+            if args.json or not sys.stdin.isatty():
+                print(f"ckptstore: error: {what}; pass --force to delete it", file=sys.stderr)
+                return 1
+            answer = input(f"{what}; delete it anyway? [y/N] ").strip().lower()
+            if answer not in ("y", "yes"):
+                print("nothing was changed")
+                return 1
         repo.delete(args.step)
     if args.json:
-        emit_json({"deleted": args.step})
+        emit_json({"deleted": args.step, "tags": tags})
     else:
-        print(f"deleted step {args.step}; its data is reclaimed by the next gc")
+        print(f"deleted step {args.step}; its data is reclaimed by the next gc"
+              + (f" (tag{'s' if len(tags) > 1 else ''} {', '.join(tags)} now name{'' if len(tags) > 1 else 's'} "
+                 "no step)" if tags else ""))
     return 0
 
 
@@ -364,6 +397,10 @@ def cmd_diff(args) -> int:
 
 
 def cmd_flush(args) -> int:
+    if not is_tier(args.cache_dir):  # a mistyped DIR: no tier made there (a write-back handle creates one)
+        why = "no such directory" if not os.path.isdir(args.cache_dir) else "no TIER file"
+        raise NotATierError(f"{os.path.abspath(args.cache_dir)}: not a ckptstore node-local tier ({why}): no "
+                            "step saved with write-back can be pending there")
     with open_repo(args.url, storage_options=_storage_options(args), cache_dir=args.cache_dir, write_back=True) as repo:
         before = repo.pending_steps()
         repo.flush()  # a failure is one line, exit 1 (cli.main)

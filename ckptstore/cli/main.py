@@ -2,8 +2,9 @@
 
 Known errors print one line (``ckptstore: error: ...``) and exit 1; set
 ``CKPTSTORE_DEBUG=1`` for the full traceback. Errors that are the user's
-input (no repository at the URL, a mistyped URL, a host that does not
-resolve) print that line alone: a traceback would not help.
+input or set-up (no repository at the URL, a mistyped URL, a host that does
+not resolve, a cloud's client extra not installed, credentials the store
+refused) print that line alone: a traceback would not help.
 """
 
 from __future__ import annotations
@@ -14,7 +15,14 @@ import sys
 import traceback
 
 from .. import __version__
-from ..errors import CkptStoreError, HostNotResolvedError, RepositoryNotFoundError, StoreURLError
+from ..errors import (
+    CkptStoreError,
+    CredentialsRefusedError,
+    HostNotResolvedError,
+    MissingExtraError,
+    RepositoryNotFoundError,
+    StoreURLError,
+)
 from ..tier_admin import NotATierError
 from . import commands
 from .cache import TIER_LS_HELP, TIER_STEP_HELP, add_cache_commands, add_tier_options
@@ -45,7 +53,8 @@ def add_flush_command(sub, common) -> None:
         "flush",
         help="commit the steps a node-local tier holds from write-back saves",
         description="Steps saved with write_back=True are durable in the node-local tier first and committed "
-        "in the object store in the background; a process that died leaves them there. This uploads and "
+        "in the object store in the background; a process that died leaves them there, and so does one that "
+        "could not commit them at exit (it prints this command, naming the steps). This uploads and "
         "commits them, in step order (a step another live process is committing is left to it), and waits. "
         "Exit 1 if one cannot be committed (it stays in the tier).",
     )
@@ -71,13 +80,17 @@ def _read_commands(sub) -> None:
         "ls",
         help="list committed steps",
         description="Committed steps: time, tensors, logical and newly stored bytes, tags, and the checkpoint "
-        "names the integrations gave them (lightning:last.ckpt, deepspeed:global_step1000).",
+        "names the integrations gave them (lightning:last.ckpt, deepspeed:global_step1000). 'tensors' counts "
+        "what `show` lists; a step saved through DCP also holds bytes items (objects DCP pickled: optimizer "
+        "param groups, extra state), counted apart as '+N bytes'.",
     )
     _common(sp)
     add_tier_options(sp, help_text=TIER_LS_HELP)
     sp.set_defaults(func=commands.cmd_ls)
 
-    sp = sub.add_parser("show", help="tensors and metadata of one step")
+    sp = sub.add_parser("show", help="tensors and metadata of one step",
+                        description="Tensors (name, dtype, shape, shards, size, stored size) and metadata of one "
+                        "step; a step saved through DCP also lists its bytes items (objects DCP pickled).")
     _common(sp)
     sp.add_argument("step", type=int, metavar="STEP")
     add_tier_options(sp, help_text=TIER_STEP_HELP)
@@ -122,10 +135,16 @@ def _gc_commands(sub) -> None:
     sp.add_argument("--yes", "-y", action="store_true", help="do not ask before deleting")
     sp.set_defaults(func=commands.cmd_gc)
 
-    sp = sub.add_parser("rm", help="delete one step (its data goes with the next gc)")
+    sp = sub.add_parser(
+        "rm",
+        help="delete one step (its data goes with the next gc)",
+        description="Delete one step; its data is reclaimed by the next gc. The newest step and a tagged step "
+        "(tags protect a step from gc) are deleted only with --force; in a terminal, deleting a tagged step "
+        "asks first.",
+    )
     _common(sp)
     sp.add_argument("step", type=int, metavar="STEP")
-    sp.add_argument("--force", action="store_true", help="allow deleting the newest step")
+    sp.add_argument("--force", action="store_true", help="allow deleting the newest step or a tagged step")
     sp.set_defaults(func=commands.cmd_rm)
 
     sp = sub.add_parser("tag", help="name a step (tagged steps survive gc)")
@@ -193,7 +212,8 @@ def _transfer_commands(sub) -> None:
 
 
 #: Errors whose message says all there is (the URL or host given): no traceback hint.
-_INPUT_ERRORS = (RepositoryNotFoundError, StoreURLError, HostNotResolvedError, NotATierError)
+_INPUT_ERRORS = (RepositoryNotFoundError, StoreURLError, HostNotResolvedError, NotATierError, MissingExtraError,
+                 CredentialsRefusedError)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("ckptstore: interrupted", file=sys.stderr)
         return 130
-    except (CkptStoreError, OSError, ValueError, KeyError, TypeError) as e:
+    except (CkptStoreError, OSError, ValueError, KeyError, TypeError) as e:  # MissingExtraError included
         if os.environ.get("CKPTSTORE_DEBUG"):
             traceback.print_exc()
         msg = str(e) if not isinstance(e, KeyError) else str(e.args[0] if e.args else e)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import io
 import json
@@ -24,11 +23,11 @@ from ..format.chunk_table import TableBuilder
 from ..errors import CkptStoreError, StepExistsError
 from ..exchange import Exchanger
 from ..format.layout import check_step as _check_step
-from ..format.layout import pack_key
+from ..format.layout import pack_key, segment_key
 from ..repository import Repository
 from ..repository import open as _open
 from ..replicas import ReplicaError, Replicator, replica_group
-from ..save import ChunkWriter, StepCommit, dedup_share, pack_usage, write_segment
+from ..save import ChunkWriter, StepCommit, dedup_share, discard_uncommitted, pack_usage, write_segment
 from .ids import _is_url, _pick_step, split_checkpoint_id
 from .metadata import _ItemResult, _RankInfo, build_manifest
 from .shared import Job, dcp_job, pack, unpack
@@ -444,6 +443,7 @@ class CkptStoreWriter(StorageWriter):
             raise
         pending = []
         handed_over = False
+        segments: list[str] = []  # the chunk table this rank wrote (deleted if the rank fails)
         try:
             for item in plan.items:
                 part = parts.get((item.index.fqn, tuple(item.index.offset))) if parts and item.index.offset else None
@@ -464,13 +464,16 @@ class CkptStoreWriter(StorageWriter):
             packs = writer.finish()
             builder = TableBuilder()
             runs = [builder.extend(refs) for _, _, _, refs in pending]
-            segment = write_segment(repo, builder, store=target) if pending else None
+            segment = write_segment(repo, builder, store=target, written=segments) if pending else None
             if wb is not None and pending:
                 # This rank's local commit: uploaded, then marked done in the store, in the background.
                 wb.hand_over_rank(self.step, rank, packs, segment)
                 handed_over = True
-        except BaseException:
+        except BaseException as e:
             writer.abort()
+            # Nothing can reference what this rank uploaded for the step: no step is committed without it.
+            if not handed_over and (wb is None or wb.records.read(wb.records.name(self.step, rank)) is None):
+                discard_uncommitted(repo, self.step, e, writer.started(), segments, store=target)
             raise
         finally:
             if wb is not None and not handed_over:
@@ -535,9 +538,35 @@ class CkptStoreWriter(StorageWriter):
                 commit = None
             else:
                 commit.commit(man)
+        except BaseException as e:
+            if commit is not None and repo.write_back is None and commit.uncommitted(e):
+                self._discard_ranks_uploads(repo, results, e)
+            raise
         finally:
             if commit is not None:
                 commit.end()
+
+    def _discard_ranks_uploads(self, repo: Repository, results, error: BaseException) -> None:
+        """The coordinator's commit failed before its manifest create: delete every rank's new packs and
+        chunk tables (each rank's result names the packs its references use; those not in the dedup
+        base's manifest are the ones it wrote). Left to GC when the base cannot be read."""
+        base = None
+        if self._base_step is not None:
+            try:
+                base = repo.manifest(self._base_step)
+            except Exception:  # noqa: BLE001 - not sure what is reused: delete nothing
+                return
+        packs: set[str] = set()
+        segments: list[str] = []
+        for rr in results:
+            for wr in rr:
+                info = wr.storage_data.info if isinstance(wr.storage_data, _ItemResult) else None
+                if info is None:
+                    continue
+                packs.update(p for p in info.packs if base is None or p not in base.packs)
+                if info.segment is not None:
+                    segments.append(segment_key(info.segment.id))
+        discard_uncommitted(repo, self.step, error, sorted(packs), segments)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -613,7 +642,9 @@ class CkptStoreWriter(StorageWriter):
 
 
 #: Write-back handles of this process, shared by every CkptStoreWriter with the same
-#: repository and options: their background uploads and commits outlive each writer.
+#: repository and options: their background uploads and commits outlive each writer, and
+#: are finished at interpreter exit (``ckptstore.writeback.finish_at_exit``, as every
+#: write-back handle's: bounded, or naming the steps left and the command that commits them).
 _WRITE_BACK_HANDLES: dict[str, Repository] = {}
 _WRITE_BACK_LOCK = threading.Lock()
 
@@ -625,18 +656,4 @@ def _write_back_handle(url: str, storage_options, options: dict) -> Repository:
         if repo is None:
             repo = _open(url, storage_options=storage_options, **options)
             _WRITE_BACK_HANDLES[key] = repo
-            if len(_WRITE_BACK_HANDLES) == 1:
-                atexit.register(_close_write_back_handles)
         return repo
-
-
-def _close_write_back_handles() -> None:
-    """At exit: finish the uploads and commits that can finish (the rest stays pending in the tier)."""
-    with _WRITE_BACK_LOCK:
-        handles = list(_WRITE_BACK_HANDLES.values())
-        _WRITE_BACK_HANDLES.clear()
-    for repo in handles:
-        try:
-            repo.close()
-        except Exception:  # noqa: BLE001 - at exit: the tier keeps what did not finish
-            pass

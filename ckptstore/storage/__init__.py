@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 import re
 
-from ..errors import StoreURLError
+from ..errors import MissingExtraError, StoreURLError
 from .base import MultipartInfo, MultipartUpload, ObjectInfo, ObjectStore
 from .upload import BufferPool, ParallelUploader
 from .local import LocalStore
@@ -204,7 +204,8 @@ def open_store(url: str, storage_options: dict | None = None) -> ObjectStore:
 
 
 def _require(module: str, extra: str, scheme: str) -> None:
-    """The cloud's client is an extra: say which one to install, before anything is opened."""
+    """The cloud's client is an extra: say which one to install, before anything is opened
+    (:class:`~ckptstore.errors.MissingExtraError`, an ``ImportError``)."""
     import importlib.util
 
     try:
@@ -212,4 +213,5 @@ def _require(module: str, extra: str, scheme: str) -> None:
     except ModuleNotFoundError:  # a dotted name whose parent package is missing (azure.storage.blob)
         spec = None
     if spec is None:
-        raise ImportError(f"{scheme}:// URLs need {module}, which is not installed: pip install 'ckptstore[{extra}]'")
+        raise MissingExtraError(
+            f"{scheme}:// URLs need {module}, which is not installed: pip install 'ckptstore[{extra}]'")

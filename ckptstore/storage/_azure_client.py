@@ -60,6 +60,8 @@ import re
 from dataclasses import dataclass
 from typing import Mapping, NamedTuple
 
+from ..errors import MissingExtraError
+
 #: Where each option is read from when ``storage_options`` do not give it.
 ENVIRONMENT = {
     "connection_string": "AZURE_STORAGE_CONNECTION_STRING", "account_name": "AZURE_STORAGE_ACCOUNT_NAME",
@@ -138,7 +140,7 @@ def identity_credential(account: Account):
     try:
         import azure.identity as identity
     except ImportError as e:
-        raise ImportError("Azure credentials from a service principal or DefaultAzureCredential need "
+        raise MissingExtraError("Azure credentials from a service principal or DefaultAzureCredential need "
                           "azure-identity, which is not installed: pip install 'ckptstore[azure]'") from e
     if account.principal is not None:
         tenant_id, client_id, client_secret = account.principal

@@ -67,12 +67,14 @@ import threading
 import uuid
 from typing import Iterator, Sequence
 
-from ..errors import CkptStoreError, ObjectExistsError, ObjectNotFoundError, StorageError, TransientStorageError
+from ..errors import (CkptStoreError, CredentialsRefusedError, ObjectExistsError, ObjectNotFoundError, StorageError,
+                      TransientStorageError)
 from ._azure_client import ACCOUNT_OPTIONS, ENVIRONMENT, POOL_CONNECTIONS, Client, connect, resolve_account
 from ._azure_client import scrub_text as _scrub_text
 from ._azure_client import secrets_of as _secrets_of
 from ._blocking import each_threaded, get_ranges_threaded, stream_range
 from ._classify import MAX_MESSAGE, host_not_resolved, in_chain, is_network_error, optional_types
+from ._credentials import azure_source, refused, with_source
 from .throttle import AdaptiveRate, ThrottlePolicy, parse_retry_after, rate_for
 from .base import (MultipartInfo, MultipartUpload, ObjectInfo, ObjectStore, RangeReplyError, check_key,
                    check_range_reply)
@@ -137,6 +139,11 @@ def _is_connection_error(exc: BaseException) -> bool:
         "urllib3.exceptions:TimeoutError", "http.client:IncompleteRead"))
 
 
+#: Error codes (besides any 401 or 403) meaning the account refused the request's credentials.
+_AUTH_CODES = frozenset({"AuthenticationFailed", "AuthorizationFailure", "AuthorizationPermissionMismatch",
+                         "InvalidAuthenticationInfo", "NoAuthenticationInformation"})
+
+
 def classify_error(exc: BaseException, where: str, op: str, exists_on_conflict: bool = False) -> Exception:
     """Turn an exception from azure-storage-blob (or the transport under it) into a ckptstore exception.
 
@@ -173,6 +180,8 @@ def classify_error(exc: BaseException, where: str, op: str, exists_on_conflict: 
         if code == "ContainerNotFound":
             # A configuration error, never an empty repository or a missing object.
             return StorageError(f"{where}: container does not exist (Azure {op}: {label})")
+        if status in (401, 403) or code in _AUTH_CODES:  # the store adds where its credentials came from
+            return refused(where, f"Azure {op}", label, message)
         if code == "BlobNotFound" or (status == 404 and not code):
             return ObjectNotFoundError(f"{where}: no such object (Azure {op}: {label})")
         if code in _TRANSIENT_CODES or status in _TRANSIENT_STATUS or (status is not None and status >= 500):
@@ -359,6 +368,8 @@ class AzureStore(ObjectStore):
 
     def _raise(self, exc: BaseException, key: str | None, op: str, exists: bool = False):
         err = classify_error(exc, self._where(key), op, exists)
+        if isinstance(err, CredentialsRefusedError):
+            err = with_source(err, azure_source(self._opts))
         if err is exc:
             raise exc
         text = str(err)

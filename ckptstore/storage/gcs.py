@@ -91,6 +91,7 @@ from urllib.parse import quote
 
 from ..errors import (
     CkptStoreError,
+    CredentialsRefusedError,
     ObjectExistsError,
     ObjectNotFoundError,
     StorageError,
@@ -99,6 +100,7 @@ from ..errors import (
 from .throttle import AdaptiveRate, ThrottlePolicy, parse_retry_after, rate_for
 from ._blocking import each_threaded, get_ranges_threaded, stream_range
 from ._classify import MAX_MESSAGE, check_resolves, host_not_resolved, in_chain, is_network_error, optional_types, scrub
+from ._credentials import gcs_source, refused, with_source
 from .base import (
     MultipartInfo,
     MultipartUpload,
@@ -217,6 +219,9 @@ def classify_error(exc: BaseException, where: str, op: str, exists_on_412: bool 
         return StorageError(f"{where}: GCS {op} failed (412 precondition failed)")
     if status == 404:
         return ObjectNotFoundError(f"{where}: no such object (GCS {op}: 404)")
+    if status in (401, 403):  # the store adds where its credentials came from
+        return refused(where, f"GCS {op}", str(status), getattr(in_chain(exc, lambda e: e if isinstance(
+            e, GCSHTTPError) else None), "message", ""))
     if status is not None:
         text = f"{where}: GCS {op} failed ({exc})"
         if status in _TRANSIENT_STATUS or status >= 500:
@@ -230,8 +235,8 @@ def classify_error(exc: BaseException, where: str, op: str, exists_on_412: bool 
     if _is_connection_error(exc):
         return TransientStorageError(f"{where}: GCS {op} failed: {type(exc).__name__}: {message}")
     if isinstance(exc, optional_types("google.auth.exceptions:RefreshError", "google.auth.exceptions:DefaultCredentialsError")):
-        return StorageError(f"{where}: GCS {op} failed: the credentials were refused or could not be "
-                            f"obtained ({type(exc).__name__}: {message})")
+        return CredentialsRefusedError(f"{where}: GCS {op} failed: the credentials were refused or could not "
+                                       f"be obtained ({type(exc).__name__}: {message})")
     return StorageError(f"{where}: GCS {op} failed: {type(exc).__name__}: {message}")
 
 
@@ -550,7 +555,10 @@ class GCSStore(ObjectStore):
         return f"{self.url}/{key}" if key else self.url
 
     def _error(self, exc: BaseException, key: str | None, op: str, exists_on_412: bool = False) -> Exception:
-        return scrub(classify_error(exc, self._where(key), op, exists_on_412), exc, self._secrets)
+        err = classify_error(exc, self._where(key), op, exists_on_412)
+        if isinstance(err, CredentialsRefusedError):
+            err = with_source(err, gcs_source(self._opts.token))
+        return scrub(err, exc, self._secrets)
 
     def _run(self, key: str | None, op: str, fn, *args, exists_on_412: bool = False, **kwargs):
         """``fn(*args, **kwargs)``, its errors classified (a 404 checked for a missing bucket)."""

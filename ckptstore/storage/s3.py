@@ -63,12 +63,14 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from ..errors import (
     CkptStoreError,
+    CredentialsRefusedError,
     ObjectExistsError,
     ObjectNotFoundError,
     StorageError,
     TransientStorageError,
 )
 from ._classify import MAX_MESSAGE, host_not_resolved, in_chain, is_network_error, optional_types, scrub
+from ._credentials import refused, s3_source, with_source
 from ._blocking import get_ranges_threaded, stream_range
 from .throttle import AdaptiveRate, ThrottlePolicy, parse_retry_after, rate_for
 from ..units import parse_size
@@ -116,6 +118,9 @@ THROTTLE_CODES = frozenset(
 #: absent: a missing bucket is a configuration error, and reporting it as a
 #: missing object would make an empty repository out of it.
 NOT_FOUND_CODES = frozenset({"NoSuchKey", "NoSuchUpload", "404", "NotFound"})
+#: Codes (besides any 401 or 403) meaning the store refused the request's credentials.
+AUTH_CODES = frozenset({"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
+                        "InvalidToken", "TokenRefreshRequired", "AllAccessDisabled", "InvalidClientTokenId"})
 
 #: Seconds to wait for a TCP connection.
 CONNECT_TIMEOUT = 5.0
@@ -223,10 +228,14 @@ def classify_error(exc: BaseException, where: str, op: str, exists_on_412: bool 
         # 304: MinIO (minio #19442) refuses a conditional create of an existing key so
         if exists_on_412 and (code in ("PreconditionFailed", "NotModified", "304") or status in (412, 304)):
             return ObjectExistsError(f"{where}: object already exists (S3 {op}: {label})")
+        if code in AUTH_CODES or status in (401, 403):  # the store adds where its credentials came from
+            return refused(where, f"S3 {op}", label, message)
         if code in NOT_FOUND_CODES or (not code and status == 404):
-            return ObjectNotFoundError(f"{where}: no such object (S3 {op}: {label})")
+            which = " (the bucket exists)" if code == "NoSuchKey" else ""
+            return ObjectNotFoundError(f"{where}: no such object{which} (S3 {op}: {label})")
         if code == "NoSuchBucket":
-            return StorageError(f"{where}: bucket does not exist (S3 {op}: {label})")
+            return StorageError(f"{where}: bucket does not exist (S3 {op}: {label}); create it first: "
+                                "ckptstore never creates buckets")
         if code == "EntityTooSmall":
             return StorageError(f"{text}. The store refused a multipart part as too small: its minimum part "
                                 "is above this repository's part_size. Open the repository with a larger "
@@ -244,6 +253,8 @@ def classify_error(exc: BaseException, where: str, op: str, exists_on_412: bool 
         return ObjectExistsError(f"{where}: object already exists (S3 {op})")
     if isinstance(exc, FileNotFoundError):
         return ObjectNotFoundError(f"{where}: no such object (S3 {op})")
+    if isinstance(exc, optional_types("botocore.exceptions:NoCredentialsError")):
+        return CredentialsRefusedError(f"{where}: S3 {op} failed: no credentials to sign it with")
     if _is_connection_error(exc):
         return TransientStorageError(f"{where}: S3 {op} failed: {detail}")
     return StorageError(f"{where}: S3 {op} failed: {detail}")
@@ -501,7 +512,10 @@ class S3Store(ObjectStore):
         return f"{self.url}/{key}" if key else self.url
 
     def _raise(self, exc: BaseException, key: str | None, op: str, exists_on_412: bool = False):
-        err = scrub(classify_error(exc, self._where(key), op, exists_on_412), exc, self._secrets)
+        err = classify_error(exc, self._where(key), op, exists_on_412)
+        if isinstance(err, CredentialsRefusedError):
+            err = with_source(err, s3_source(self._opts, self._clients[2]))
+        err = scrub(err, exc, self._secrets)
         if err is exc:
             raise exc
         raise err from exc

@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import mmap
 import threading
+from typing import Callable
 
 import numpy as np
 
@@ -81,6 +82,13 @@ class ParallelUploader:
     completes the upload with the size written. Either way the caller may
     reuse its buffers as soon as ``write``/``write_many`` returns.
     ``direct=False`` forces parts.
+
+    ``on_acked(n)``, if given, is called as the store acknowledges the
+    object's bytes: ``n`` is the length of its longest prefix the store has
+    taken (every part up to there uploaded; a direct write once it is
+    written; a plain PUT once it returns), never decreasing, from whichever
+    thread saw the acknowledgement. Progress bars count these bytes, not
+    bytes handed to the uploads.
     """
 
     def __init__(
@@ -93,6 +101,7 @@ class ParallelUploader:
         budget: threading.Semaphore | None = None,
         buffers: BufferPool | None = None,
         direct: bool | None = None,
+        on_acked: Callable[[int], None] | None = None,
     ):
         self.store = store
         self.direct = bool(getattr(store, "positional_multipart", False)) if direct is None else direct
@@ -109,6 +118,10 @@ class ParallelUploader:
         self._size = 0
         self._mpu: MultipartUpload | None = None
         self._closed = False
+        self._on_acked = on_acked
+        self._done_parts: set[int] = set()  # parts the store acknowledged beyond the prefix
+        self._prefix_parts = 0  # parts 1..n all acknowledged
+        self._ack_lock = threading.Lock()
 
     @property
     def size(self) -> int:
@@ -150,6 +163,8 @@ class ParallelUploader:
         except BaseException:
             self.abort()
             raise
+        if self._on_acked is not None:
+            self._on_acked(self._size)
 
     def _raise_failed(self) -> None:
         for f in self._futures:
@@ -172,6 +187,7 @@ class ParallelUploader:
             try:
                 # A full part goes as the bytearray itself (S3 sends it uncopied).
                 self._mpu.upload_part(number, buf if length == len(buf) else memoryview(buf)[:length])
+                self._acked(number)
             finally:
                 self._buffers.put(buf)
                 self._sem.release()
@@ -186,6 +202,21 @@ class ParallelUploader:
             if self._budget is not None:
                 self._budget.release()
             raise
+
+    def _acked(self, number: int) -> None:
+        """Part ``number`` is in the store: report the acknowledged prefix if it grew."""
+        if self._on_acked is None:
+            return
+        with self._ack_lock:
+            self._done_parts.add(number)
+            grew = False
+            while self._prefix_parts + 1 in self._done_parts:
+                self._prefix_parts += 1
+                self._done_parts.discard(self._prefix_parts)
+                grew = True
+            if grew:
+                # every part but the last is part_size long
+                self._on_acked(min(self._size, self._prefix_parts * self.part_size))
 
     def close(self) -> int:
         """Finish the object; returns its size."""
@@ -207,6 +238,8 @@ class ParallelUploader:
                 # Small object: one plain PUT is cheaper than a multipart upload.
                 data = bytes(memoryview(self._buf)[: self._fill]) if self._buf is not None else b""
                 self.store.put(self.key, data)
+                if self._on_acked is not None:
+                    self._on_acked(self._size)
             else:
                 if self._buf is not None and self._fill:
                     self._closed = False
