@@ -380,7 +380,7 @@ def load_step(cat: Catalog, step: int | None = None, into: Mapping | None = None
             e = ckpt.manifest.tensors[k]
             dest[k] = torch.empty(e.shape, dtype=_m.DTYPES[e.dtype])
     else:
-        _, dest = flatten(into)
+        _, dest = flatten(_tensors_of(into))
         missing = [k for k in dest if k not in ckpt.manifest.tensors]
         if missing:
             raise KeyError(f"step {step} has no tensor(s) {missing[:5]} present in `into`")
@@ -410,6 +410,18 @@ def load_step(cat: Catalog, step: int | None = None, into: Mapping | None = None
         if parent is not None:  # as DCP loads: only the values the destination names
             parent[path[-1]] = ckpt.read_value(fqn, safe_globals)
     return into
+
+
+def _tensors_of(into):
+    """``into`` with its non-JSON values (a DCP template's NumPy arrays, RNG states...) as None,
+    so that :func:`flatten` finds its tensors by the keys it always gives them."""
+    if isinstance(into, torch.Tensor):
+        return into
+    if isinstance(into, Mapping):
+        return {k: _tensors_of(v) for k, v in into.items()}
+    if isinstance(into, (list, tuple)):
+        return type(into)(_tensors_of(v) for v in into) if type(into) in (list, tuple) else [_tensors_of(v) for v in into]
+    return into if into is None or type(into) in (bool, int, float, str) else None
 
 
 def _bytes_items(man: Manifest) -> dict[str, tuple]:

@@ -138,7 +138,7 @@ class Repository(Catalog):
         items: a dataloader's state, RNG states...); they are unpickled
         through ckptstore's allowlist (:mod:`ckptstore.unpickle`) and placed
         at their paths (with ``into``: only those whose path ``into``
-        has, as DCP loads). ``safe_globals``: classes and functions they may
+        has, whatever its placeholder there, as DCP loads). ``safe_globals``: classes and functions they may
         hold besides the allowlist, as ``torch.serialization.add_safe_globals``
         takes them; anything else fails the load with
         :class:`~ckptstore.unpickle.UnsafeValueError` naming it. A step

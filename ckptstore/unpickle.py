@@ -165,10 +165,6 @@ def _named_globals(data: bytes) -> set[str]:
         return set()
 
 
-def _entry_name(e) -> str:
-    return e[1] if isinstance(e, tuple) else f"{e.__module__}.{e.__qualname__}"
-
-
 def check_safe_globals(extra: Iterable | None) -> list:
     """``extra`` as a list, each entry checked to be an ``add_safe_globals`` entry."""
     out = []
@@ -277,8 +273,3 @@ def load_safe(data: bytes, what: str, safe_globals: Iterable | None = None) -> A
     if candidates:
         _check_dataclasses(value, {c for c, _ in candidates}, what)
     return value
-
-
-def allowed_names(safe_globals: Iterable | None = None) -> list[str]:
-    """The ``module.name`` of every entry :func:`load_safe` adds to torch's own list (for docs and errors)."""
-    return sorted({_entry_name(e) for e in default_safe_globals() + check_safe_globals(safe_globals)})

@@ -172,10 +172,10 @@ def test_single_process_dcp_load_matches_filesystem_reader_and_repo_load(tmp_pat
             want[k] = dict(want[k])
         want["torch_safe"]["counter"] = dict(want["torch_safe"]["counter"])
         S.same(got["v"], want)
-        # into=: only the values the destination names, as DCP loads
-        into = {"w": torch.zeros(6), "v": {"np_arr": None, "loop": None}}
+        # into=: only the values the destination names, as DCP loads (placeholders of any type)
+        into = {"w": torch.zeros(6), "v": {"np_arr": np.zeros(1), "loop": S.LoopState(), "when": {"dt": None}}}
         repo.load(1, into=into)
-        S.same(into["v"], {"np_arr": want["np_arr"], "loop": want["loop"]})
+        S.same(into["v"], {"np_arr": want["np_arr"], "loop": want["loop"], "when": {"dt": want["when"]["dt"]}})
         assert torch.equal(into["w"], torch.arange(6.0))
         assert repo.checkpoint(1).read_value("v.when.dt") == want["when"]["dt"]
 
