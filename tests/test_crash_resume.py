@@ -29,8 +29,9 @@ def test_killed_training_resumes_bit_identical_to_the_uninterrupted_run(tmp_path
     seed = int(os.environ.get("CKPTSTORE_CRASH_SEED") or random.SystemRandom().randrange(2**32))
     print(f"\ncrash-resume: seed={seed} (reproduce with CKPTSTORE_CRASH_SEED={seed})", flush=True)
     try:
+        # 64 samples of 8: an epoch every 8 steps, so resumes cross epoch boundaries too
         out = crash_resume(world=2, steps=20, save_every=4, kills=len(KINDS), seed=seed, resize=False,
-                           workdir=str(tmp_path))
+                           workdir=str(tmp_path), samples=64)
     except Exception as e:
         raise AssertionError(f"seed {seed}: {e}") from e
     k = out["killed"]

@@ -278,15 +278,18 @@ class Kill:
 NEEDS = {"save": "blocking", "async": "async", "drain": "writeback", "commit": None}
 
 
-def _plan_next(rng: random.Random, left: list[str], start: int, cfg: TrainConfig) -> Kill | None:
-    """The next kill after a resume at ``start``: a kind still to do whose moment lies ahead (None: none does).
+def _plan_next(rng: random.Random, left: list[str], start: int, cfg: TrainConfig, i: int, n: int) -> Kill | None:
+    """Kill ``i`` of ``n`` after a resume at ``start``: a kind still to do whose moment lies ahead (None: none does).
 
-    ``train`` kills a few ms after the end of a random step before the next
-    save but one; the other kinds stall the first matching phase of the next
-    save that has it (:class:`~benchmarks.distributed.crash_trainer.Hooks`),
-    so every planned kill fires. The kind whose last chance comes first goes
-    first (ties drawn), so that every kind still fits in the run.
+    The kills are spread over the run: kill ``i`` aims at the ``i``-th of
+    ``n`` equal stretches of it. ``train`` kills a few ms after the end of a
+    random step between saves; the other kinds stall the first matching
+    phase of a save that has it
+    (:class:`~benchmarks.distributed.crash_trainer.Hooks`), so every planned
+    kill fires. A kind whose last chance comes before the next stretch goes
+    now; otherwise the kind with the nearest moment (ties drawn).
     """
+    aim, aim_next = max(start + 1, i * cfg.steps // n), (i + 1) * cfg.steps // n
     saves = range(start + cfg.save_every - start % cfg.save_every, cfg.steps + 1, cfg.save_every)
     options = {}
     for kind in dict.fromkeys(left):
@@ -298,13 +301,20 @@ def _plan_next(rng: random.Random, left: list[str], start: int, cfg: TrainConfig
             options[kind] = at
     if not options:
         return None
-    soonest = min(v[-1] for v in options.values())
-    kind = rng.choice(sorted(k for k, v in options.items() if v[-1] == soonest))
+    urgent = sorted(k for k, v in options.items() if v[-1] < aim_next)
+    if urgent:
+        last = min(options[k][-1] for k in urgent)
+        kind = rng.choice([k for k in urgent if options[k][-1] == last])
+        at = next((s for s in options[kind] if s >= aim), options[kind][-1])
+    else:
+        first = {k: next(s for s in v if s >= aim) for k, v in options.items()}
+        near = min(first.values())
+        kind = rng.choice(sorted(k for k, f in first.items() if f == near))
+        at = first[kind]
     left.remove(kind)
     if kind == "train":
-        return Kill(kind, rng.choice([s for s in options[kind] if s < start + 2 * cfg.save_every]),
-                    rng.uniform(0.0, 0.05))
-    return Kill(kind, options[kind][0], rng.uniform(0.0, 0.3 if kind == "commit" else STALL[kind] * 0.6))
+        return Kill(kind, rng.choice([s for s in options[kind] if at <= s < at + cfg.save_every]), rng.uniform(0.0, 0.05))
+    return Kill(kind, at, rng.uniform(0.0, 0.3 if kind == "commit" else STALL[kind] * 0.6))
 
 
 def run_killed(zyg: Zygotes, cfg: TrainConfig, world: int, kills: int, seed: int, ref_url: str, logs: str,
@@ -315,7 +325,7 @@ def run_killed(zyg: Zygotes, cfg: TrainConfig, world: int, kills: int, seed: int
     checker = StepChecker(cfg.url, ref_url)
     expect, records, loss_mismatch, n = 0, [], [], 0
     while True:
-        kill = _plan_next(rng, left, expect, cfg) if left else None
+        kill = _plan_next(rng, left, expect, cfg, len(records), kills) if left else None
         stall = None if kill is None or kill.kind == "train" else {"kind": kill.kind, "from": kill.at,
                                                                       "secs": STALL[kill.kind]}
         job = RunningJob(zyg, dataclasses.replace(cfg, stall=stall), world, logs, f"killed{n}")

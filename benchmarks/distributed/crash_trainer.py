@@ -6,7 +6,7 @@ A small transformer (token embedding, ``layers`` pre-norm blocks of causal
 self-attention and an MLP, each followed by dropout, a tied-free LM head),
 every block and the root under FSDP2 ``fully_shard`` on a gloo CPU mesh,
 AdamW, a warm-up + cosine ``LambdaLR``, torchdata's ``StatefulDataLoader``
-(shuffled by its own generator) over a synthetic Markov-chain token set, a
+(shuffled per epoch by :class:`EpochBatches`) over a synthetic Markov-chain token set, a
 random crop (Python's ``random``) and random token noise (NumPy's global
 RNG) on every batch, dropout from torch's RNG. The checkpoint holds all of
 it: model and optimizer (``get_state_dict``), scheduler, dataloader, the
@@ -43,6 +43,7 @@ import json
 import math
 import os
 import random
+import signal
 import sys
 import threading
 import time
@@ -170,11 +171,45 @@ class MarkovTokens(torch.utils.data.Dataset):
         return self.seqs[i]
 
 
+class EpochBatches:
+    """Shuffled batches, each epoch's order drawn from ``(seed, epoch)``; a stateful batch sampler.
+
+    ``StatefulDataLoader(shuffle=True)`` (torchdata 0.11) does not resume
+    exactly across epochs: restored mid-epoch, the *next* epoch's order
+    differs from an uninterrupted run's (its sampler's generator is shared
+    with the loader's per-``iter()`` seed draw; restored in a later epoch,
+    it replays the first epoch's order). This run found it (a divergence
+    at the first step of epoch 2). The loader saves and restores this
+    sampler's ``state_dict`` instead of fast-forwarding.
+    """
+
+    def __init__(self, n: int, batch: int, seed: int):
+        self.n, self.batch, self.seed = n, batch, seed
+        self.epoch, self.pos = 0, 0
+
+    def __len__(self):
+        return self.n // self.batch
+
+    def __iter__(self):
+        perm = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch))
+        while self.pos + self.batch <= self.n:
+            self.pos += self.batch
+            yield perm[self.pos - self.batch:self.pos].tolist()
+        self.epoch, self.pos = self.epoch + 1, 0
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.epoch, self.pos = int(sd["epoch"]), int(sd["pos"])
+
+
 def make_loader(cfg: TrainConfig):
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    return StatefulDataLoader(MarkovTokens(cfg), batch_size=cfg.global_batch, shuffle=True, drop_last=True,
-                              generator=torch.Generator().manual_seed(cfg.seed), num_workers=0)
+    # generator=: the loader's own per-iter() seed draw (unused without workers) stays off torch's global RNG.
+    return StatefulDataLoader(MarkovTokens(cfg), batch_sampler=EpochBatches(cfg.samples, cfg.global_batch, cfg.seed),
+                              generator=torch.Generator(), num_workers=0)
 
 
 def augment(batch: torch.Tensor, cfg: TrainConfig) -> torch.Tensor:
@@ -194,8 +229,9 @@ class Hooks:
     The save in progress sets :attr:`mode` and :attr:`step`. A pack upload
     (``put``/``upload_part`` under ``packs/``) is a ``save`` phase during a
     blocking save, an ``async`` phase during an async one, a ``drain`` phase
-    after a write-back save returned (the background uploads); the
-    manifest's exclusive create is the ``commit`` phase, between a save's
+    of a write-back save (the background uploads; a stall there first waits
+    for the save to return, so the kill lands after it is durable in the
+    tier); the manifest's exclusive create is the ``commit`` phase, between a save's
     uploads and its commit. When ``stall`` names the phase and the step is
     at least its ``from``, the first such call prints ``EV phase`` and
     sleeps ``secs`` (a commit stalls until the driver kills the job), so the
@@ -208,6 +244,7 @@ class Hooks:
         self.stall = stall
         self._fired = False
         self._lock = threading.Lock()
+        self.returned = threading.Event()  # the write-back save in progress has returned
 
     def _maybe_stall(self, kind: str, step: int) -> None:
         s = self.stall
@@ -217,6 +254,10 @@ class Hooks:
             if self._fired:
                 return
             self._fired = True
+        if kind == "drain":
+            # A write-back save's uploads start while its ranks still write the tier; the
+            # drain proper is what runs after the save returned (durable in the tier).
+            self.returned.wait(60)
         emit("phase", kind=kind, step=step)
         time.sleep(s["secs"])
 
@@ -354,6 +395,7 @@ class Job:
         self._finish_background(mode)
         if self.hooks is not None:
             self.hooks.mode, self.hooks.step = mode, step
+            self.hooks.returned.clear()
         if self.rank == 0:
             emit("save", step=step, mode=mode)
         opts = {"process_group": self.ckpt_group}
@@ -371,6 +413,7 @@ class Job:
             writer.close()
         if self.rank == 0:
             emit("durable", step=step, mode=mode)
+            self.hooks.returned.set()
 
     # -- training --------------------------------------------------------
     def batch(self) -> torch.Tensor:
@@ -428,6 +471,16 @@ def run_rank(cfg: TrainConfig, rank: int, world: int, port: int) -> None:
     dist.destroy_process_group()
 
 
+def _die_with_parent() -> None:
+    """SIGKILL this process when its parent dies (Linux; elsewhere nothing)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def zygote() -> None:
     """Fork rank processes on demand, everything already imported (a restart then takes ~1 s, not ~10).
 
@@ -441,6 +494,7 @@ def zygote() -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
+    _die_with_parent()
     import torch.distributed.checkpoint.state_dict  # noqa: F401 - imported once, here
     import torch.distributed.fsdp  # noqa: F401
     import torchdata.stateful_dataloader  # noqa: F401
@@ -454,6 +508,7 @@ def zygote() -> None:
         if pid == 0:
             code = 1
             try:
+                _die_with_parent()  # a rank never outlives its zygote, nor a zygote the driver
                 os.setpgid(0, cmd["pgid"])
                 for fd, path in ((1, cmd["out"]), (2, cmd["err"])):
                     f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
