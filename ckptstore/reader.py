@@ -27,7 +27,8 @@ from .progress import Counter
 from .progress import callback as progress_callback
 from .staging import TensorReader, make_staging
 from .tensors import byte_view, castable, writable_in_place
-from .format.tree import flatten, tree_keys, unflatten
+from .format.tree import decode_value, flatten, tensor_paths, tree_keys, unflatten
+from .unpickle import load_safe
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,17 @@ class Checkpoint:
     def values(self) -> dict:
         """The state dict with tensors replaced by their TensorMeta (no data read)."""
         return unflatten(self.manifest.tree, self.tensor_meta)
+
+    def read_value(self, key: str, safe_globals=None):
+        """A value a DCP save pickled (a bytes item), through :func:`ckptstore.unpickle.load_safe`.
+
+        ``safe_globals``: what the value may hold besides ckptstore's
+        allowlist (as ``torch.serialization.add_safe_globals`` takes it).
+        """
+        if self.manifest.dcp is None or key not in self.manifest.dcp.get("bytes", ()):
+            raise KeyError(f"{self.repo.url}: step {self.step} has no value {key!r} saved through DCP")
+        data = self.read(key).numpy().tobytes()
+        return load_safe(data, f"{self.repo.url}: step {self.step}: value {key!r}", safe_globals)
 
     def read(self, key: str, index: Any = None) -> torch.Tensor:
         """Read a tensor, or the slice ``index`` of it, fetching only covering chunks."""
@@ -393,7 +405,8 @@ def open_checkpoint(cat: Catalog, step: int) -> Checkpoint:
     return Checkpoint(cat, cat.manifest(step))
 
 
-def load_step(cat: Catalog, step: int | None = None, into: Mapping | None = None, progress=None) -> dict:
+def load_step(cat: Catalog, step: int | None = None, into: Mapping | None = None, progress=None,
+              safe_globals=None) -> dict:
     """The body of ``Repository.load``; see there."""
     if step is None:
         step = cat.newest_step()
@@ -404,7 +417,7 @@ def load_step(cat: Catalog, step: int | None = None, into: Mapping | None = None
             e = ckpt.manifest.tensors[k]
             dest[k] = torch.empty(e.shape, dtype=_m.DTYPES[e.dtype])
     else:
-        _, dest = flatten(into)
+        _, dest = flatten(_tensors_of(into))
         missing = [k for k in dest if k not in ckpt.manifest.tensors]
         if missing:
             raise KeyError(f"step {step} has no tensor(s) {missing[:5]} present in `into`")
@@ -417,9 +430,91 @@ def load_step(cat: Catalog, step: int | None = None, into: Mapping | None = None
     finally:
         close()
     if into is None:
-        return unflatten(ckpt.manifest.tree, dest.__getitem__)
+        values = _bytes_items(ckpt.manifest)
+        if not values:
+            return unflatten(ckpt.manifest.tree, dest.__getitem__)
+        # A DCP step: tensors and values in the order DCP flattened them (its planner data).
+        where = dict(tensor_paths(ckpt.manifest.tree))
+        where.update(values)
+        out: dict = {}
+        for fqn in sorted(where, key=_dcp_order(ckpt.manifest).get):
+            v = ckpt.read_value(fqn, safe_globals) if fqn in values else dest[fqn]
+            _place(out, where[fqn], v, fqn)
+        return out
     _replace_values(into, ckpt.manifest.tree)
+    for fqn, path in _bytes_items(ckpt.manifest).items():
+        parent = _parent_in(into, path)
+        if parent is not None:  # as DCP loads: only the values the destination names
+            parent[path[-1]] = ckpt.read_value(fqn, safe_globals)
     return into
+
+
+def _tensors_of(into):
+    """``into`` with its non-JSON values (a DCP template's NumPy arrays, RNG states...) as None,
+    so that :func:`flatten` finds its tensors by the keys it always gives them."""
+    if isinstance(into, torch.Tensor):
+        return into
+    if isinstance(into, Mapping):
+        return {k: _tensors_of(v) for k, v in into.items()}
+    if isinstance(into, (list, tuple)):
+        return type(into)(_tensors_of(v) for v in into) if type(into) in (list, tuple) else [_tensors_of(v) for v in into]
+    return into if into is None or type(into) in (bool, int, float, str) else None
+
+
+def _bytes_items(man: Manifest) -> dict[str, tuple]:
+    """A step saved through DCP: its bytes items (values DCP pickled) by key, each with its path."""
+    if man.dcp is None or not man.dcp.get("bytes"):
+        return {}
+    pd = man.dcp.get("planner_data")
+    paths = decode_value(pd) if pd is not None else None
+    out = {}
+    for fqn in man.dcp["bytes"]:
+        p = paths.get(fqn) if isinstance(paths, dict) else None
+        ok = isinstance(p, (tuple, list)) and p and all(type(x) in (str, int) for x in p)
+        out[fqn] = tuple(p) if ok else (fqn,)
+    return out
+
+
+def _dcp_order(man: Manifest) -> dict[str, int]:
+    """Key -> position in DCP's planner data (the state dict's order); keys it lacks come last."""
+    pd = man.dcp.get("planner_data") if man.dcp else None
+    paths = decode_value(pd) if pd is not None else None
+    order = {k: i for i, k in enumerate(paths)} if isinstance(paths, dict) else {}
+    n = len(order)
+    for k in man.tensors:
+        if k not in order:
+            order[k] = n
+            n += 1
+    return order
+
+
+def _place(out: dict, path: tuple, value, fqn: str) -> None:
+    node = out
+    for part in path[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise FormatError(f"value {fqn!r}: its path {list(path)} runs through a tensor or value")
+    if path[-1] in node:
+        raise FormatError(f"value {fqn!r}: its path {list(path)} is taken by another item")
+    node[path[-1]] = value
+
+
+def _parent_in(into, path: tuple):
+    """The container of ``into`` that holds ``path``'s last part, or None when ``into`` lacks the path."""
+    node = into
+    for part in path[:-1]:
+        if isinstance(node, Mapping) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and type(part) is int and 0 <= part < len(node):
+            node = node[part]
+        else:
+            return None
+    last = path[-1]
+    if isinstance(node, dict) and last in node:
+        return node
+    if isinstance(node, list) and type(last) is int and 0 <= last < len(node):
+        return node
+    return None
 
 
 def _replace_values(into, tree) -> None:

@@ -131,7 +131,8 @@ class Repository(Catalog):
         """A read view of one committed step."""
         return open_checkpoint(self, step)
 
-    def load(self, step: int | None = None, into: Mapping | None = None, progress=None) -> dict:
+    def load(self, step: int | None = None, into: Mapping | None = None, progress=None, *,
+             safe_globals=None) -> dict:
         """Load a step (default: the latest) as a state dict.
 
         With ``into``, tensors are read in place into the given state dict's
@@ -141,8 +142,18 @@ class Repository(Catalog):
         True (a bar on stderr), or a callable ``progress("load bytes", done,
         total)`` called as the destination tensors are filled and verified
         (:mod:`ckptstore.progress`).
+
+        A step saved through DCP also holds the values DCP pickled (bytes
+        items: a dataloader's state, RNG states...); they are unpickled
+        through ckptstore's allowlist (:mod:`ckptstore.unpickle`) and placed
+        at their paths (with ``into``: only those whose path ``into``
+        has, whatever its placeholder there, as DCP loads). ``safe_globals``: classes and functions they may
+        hold besides the allowlist, as ``torch.serialization.add_safe_globals``
+        takes them; anything else fails the load with
+        :class:`~ckptstore.unpickle.UnsafeValueError` naming it. A step
+        saved by :meth:`save` holds only tensors and JSON values.
         """
-        return load_step(self, step, into, progress)
+        return load_step(self, step, into, progress, safe_globals)
 
     def read_stats(self) -> dict:
         """Stored chunk bytes this handle has read, by source: ``{"tier", "peer", "store"}``."""

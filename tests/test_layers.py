@@ -21,7 +21,7 @@ LAYERS: list[list[str]] = [
      "storage.throttle", "storage._credentials"],
     ["storage.memory", "storage.local", "storage.retry", "storage.faults", "storage.s3", "storage.gcs", "storage.azure"],
     ["storage"],
-    ["format.codec", "format.tree", "planner", "tensors"],
+    ["format.codec", "format.tree", "planner", "tensors", "unpickle"],
     ["format.pack", "format.model", "format.strict_json", "format.manifest_v1", "format.manifest_v2", "format.refs",
      "format.manifest"],
     ["format.layout", "format.chunk_table", "format"],

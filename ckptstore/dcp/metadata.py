@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import math
 import os
 import time
@@ -253,27 +252,6 @@ def _tree_from_planner_data(keys: list[str], planner_data) -> dict:
         return {"d": [[name, {"t": v} if isinstance(v, str) else to_node(v)] for name, v in d.items()]}
 
     return to_node(root)
-
-
-def _check_weights_only(data: bytes, what: str) -> None:
-    """Refuse a DCP bytes item that ``torch.load(weights_only=True)`` would refuse.
-
-    DCP's default planner unpickles bytes items with ``weights_only=False``
-    (torch 2.13's ``DefaultLoadPlanner.load_bytes``): any object a stored
-    pickle names would be imported and run. Loading it with the restricted
-    unpickler first proves it holds only tensors, containers and the types
-    ``torch.serialization`` allows (``add_safe_globals`` extends them), so
-    the planner's own load then builds the same objects.
-    """
-    try:
-        torch.load(io.BytesIO(data), weights_only=True)
-    except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise FormatError(
-            f"{what} is not loadable with torch.load(weights_only=True), so it is not handed to DCP's planner "
-            f"(which would unpickle it unrestricted). Allow its types with "
-            f"torch.serialization.add_safe_globals if you trust them. torch said: {first}"
-        ) from None
 
 
 def metadata_from_manifest(man: Manifest) -> Metadata:

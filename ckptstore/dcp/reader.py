@@ -37,7 +37,8 @@ from ..tensors import castable
 from ..format.tree import leaf_values
 from .exchanged import ExchangedRead, _box, _piece_box
 from .ids import _is_url, _pick_step, split_checkpoint_id
-from .metadata import _check_weights_only, metadata_from_manifest
+from ..unpickle import check_safe_globals, load_safe
+from .metadata import metadata_from_manifest
 from .shared import dcp_job, pack, unpack
 
 
@@ -203,6 +204,14 @@ class CkptStoreReader(StorageReader):
         the object store serves only what no tier holds (default True;
         ``docs/tier.md``, "Peer replicas"). One small all-gather per load
         when no node lacks anything.
+    safe_globals:
+        Classes and functions (or ``(object, "module.name")`` pairs) that
+        bytes items may hold besides ckptstore's allowlist
+        (:mod:`ckptstore.unpickle`: tensors and torch's safe types, NumPy
+        arrays and RNG states, ``OrderedDict``, ``datetime`` values,
+        dataclasses of plain values), as for
+        ``torch.serialization.add_safe_globals`` but for this reader only.
+        A bytes item holding anything else fails the load, naming it.
 
     Destination tensors may have another floating dtype than the stored
     one: values are cast like DCP's ``FileSystemReader`` casts them.
@@ -218,6 +227,7 @@ class CkptStoreReader(StorageReader):
         exchange: ExchangeOptions | None = None,
         process_group=None,
         peer_reads: bool = True,
+        safe_globals=None,
         exchange_replicated: bool | None = None,
         exchange_timeout: float | None = None,
         exchange_round_bytes: int | None = None,
@@ -230,6 +240,8 @@ class CkptStoreReader(StorageReader):
         self.url, id_step = split_checkpoint_id(url)
         self.step = _pick_step(self.url, id_step, self._default_step, "CkptStoreReader")
         self.peer_reads = bool(peer_reads)
+        #: What bytes items may hold besides ckptstore's allowlist (``safe_globals``).
+        self.safe_globals = check_safe_globals(safe_globals)
         #: This rank's figures of its last peer fill (packs and bytes received from and sent to
         #: other nodes' tiers), or None when there was none.
         self.last_peer_stats: dict | None = None
@@ -494,8 +506,11 @@ class CkptStoreReader(StorageReader):
         return direct, regions, received
 
     def _load_bytes(self, item, planner: LoadPlanner, data: bytes) -> None:
+        # DCP's planner unpickles unrestricted: only a value that loads through the
+        # restricted unpickler and the allowlist reaches it (it then builds the same objects).
         man = self._ckpt.manifest
-        _check_weights_only(data, f"{self._ckpt.repo.url}: step {man.step}: bytes item {item.storage_index.fqn!r}")
+        load_safe(data, f"{self._ckpt.repo.url}: step {man.step}: bytes item {item.storage_index.fqn!r}",
+                  self.safe_globals)
         planner.load_bytes(item, io.BytesIO(data))
 
     def _read_all(self, jobs) -> None:

@@ -77,7 +77,9 @@ def flatten(state_dict: Mapping) -> tuple[dict, dict[str, torch.Tensor]]:
             return {"v": v}
         raise TypeError(
             f"state_dict[{_path_str(path)!r}] is a {type(v).__module__}.{type(v).__qualname__}; "
-            "only tensors and plain JSON values (int, float, str, bool, None, list, dict) can be saved"
+            "only tensors and plain JSON values (int, float, str, bool, None, list, dict) can be saved "
+            "(a NumPy array: torch.from_numpy(a); other values, such as NumPy RNG states: save through "
+            "ckptstore.dcp, whose values load through ckptstore's allowlist, docs/dcp.md)"
         )
 
     tree = walk(state_dict, [], 0)

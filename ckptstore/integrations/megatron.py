@@ -31,9 +31,11 @@ which ``load_strategy(url)`` without a step reads.
 
 ``ShardedObject`` values are bytes Megatron serialized with ``torch.save``;
 ckptstore stores them opaquely and they are loaded with
-``torch.load(weights_only=True)`` (tensors, containers and plain values; a
-custom class is refused with torch's error naming it), never with an
-unrestricted unpickler.
+``torch.load(weights_only=True)`` and ckptstore's allowlist
+(:mod:`ckptstore.unpickle`: NumPy arrays and RNG states such as Megatron's
+``rng_state``, ``datetime`` values, dataclasses of plain values; a custom
+class is refused with an error naming it), never with an unrestricted
+unpickler.
 
 Supported: Megatron-Core 0.16.x (tested: 0.16.1, the newest release that
 installs on Python 3.11; 0.17 needs Python 3.12). The strategies use
@@ -81,6 +83,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ..dcp import CkptStoreReader, CkptStoreWriter
 from ..errors import FormatError
+from ..unpickle import load_safe
 from ._common import unwrap_checkpoint_exception
 
 __all__ = ["save_strategy", "load_strategy", "CkptStoreSaveStrategy", "CkptStoreLoadStrategy", "BACKEND"]
@@ -161,10 +164,10 @@ class CkptStoreSaveStrategy(TorchDistSaveShardedStrategy):
 
 
 class _SafeLoadPlanner(MCoreLoadPlanner):
-    """Megatron's load planner, loading ShardedObject bytes with ``torch.load(weights_only=True)``."""
+    """Megatron's load planner, loading ShardedObject bytes through ckptstore's allowlist (restricted)."""
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        obj = torch.load(value, weights_only=True)
+        obj = load_safe(value.getvalue(), f"ShardedObject {read_item.dest_index.fqn!r}")
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
