@@ -1,0 +1,157 @@
+"""Process bodies of the torchtitan test: llama3 ``debugmodel`` on the CPU, 2 gloo ranks.
+
+torchtitan 0.3.0 assumes an accelerator in a few places; the patches of
+:func:`cpu_patches` (this test harness only; ``ckptstore`` never patches
+torchtitan) make its stock trainer run on CPU processes:
+
+- the device type falls back to ``cuda`` when no accelerator is found:
+  ``torch._utils._get_available_device_type`` answers ``cpu`` before
+  torchtitan reads it (its device module is then ``torch.cpu``);
+- its device memory monitor calls CUDA-only functions (device name,
+  properties, memory stats): a stand-in reporting zeros;
+- ``set_pg_timeouts`` (after the first step) issues a barrier with device
+  ids and calls ``torch.distributed.set_timeout``, absent in torch 2.13: a
+  no-op;
+- FSDP2 reduce-scatters gradients with ``PREMUL_SUM(1.0)`` (torchtitan
+  sets the divide factor to 1.0), which gloo lacks: every FSDP module is
+  told to use plain sums (:func:`sum_reductions`), the same arithmetic;
+- flex attention's backward refuses CPU tensors unless its device check is
+  skipped (its eager backward matches SDPA's; the compiled path fails in
+  inductor on CPU), so the check is skipped;
+- ``minimal_async_ep`` imports triton unconditionally: a stub module.
+
+Each rank writes what the test compares (every step's loss as
+``float.hex``) into the result folder as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import types
+
+
+def _env(rank: int, world: int, port: int) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        WANDB_MODE="disabled",
+    )
+
+
+def cpu_patches() -> None:
+    """Make torchtitan 0.3.0's trainer run on CPU processes (see the module docstring)."""
+    import torch
+    import torch._utils
+
+    torch._utils._get_available_device_type = lambda: "cpu"
+    # A stub of the kernels module, not of triton: torch takes an importable
+    # triton for a usable one.
+    sys.modules.setdefault("torchtitan.distributed.minimal_async_ep.kernels", _kernels_stub())
+
+    import torchtitan.components.metrics as metrics
+    import torchtitan.distributed.utils as dist_utils
+
+    class _NoDeviceMemory:
+        device_name = "cpu"
+        device_capacity_gib = 0.0
+
+        def reset_peak_stats(self):
+            pass
+
+        def get_peak_stats(self):
+            return metrics.DeviceMemStats(0, 0, 0, 0, 0, 0)
+
+    metrics.build_device_memory_monitor = lambda: _NoDeviceMemory()
+    dist_utils.set_pg_timeouts = lambda *a, **k: None
+
+    import torch.nn.attention.flex_attention as flex
+    import torchtitan.models.common.attention as attention
+
+    flex._validate_device = lambda *a, **k: None
+    attention._compiled_create_block_mask = flex.create_block_mask
+    attention.FlexAttention._compiled_flex_attn = flex.flex_attention
+    set_determinism = dist_utils.set_determinism
+
+    def deterministic_eager_flex(*a, **k):
+        # --debug.deterministic compiles flex attention again (eager on ROCm only)
+        set_determinism(*a, **k)
+        attention.FlexAttention._compiled_flex_attn = flex.flex_attention
+
+    dist_utils.set_determinism = deterministic_eager_flex
+
+
+def sum_reductions(trainer) -> None:
+    """FSDP2 with gloo: plain sums instead of ``PREMUL_SUM`` (gloo has none).
+
+    torchtitan sets every FSDP module's gradient divide factor to 1.0 (it
+    scales by the global token count itself), so FSDP reduce-scatters with
+    ``PREMUL_SUM(1.0)``; forcing sum reductions gives the same sums.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for part in trainer.model_parts:
+        for module in part.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+
+
+def _kernels_stub() -> types.ModuleType:
+    mod = types.ModuleType("torchtitan.distributed.minimal_async_ep.kernels")
+
+    def missing(name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+
+        def kernel(*a, **k):
+            raise RuntimeError(f"{name}: a triton kernel (not available in this CPU test)")
+
+        return kernel
+
+    mod.__getattr__ = missing
+    return mod
+
+
+def train(rank: int, world: int, port: int, args: list[str], out: str) -> None:
+    """One rank of a torchtitan run with ``args`` (torchtitan's command line)."""
+    _env(rank, world, port)
+    cpu_patches()
+    import torch
+
+    torch.set_num_threads(1)
+    from torchtitan.components.metrics import MetricsProcessor
+    from torchtitan.config import ConfigManager
+    from torchtitan.tools.logging import init_logger
+
+    init_logger()
+    losses: dict[int, str] = {}
+    original_log = MetricsProcessor.log
+
+    def log(self, step, global_avg_loss, *a, **k):
+        losses[int(step)] = float(global_avg_loss).hex()
+        return original_log(self, step, global_avg_loss, *a, **k)
+
+    MetricsProcessor.log = log
+    config = ConfigManager().parse_args(args)
+    trainer = config.build()
+    sum_reductions(trainer)
+    try:
+        if os.environ.get("TT_PROFILE") and rank == 0:
+            import cProfile
+            cProfile.runctx("trainer.train()", globals(), locals(), os.path.join(out, "prof"))
+        else:
+            trainer.train()
+    finally:
+        trainer.close()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump({"losses": losses, "step": trainer.step}, f)
