@@ -120,9 +120,59 @@ def _kernels_stub() -> types.ModuleType:
     return mod
 
 
-def train(rank: int, world: int, port: int, args: list[str], out: str) -> None:
-    """One rank of a torchtitan run with ``args`` (torchtitan's command line)."""
-    _env(rank, world, port)
+def make_assets(root: str) -> tuple[str, str]:
+    """A small JSON dataset and a word-level tokenizer built from it (offline): (dataset folder, tokenizer folder)."""
+    import random
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    words = ("the model reads a checkpoint from the store and writes it back while training goes on every step "
+             "saves shards of weights and optimizer state so that a restart resumes exactly where it stopped").split()
+    rng = random.Random(0)
+    texts = [" ".join(rng.choice(words) for _ in range(rng.randint(40, 120))) for _ in range(64)]
+    data = os.path.join(root, "data")
+    os.makedirs(data, exist_ok=True)
+    with open(os.path.join(data, "data.json"), "w") as f:
+        for t in texts:
+            f.write(json.dumps({"text": t}) + "\n")
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    specials = ["<unk>", "<|begin_of_text|>", "<|end_of_text|>"]
+    tok.train_from_iterator(texts, trainers.WordLevelTrainer(special_tokens=specials))
+    assets = os.path.join(root, "tokenizer")
+    os.makedirs(assets, exist_ok=True)
+    tok.save(os.path.join(assets, "tokenizer.json"))
+    with open(os.path.join(assets, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": specials[1], "eos_token": specials[2]}, f)
+    return data, assets
+
+
+def base_args(data: str, assets: str, dump: str, steps: int) -> list[str]:
+    """torchtitan's command line for llama3 debugmodel on 2 CPU ranks: seq_len 64, local batch 2, fp32, deterministic."""
+    return [
+        "--module", "llama3", "--config", "llama3_debugmodel",
+        "--hf-assets-path", assets, "--dataloader.dataset-path", data, "--dump-folder", dump,
+        "--training.seq-len", "64", "--training.local-batch-size", "2", "--training.steps", str(steps),
+        "--training.mixed-precision-param", "float32",
+        "--debug.deterministic", "--debug.seed", "42", "--parallelism.spmd-backend", "partial_dtensor",
+        "--validator.no-enable",
+    ]
+
+
+#: tyro's subcommand, last on the command line: no activation checkpointing (the runs are small)
+AC_NONE = ["activation-checkpoint:none"]
+
+
+def run_phases(rank: int, world: int, ports: list[int], phases: list[dict], env: dict, out: str) -> None:
+    """Every phase's torchtitan run, one after the other in this rank's process.
+
+    A phase is ``{"name", "args", "stop"}``: ``stop`` ends training after
+    that step (a preemption: no last-step save). One process runs them all
+    (a fresh process group each, on its own port): torchtitan's import and
+    set-up are paid once.
+    """
+    os.environ.update(env)
+    _env(rank, world, ports[0])
     cpu_patches()
     import torch
 
@@ -130,28 +180,44 @@ def train(rank: int, world: int, port: int, args: list[str], out: str) -> None:
     from torchtitan.components.metrics import MetricsProcessor
     from torchtitan.config import ConfigManager
     from torchtitan.tools.logging import init_logger
+    from torchtitan.trainer import Trainer
 
     init_logger()
-    losses: dict[int, str] = {}
+    record: dict = {}
     original_log = MetricsProcessor.log
 
     def log(self, step, global_avg_loss, *a, **k):
-        losses[int(step)] = float(global_avg_loss).hex()
+        record["losses"][int(step)] = float(global_avg_loss).hex()
         return original_log(self, step, global_avg_loss, *a, **k)
 
     MetricsProcessor.log = log
-    config = ConfigManager().parse_args(args)
-    trainer = config.build()
-    sum_reductions(trainer)
-    try:
-        if os.environ.get("TT_PROFILE") and rank == 0:
-            import cProfile
-            cProfile.runctx("trainer.train()", globals(), locals(), os.path.join(out, "prof"))
-        else:
+    results = {}
+    for phase, port in zip(phases, ports):
+        os.environ["MASTER_PORT"] = str(port)
+        record = {"losses": {}}
+        stop = phase.get("stop")
+        Trainer.should_continue_training = (
+            (lambda self, stop=stop: self.step < min(stop, self.config.training.steps)) if stop
+            else (lambda self: self.step < self.config.training.steps))
+        config = ConfigManager().parse_args(list(phase["args"]) + AC_NONE)
+        trainer = config.build()
+        sum_reductions(trainer)
+        try:
+            original_load = trainer.checkpointer.load
+
+            def load(step=-1, _orig=original_load, _t=trainer):
+                found = _orig(step=step)
+                record["resumed_from"] = _t.step if found else None
+                return found
+
+            trainer.checkpointer.load = load
             trainer.train()
-    finally:
-        trainer.close()
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+            record["step"] = trainer.step
+            record["manager"] = type(trainer.checkpointer).__name__
+        finally:
+            trainer.close()
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+        results[phase["name"]] = record
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump({"losses": losses, "step": trainer.step}, f)
+        json.dump(results, f)
