@@ -256,7 +256,7 @@ def test_exclude_from_loading_and_initial_load_model_only_from_another_repositor
     c = job(tmp_path / "finetune", seed=2, exclude_from_loading=["dataloader"],
             initial_load_path=str(tmp_path / "pretrain" / "step-5"))
     assert c.manager.load() and c.train.step == 6 and c.data.pos == 0  # its own folder wins; dataloader excluded
-    with pytest.raises(ValueError, match=r"initial_load_path is invalid: .*step-4 \(the repository .* holds steps \[5\]"):
+    with pytest.raises(ValueError, match=r"initial_load_path is invalid: .*step-4 \(the repository .* steps \[5\]"):
         job(tmp_path / "x", initial_load_path=str(tmp_path / "pretrain" / "step-4")).manager.load()
     c.manager.close()
 
@@ -317,6 +317,26 @@ def test_async_save_saves_a_copy_in_the_background_and_close_waits_for_it(tmp_pa
     assert tt.checkpoint_steps(url) == {1: 1}
     with ckptstore.open(str(url)) as repo:
         assert bits_equal(repo.checkpoint(1).read("weight"), saved["weight"])
+
+
+def test_an_async_save_of_a_step_again_names_it_before_the_wait_returns(tmp_path, one_rank):
+    url = tmp_path / "run"
+    a = job(url)
+    a.step(1)
+    a.step(2)
+    a.manager.close()
+    b = job(url, async_mode="async")
+    b.manager.load(step=1)
+    with torch.no_grad():
+        b.model.bias.add_(1.0)
+    b.step(2)
+    b.manager.maybe_wait_for_saving()  # the step is committed and named
+    assert tt.checkpoint_steps(url) == {1: 1, 2: 3}
+    want = weights(b.model)
+    b.manager.close()
+    c = job(url, seed=5)
+    assert c.manager.load(step=2) and same(weights(c.model), want)
+    c.manager.close()
 
 
 def test_async_with_pinned_memory_is_refused_without_cuda(tmp_path):
@@ -428,3 +448,26 @@ def test_llama3_debugmodel_on_two_cpu_ranks_resumes_exactly_from_s3(tmp_path, s3
             # is not followed by one, as in torchtitan
             assert repo.steps() == [4, 6, 8], mode
             assert repo.checkpoint(8).metadata[tt.METADATA_KEY]["model_only"] is False
+
+
+@pytest.mark.slow  # DCP starts a background process
+def test_async_with_pinned_memory_saves_from_a_background_process(tmp_path, one_rank, monkeypatch):
+    """The mode's path (torchtitan's stager, DCP's process-based upload of CkptStoreWriter), on CPU:
+    pinned staging itself needs CUDA, so the stager here stages (in a thread) without pinning."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    unpinned = StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=True,
+                              use_non_blocking_copy=False)
+    monkeypatch.setattr(tt._tt_dcp, "DefaultStager", lambda options: DefaultStager(unpinned))
+    url = tmp_path / "run"
+    a = job(url, async_mode="async_with_pinned_mem")
+    a.step(1)
+    saved = weights(a.model)
+    assert a.manager.staging_future is not None and a.manager.save_future is not None
+    a.manager.maybe_wait_for_staging()
+    with torch.no_grad():
+        a.model.weight.add_(1.0)
+    a.manager.close()
+    with ckptstore.open(str(url)) as repo:
+        assert repo.steps() == [1] and bits_equal(repo.checkpoint(1).read("weight"), saved["weight"])

@@ -148,7 +148,7 @@ def make_assets(root: str) -> tuple[str, str]:
 
 
 def base_args(data: str, assets: str, dump: str, steps: int) -> list[str]:
-    """torchtitan's command line for llama3 debugmodel on 2 CPU ranks: seq_len 64, local batch 2, fp32, deterministic."""
+    """torchtitan's command line for llama3 debugmodel on 2 CPU ranks (seq_len 64, batch 2, fp32, deterministic)."""
     return [
         "--module", "llama3", "--config", "llama3_debugmodel",
         "--hf-assets-path", assets, "--dataloader.dataset-path", data, "--dump-folder", dump,

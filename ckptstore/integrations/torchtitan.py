@@ -41,6 +41,7 @@ retention removes it, and the log says so. See ``docs/integrations.md``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -65,6 +66,7 @@ except ImportError as _e:  # tested in a subprocess where torchtitan cannot be i
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 import ckptstore
 from ckptstore.dcp import CkptStoreReader, CkptStoreWriter, split_checkpoint_id
@@ -138,7 +140,7 @@ def checkpoint_steps(url, storage_options: dict | None = None, repo=None) -> dic
 # ---------------------------------------------------------------- the override
 @override(target=CheckpointManager.Config, description="torchtitan checkpoints in a ckptstore repository")
 def ckptstore_checkpoint(cfg: CheckpointManager.Config, **options) -> "CkptStoreCheckpointManager.Config":
-    """``--override.imports ckptstore.integrations.torchtitan.ckptstore_checkpoint``: the checkpoint config, on ckptstore.
+    """The override ``--override.imports ckptstore.integrations.torchtitan.ckptstore_checkpoint`` applies.
 
     Every field of torchtitan's ``CheckpointManager.Config`` is kept;
     ``options`` (from ``'...ckptstore_checkpoint={"cache_dir": "/nvme"}'``
@@ -212,6 +214,9 @@ class CkptStoreCheckpointManager(CheckpointManager):
                 raise ValueError(f"checkpoint.replicas must be 0 or 1, got {self.replicas!r}")
             if (self.write_back or self.replicas) and not self.cache_dir:
                 raise ValueError("checkpoint.write_back and checkpoint.replicas need checkpoint.cache_dir")
+            if self.hf_folder and _tt_fs.is_remote(self.hf_folder):
+                raise ValueError(f"checkpoint.hf_folder must be a local path (the safetensors file is written there), "
+                                 f"got {self.hf_folder!r}")
 
     def __init__(self, config, **kwargs) -> None:
         if type(config) is CheckpointManager.Config:
@@ -221,17 +226,20 @@ class CkptStoreCheckpointManager(CheckpointManager):
         self._retention = None
         self._writers: list[CkptStoreWriter] = []
         self._inflight: Future | None = None
-        if config.enable and config.async_mode.lower() == AsyncMode.ASYNC_WITH_PINNED_MEM.value and not torch.cuda.is_available():
+        pinned = config.async_mode.lower() == AsyncMode.ASYNC_WITH_PINNED_MEM.value
+        if config.enable and pinned and not torch.cuda.is_available():
             raise ValueError(
                 "checkpoint.async_mode='async_with_pinned_mem' stages CUDA tensors into pinned host memory and saves "
                 "from another process; this process has no CUDA device (torch.cuda.is_available() is False). "
                 "Use --checkpoint.async_mode async (a copy in host memory, saved from a thread) on CPU"
             )
-        # torchtitan's purge thread deletes step folders; retention is ckptstore's GC here
-        super().__init__(_with_keep(config, 0), **kwargs)
+        super().__init__(config, **kwargs)
         if not self.enable:
             return
-        self.keep_latest_k = config.keep_latest_k
+        if self.purge_thread is not None:  # torchtitan's purge thread deletes step folders: GC does it here
+            self.purge_queue.put(None)
+            self.purge_thread.join()
+            self.purge_thread = None
         self.url = self.folder
         self._options = _repo_options(config)
         self._storage_options = dict(config.storage_options) or None
@@ -279,7 +287,9 @@ class CkptStoreCheckpointManager(CheckpointManager):
         doc = _broadcast_json(None, self._coord)
         if "error" in doc:
             kind, msg = doc["error"]
-            raise _REMOTE_ERRORS.get(kind, CkptStoreError)(f"rank 0: {kind}: {msg}" if kind not in _REMOTE_ERRORS else msg)
+            if kind in _REMOTE_ERRORS:
+                raise _REMOTE_ERRORS[kind](msg)
+            raise CkptStoreError(f"rank 0: {kind}: {msg}")
         return doc["ok"]
 
     # -- saving
@@ -297,24 +307,18 @@ class CkptStoreCheckpointManager(CheckpointManager):
         model_only = MODEL not in self.states or not any(k in state_dict for k in self.states if k != MODEL)
         meta = {METADATA_KEY: {"format": METADATA_FORMAT, "step": train_step, "hf": bool(to_hf),
                                "model_only": bool(model_only)}}
-        pinned = async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM
         writer = CkptStoreWriter(
             self.url, step=step, storage_options=self._storage_options, metadata=meta,
             process_group=self.pg if async_mode == AsyncMode.ASYNC else None, **self._options,
         )
         self._writers.append(writer)
         cid = f"{self.url.rstrip('/')}/step-{step}"
-        if async_mode == AsyncMode.ASYNC or pinned:
-            from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-
-            extra = {"async_checkpointer_type": AsyncCheckpointerType.PROCESS, "async_stager": self.stager} if pinned else {}
-            ret = dcp.async_save(state_dict, storage_writer=writer, checkpoint_id=cid, process_group=self.pg, **extra)
-            fut = ret.upload_completion if pinned else ret
-            self._inflight = fut
-            fut.add_done_callback(lambda f: self._saved(train_step, step, f))
+        if async_mode in (AsyncMode.ASYNC, AsyncMode.ASYNC_WITH_PINNED_MEM):
+            ret = self._async_save(state_dict, writer, cid, async_mode, train_step, step)
         else:
             dcp.save(state_dict, storage_writer=writer, checkpoint_id=cid)
-            self._saved(train_step, step, None)
+            if step != train_step:
+                self._shared(lambda: self._name(train_step, step))
             if to_hf:
                 self._shared(lambda: self._export_hf(train_step, step))
             ret = None
@@ -323,6 +327,35 @@ class CkptStoreCheckpointManager(CheckpointManager):
 
             GarbageCollection.collect("GC collection invoked by checkpointer.")
         return ret
+
+    def _async_save(self, state_dict, writer, cid: str, async_mode, train_step: int, step: int):
+        """``dcp.async_save`` of one step; the future torchtitan waits on ends once the step is committed
+        (and, for a step saved again, named); retention runs after it."""
+        pinned = async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM
+        extra = {}
+        if pinned:
+            from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+            extra = {"async_checkpointer_type": AsyncCheckpointerType.PROCESS, "async_stager": self.stager}
+        ret = dcp.async_save(state_dict, storage_writer=writer, checkpoint_id=cid, process_group=self.pg, **extra)
+        fut = ret.upload_completion if pinned else ret
+        if step != train_step:
+            fut = _then(fut, lambda: self._name(train_step, step))
+            ret = AsyncSaveResponse(staging_completion=ret.staging_completion, upload_completion=fut) if pinned else fut
+        with self._lock:
+            self._inflight = fut
+        fut.add_done_callback(self._async_done)
+        return ret
+
+    def _async_done(self, fut: Future) -> None:
+        """An async save ended (on DCP's thread): ask for retention if it committed."""
+        with self._lock:
+            if self._inflight is fut:
+                self._inflight = None
+        if fut.cancelled() or fut.exception() is not None:
+            return  # maybe_wait_for_saving and close() raise its error
+        if self._retention is not None and self._should_purge():
+            self._retention.request(self._loaded_step)
 
     def _claim(self, train_step: int) -> int:
         """The repository step a save of torchtitan's step ``train_step`` commits (rank 0)."""
@@ -338,21 +371,11 @@ class CkptStoreCheckpointManager(CheckpointManager):
             )
         return step
 
-    def _saved(self, train_step: int, step: int, fut: Future | None) -> None:
-        """After a save: name a step saved again, ask for retention (rank 0); on any thread."""
-        if fut is not None:
-            if fut.cancelled() or fut.exception() is not None:
-                return  # the caller of maybe_wait_for_saving gets the error
-            with self._lock:
-                if self._inflight is fut:
-                    self._inflight = None
-        if not self._leader:
-            return
-        if step != train_step:
+    def _name(self, train_step: int, step: int) -> None:
+        """Point the name ``step-N`` at the step that holds torchtitan's step N (rank 0, after the commit)."""
+        if self._leader:
             self.catalog().set_name(NAMESPACE, _name(train_step), step)
             _log().info(f"Checkpoint step-{train_step} is repository step {step} of {self.url}")
-        if fut is not None and self._retention is not None and self._should_purge():
-            self._retention.request(self._loaded_step)
 
     def _should_purge(self) -> bool:
         try:
@@ -362,7 +385,7 @@ class CkptStoreCheckpointManager(CheckpointManager):
         return self.keep_latest_k > 0 and rank == 0
 
     def _purge_stale_checkpoints(self) -> None:
-        # an async save asks for retention when its step is committed (_saved)
+        # an async save asks for retention once its step is committed (_async_done)
         if self._inflight is None and self._retention is not None and self._should_purge():
             self._retention.request(self._loaded_step)
 
@@ -431,7 +454,7 @@ class CkptStoreCheckpointManager(CheckpointManager):
             )
         if ckpts:
             newest = repo.latest()  # the most recent save (a step saved again is one past the newest)
-            train_step = next(n for n, s in ckpts.items() if s == newest)
+            train_step = next((n for n, s in ckpts.items() if s == newest), newest)
             return self._repo_plan(self.url, newest, train_step)
         if legacy:
             n = max(legacy)
@@ -462,8 +485,12 @@ class CkptStoreCheckpointManager(CheckpointManager):
                 return {"kind": "hf_assets", "initial": True}
             return {"kind": "fresh"}
         url, step = split_checkpoint_id(path)
-        with ckptstore.open(url, storage_options=self._storage_options) as repo:
-            if repo.exists():
+        try:
+            repo = ckptstore.open(url, storage_options=self._storage_options)
+        except ImportError:  # no client for that store here: not a repository this process can read
+            repo = None
+        with repo or contextlib.nullcontext():
+            if repo is not None and repo.exists():
                 ckpts = checkpoint_steps(url, repo=repo)
                 if step is None and ckpts:
                     s = repo.latest()
@@ -515,7 +542,8 @@ class CkptStoreCheckpointManager(CheckpointManager):
             except Exception as e:  # noqa: BLE001 - reported after the rest is released
                 errors.append(e)
             self.save_future = None
-        if getattr(self, "_writers", None) and (self._options.get("write_back") or self._options.get("replicas")):
+        options = getattr(self, "_options", {})
+        if getattr(self, "_writers", None) and (options.get("write_back") or options.get("replicas")):
             try:
                 self._writers[-1].flush()
             except Exception as e:  # noqa: BLE001
@@ -523,7 +551,7 @@ class CkptStoreCheckpointManager(CheckpointManager):
         for w in getattr(self, "_writers", []):
             w.close()
         self._writers = []
-        if self._retention is not None:
+        if getattr(self, "_retention", None) is not None:
             self._retention.close()
             self._retention = None
         if getattr(self, "_catalog", None) is not None:
@@ -546,16 +574,29 @@ def _broadcast_json(doc, group):
     else:
         n = torch.zeros(1, dtype=torch.int64)
     dist.broadcast(n, src=0, group=group)
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if dist.get_rank() == 0 else torch.empty(int(n), dtype=torch.uint8)
+    if dist.get_rank() == 0:
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    else:
+        buf = torch.empty(int(n), dtype=torch.uint8)
     dist.broadcast(buf, src=0, group=group)
     return doc if dist.get_rank() == 0 else json.loads(bytes(buf.tolist()).decode("utf-8"))
 
 
-def _with_keep(config, keep: int):
-    """``config`` with ``keep_latest_k`` replaced (a copy)."""
-    import dataclasses
+def _then(fut: Future, fn) -> Future:
+    """A future that ends when ``fut`` has and ``fn()`` has run after it (its error, or ``fut``'s)."""
+    out: Future = Future()
 
-    return dataclasses.replace(config, keep_latest_k=keep)
+    def done(f: Future) -> None:
+        try:
+            f.result()
+            fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the waiter
+            out.set_exception(e)
+        else:
+            out.set_result(None)
+
+    fut.add_done_callback(done)
+    return out
 
 
 def _repo_options(config) -> dict:
@@ -626,10 +667,7 @@ class _Retention:
         keep = set(current[-self.keep:])
         if protect is not None:
             keep.add(protect)
-        plan = repo.plan_gc(keep_steps=sorted(keep & set(steps)), keep_tags=True)
-        if not plan.delete_steps and not plan.delete_packs and not plan.abort_uploads:
-            return []
-        result = plan.execute()
+        result = repo.plan_gc(keep_steps=sorted(keep & set(steps)), keep_tags=True).execute()
         left = set(repo.steps())
         for name, s in names.items():
             if s not in left:
