@@ -339,6 +339,32 @@ def test_an_async_save_of_a_step_again_names_it_before_the_wait_returns(tmp_path
     c.manager.close()
 
 
+def test_retention_of_one_job_runs_safely_while_another_jobs_save_is_in_flight(tmp_path, one_rank, monkeypatch):
+    release = threading.Event()
+
+    class HeldWriter(CkptStoreWriter):
+        def finish(self, metadata, results):
+            if self.step == 1:  # job a's save: its packs are written, its commit waits
+                release.wait()
+            return super().finish(metadata, results)
+
+    monkeypatch.setattr(tt, "CkptStoreWriter", HeldWriter)
+    url = tmp_path / "shared"
+    a = job(url, async_mode="async")
+    a.step(1)
+    saved = weights(a.model)
+    b = job(url, seed=1, keep_latest_k=2)
+    for n in (10, 11, 12):
+        b.step(n)
+    b.manager.close()  # its retention ran GC while a's packs were uncommitted
+    release.set()
+    a.manager.close()
+    with ckptstore.open(str(url)) as repo:
+        assert repo.steps() == [1, 11, 12]
+        assert repo.verify(read_data=True).ok
+        assert bits_equal(repo.checkpoint(1).read("weight"), saved["weight"])
+
+
 def test_async_with_pinned_memory_is_refused_without_cuda(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the mode is allowed")

@@ -440,7 +440,8 @@ class CkptStoreCheckpointManager(CheckpointManager):
     def _plan_load(self, step: int) -> dict:
         """What to load (rank 0): a repository step, a plain DCP folder, torchtitan's HF assets, or nothing."""
         repo = self.catalog()
-        ckpts = checkpoint_steps(self.url, repo=repo)
+        steps = repo.steps()  # the job's one listing of the steps (and of the names, if any)
+        ckpts = _checkpoint_map(steps, repo.names(NAMESPACE) if steps else {})
         legacy = self._legacy_steps() if not ckpts else {}
         if step != -1:
             if step in ckpts:
@@ -453,7 +454,7 @@ class CkptStoreCheckpointManager(CheckpointManager):
                 + (f"holds steps {held}" if held else "holds no checkpoint")
             )
         if ckpts:
-            newest = repo.latest()  # the most recent save (a step saved again is one past the newest)
+            newest = steps[-1]  # the most recent save (a step saved again is one past the newest)
             train_step = next((n for n, s in ckpts.items() if s == newest), newest)
             return self._repo_plan(self.url, newest, train_step)
         if legacy:
