@@ -256,6 +256,9 @@ def test_exclude_from_loading_and_initial_load_model_only_from_another_repositor
     c = job(tmp_path / "finetune", seed=2, exclude_from_loading=["dataloader"],
             initial_load_path=str(tmp_path / "pretrain" / "step-5"))
     assert c.manager.load() and c.train.step == 6 and c.data.pos == 0  # its own folder wins; dataloader excluded
+    d = job(tmp_path / "other", seed=3, initial_load_path=str(tmp_path / "pretrain"))  # a repository: its newest
+    assert d.manager.load() and same(weights(d.model), want)
+    d.manager.close()
     with pytest.raises(ValueError, match=r"initial_load_path is invalid: .*step-4 \(the repository .* steps \[5\]"):
         job(tmp_path / "x", initial_load_path=str(tmp_path / "pretrain" / "step-4")).manager.load()
     c.manager.close()

@@ -16,12 +16,16 @@ torchtitan) make its stock trainer run on CPU processes:
   sets the divide factor to 1.0), which gloo lacks: every FSDP module is
   told to use plain sums (:func:`sum_reductions`), the same arithmetic;
 - flex attention's backward refuses CPU tensors unless its device check is
-  skipped (its eager backward matches SDPA's; the compiled path fails in
-  inductor on CPU), so the check is skipped;
-- ``minimal_async_ep`` imports triton unconditionally: a stub module.
+  skipped (its eager backward matches SDPA's), and the compiled flex path
+  fails in inductor on CPU: the check is skipped and torchtitan's flex
+  module calls the eager function (also after ``--debug.deterministic``,
+  which compiles it again), and block masks are made eagerly;
+- ``minimal_async_ep`` imports triton unconditionally: its kernels module
+  is a stub (not triton: torch would take an importable triton for a
+  usable one).
 
 Each rank writes what the test compares (every step's loss as
-``float.hex``) into the result folder as JSON.
+``float.hex``, where each run resumed from) into the result folder as JSON.
 """
 
 from __future__ import annotations

@@ -418,8 +418,6 @@ class CkptStoreCheckpointManager(CheckpointManager):
         if plan.get("initial"):
             model_only, from_hf, from_quantized = (
                 self.initial_load_model_only, self.initial_load_in_hf, self.initial_load_in_hf_quantized)
-            if kind == "hf_assets":
-                return super()._load(step)  # torchtitan's own path: sd_adapter.hf_assets_path
         else:
             model_only = plan["train_step"] == 0
         checkpoint_id = plan["id"]
@@ -438,7 +436,7 @@ class CkptStoreCheckpointManager(CheckpointManager):
         return True
 
     def _plan_load(self, step: int) -> dict:
-        """What to load (rank 0): a repository step, a plain DCP folder, torchtitan's HF assets, or nothing."""
+        """What to load (rank 0): a repository step, a plain DCP folder (or HF assets), or nothing."""
         repo = self.catalog()
         steps = repo.steps()  # the job's one listing of the steps (and of the names, if any)
         ckpts = _checkpoint_map(steps, repo.names(NAMESPACE) if steps else {})
@@ -481,9 +479,18 @@ class CkptStoreCheckpointManager(CheckpointManager):
 
     def _initial_plan(self) -> dict:
         path = self.initial_load_path
+        if not path and self.initial_load_in_hf:  # torchtitan's own rule: the model's Hugging Face assets
+            assets = getattr(self.sd_adapter, "hf_assets_path", None)
+            if not assets:
+                raise ValueError("checkpoint.initial_load_in_hf without initial_load_path needs the model's "
+                                 "hf_assets_path (a folder of safetensors files)")
+            if not _tt_fs.isdir(assets):
+                raise ValueError(
+                    "model.hf_assets_path is being used to load HF weights but the path is not valid. Either make "
+                    "sure hf_assets_path is correct or provide a valid checkpoint.initial_load_path"
+                )
+            return {"kind": "dcp", "id": assets, "initial": True}
         if not path:
-            if self.initial_load_in_hf:
-                return {"kind": "hf_assets", "initial": True}
             return {"kind": "fresh"}
         url, step = split_checkpoint_id(path)
         try:
@@ -493,9 +500,9 @@ class CkptStoreCheckpointManager(CheckpointManager):
         with repo or contextlib.nullcontext():
             if repo is not None and repo.exists():
                 ckpts = checkpoint_steps(url, repo=repo)
-                if step is None and ckpts:
-                    s = repo.latest()
-                    return {**self._repo_plan(url, s, 0), "initial": True}
+                if step is None and ckpts:  # a repository: its most recent save
+                    n, s = max(ckpts.items(), key=lambda kv: kv[1])
+                    return {**self._repo_plan(url, s, n), "initial": True}
                 if step in ckpts:
                     return {**self._repo_plan(url, ckpts[step], step), "initial": True}
                 raise ValueError(
