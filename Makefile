@@ -1,7 +1,7 @@
 # One-command set-up: `make demo` and `make test` create .venv when missing and
 # install the pinned CPU build of torch and the package. `make demo` installs
 # only what the demo runs (the core and the `demo` extra: moto); `make test`
-# (and `make setup`) add the test and integrations extras and Azurite.
+# (and `make setup`) add the test, integrations and torchtitan extras and Azurite.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -27,6 +27,8 @@ $(STAMP): $(CORE_STAMP)
 	# The integrations extra (ckptstore.integrations), torch kept at 2.13.0;
 	# DS_BUILD_OPS=0: DeepSpeed compiles no op at install (the tests switch its JIT comm op off)
 	DS_BUILD_OPS=0 $(PY) -m pip install -q -e '.[integrations]' torch==2.13.0
+	# torchtitan (ckptstore.integrations.torchtitan): an extra of its own, torch kept at 2.13.0
+	$(PY) -m pip install -q -e '.[torchtitan]' torch==2.13.0
 	$(PY) -m pip check
 	touch $(STAMP)
 

@@ -25,13 +25,13 @@ def _dry_run(target: str, tmp_path) -> str:
 def test_make_demo_installs_the_core_and_the_demo_extra_only(tmp_path):
     out = _dry_run("demo", tmp_path)
     assert "torch==2.13.0" in out and "-e '.[demo]'" in out and "ckptstore demo" in out
-    for heavy in ("[test]", "[integrations]", "npm install", "azurite"):
+    for heavy in ("[test]", "[integrations]", "[torchtitan]", "npm install", "azurite"):
         assert heavy not in out, heavy
 
 
 def test_make_test_installs_everything(tmp_path):
     out = _dry_run("test", tmp_path)
-    for wanted in ("torch==2.13.0", "[demo]", "[test]", "[integrations]", "npm install", "azurite", "pytest -q"):
+    for wanted in ("torch==2.13.0", "[demo]", "[test]", "[integrations]", "[torchtitan]", "npm install", "azurite", "pytest -q"):
         assert wanted in out, wanted
     assert "--durations=15" in out and "not slow" not in out  # everything, then the slowest tests
 

@@ -4,6 +4,7 @@
 
     python -m benchmarks.integrations.suites.run deepspeed --src DS_CHECKOUT [--side both|stock|ckptstore] [-k EXPR]
     python -m benchmarks.integrations.suites.run lightning --src PL_CHECKOUT ...
+    python -m benchmarks.integrations.suites.run torchtitan --src TORCHTITAN_CHECKOUT ...
     python -m benchmarks.integrations.suites.run compare OUT_DIR          # the table of a finished run
 
 ``--src`` is a checkout (or ``git archive``) of the framework's sources at
@@ -44,6 +45,13 @@ SUITES = {
         ["test_legacy_checkpoints.py"],
         {"PL_RUN_STANDALONE_TESTS": "0"},
     ),
+    # the checkpoint manager's tests; each test's own folder is its repository
+    "torchtitan": (
+        "tests",
+        ["unit_tests/test_checkpoint.py"],
+        [],
+        {"CKPTSTORE_SUITE_FRAMEWORK": "torchtitan"},
+    ),
 }
 
 
@@ -66,6 +74,8 @@ def run_side(framework: str, src: str, out: str, ckptstore: bool, extra: list[st
            "-o", "junit_family=xunit1", "-p", "no:cacheprovider"]
     cmd += [p for p in paths]
     cmd += [arg for f in skip for arg in ("--ignore", os.path.join(paths[0], f))]
+    if framework == "torchtitan" and ckptstore:
+        cmd += ["-p", "ckptstore_titan_adapt"]
     cmd += extra
     print(f"[{side}] cd {cwd} && {' '.join(cmd)}", flush=True)
     t0 = time.monotonic()

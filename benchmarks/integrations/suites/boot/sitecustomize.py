@@ -15,9 +15,12 @@ Lightning's ``ddp_spawn`` children) import it at start-up. It
   ``ckptstore.integrations.deepspeed.attach(engine, url)``, and every
   Lightning ``Trainer`` without a ``CheckpointIO`` plugin gets
   ``plugins=[CkptStoreCheckpointIO(url)]`` (``local_files=`` from
-  ``CKPTSTORE_SUITE_LOCAL_FILES`` when set).
+  ``CKPTSTORE_SUITE_LOCAL_FILES`` when set), and every torchtitan
+  ``CheckpointManager(config=...)`` is built as the override
+  ``ckptstore.integrations.torchtitan.ckptstore_checkpoint`` builds it
+  (a ``CkptStoreCheckpointManager``, its folder the repository).
 
-``url`` is one repository per test: ``file://$CKPTSTORE_SUITE_DIR/repos/<test>``,
+For DeepSpeed and Lightning, ``url`` is one repository per test: ``file://$CKPTSTORE_SUITE_DIR/repos/<test>``,
 the test's id read from ``$CKPTSTORE_SUITE_DIR/current``, which the pytest
 plugin (``ckptstore_suite_plugin``) writes before each test. A file, not an
 environment variable, because DeepSpeed's forkserver workers keep the
@@ -101,10 +104,32 @@ def _patch_trainer(mod):
     cls.__init__ = __init__
 
 
+def _patch_titan_manager(mod):
+    # The documented way is `--override.imports ckptstore.integrations.torchtitan.ckptstore_checkpoint`,
+    # which makes torchtitan build a CkptStoreCheckpointManager from its CheckpointManager.Config.
+    # The tests build CheckpointManager(config=...) themselves: each such construction makes a
+    # CkptStoreCheckpointManager instead, which converts the config the way the override does.
+    # (`CheckpointManager.__new__(CheckpointManager)`, with no config, stays torchtitan's.)
+    cls = mod.CheckpointManager
+    if getattr(cls.__new__, "_ckptstore_suite", False):
+        return
+
+    def __new__(c, *args, **kwargs):
+        if c is cls and kwargs.get("config") is not None:
+            from ckptstore.integrations.torchtitan import CkptStoreCheckpointManager
+
+            return object.__new__(CkptStoreCheckpointManager)
+        return object.__new__(c)
+
+    __new__._ckptstore_suite = True
+    cls.__new__ = __new__
+
+
 _HOOKS = {"deepspeed.ops": [_patch_deepspeed_ops], "deepspeed.runtime.engine": [_patch_engine_compat]}
 if _DIR:
     _HOOKS.setdefault("deepspeed", []).append(_patch_deepspeed)
     _HOOKS["lightning.pytorch.trainer.trainer"] = [_patch_trainer]
+    _HOOKS["torchtitan.components.checkpointer.dcp"] = [_patch_titan_manager]
 
 
 class _AfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
