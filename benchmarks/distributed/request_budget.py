@@ -1,6 +1,11 @@
 """Requests per save and restore: 8 ranks measured, 1,000 ranks from a model checked against them.
 
     python -m benchmarks.distributed.scale --requests [--ranks 8] [--json OUT]
+    python -m benchmarks.distributed.scale --rate-cap 6 [--ranks 4] [--json OUT]
+
+``--rate-cap R``: the same job's save and restore under a proxy that answers
+503 SlowDown above R requests a second, with the adaptive request rate and
+with ``throttle=False`` (:func:`measure_cap`).
 
 Measured: ``ranks`` gloo ranks (``ckptstore.testing.dcpjob``, spawned for
 every operation, as a restarted job starts) save a step (16 DTensors
@@ -18,7 +23,7 @@ only (its packs: a PUT, or a multipart upload of ``part_size`` parts, and a
 HEAD each; its chunk-table segment: a PUT and a HEAD; on restore a header
 and a block of its segment, and its boxes' chunks coalesced into ranges of
 at most ``max_request``). The model is printed beside the measurement at
-``ranks`` and must match it; then it is evaluated at 1,000 ranks (1 GiB a
+``ranks`` and must come within 10% of it for every kind; then it is evaluated at 1,000 ranks (1 GiB a
 rank, 64 tensors, a quarter changed a save), beside what the same job sent
 before issue 33 (every rank listing the store and reading the root and the
 config; a save's every rank reading the config and the base root; a
@@ -202,6 +207,50 @@ def measure(ranks: int, shape=(16, 2048, 256)) -> dict:
     return out
 
 
+def measure_cap(ranks: int, rate: float, shape=(16, 2048, 256)) -> dict:
+    """A save and a restore under a proxy answering 503 SlowDown above ``rate`` requests a second (all
+    ranks together), with the adaptive request rate and with ``throttle=False``: answers throttled."""
+    from ckptstore.testing.dcpjob import run_job
+    from ckptstore.testing.moto import MotoServer
+    from ckptstore.testing.requestproxy import RequestProxy
+
+    out = {}
+    for mode, opts in (("adaptive", None), ("throttle=False", {"throttle": False})):
+        with MotoServer() as m, tempfile.TemporaryDirectory() as tmp:
+            m.create_bucket("bench")
+            with RequestProxy(m.endpoint) as p:
+                so = []
+                for r in range(ranks):
+                    o = copy.deepcopy(m.storage_options())
+                    o["client_kwargs"]["endpoint_url"] = p.endpoint(f"rank{r}")
+                    so.append(o)
+                p.rate_limit(rate)
+                for name, ops, expect in (("save", [("save", 1)], None), ("restore", [("load", None)], 1)):
+                    p.clear()
+                    t0 = time.perf_counter()
+                    res = run_job(ranks, "s3://bench/run", ops, so, tmp, shape=shape, expect=expect, options=opts)
+                    if any(r != ["ok"] for r in res):
+                        raise RuntimeError(f"{mode} {name}: {res}")
+                    reqs = p.requests()
+                    out[f"{name}, {mode}"] = {"requests": len(reqs), "throttled": sum(1 for r in reqs if r.injected),
+                                              "seconds": time.perf_counter() - t0}
+    return out
+
+
+def main_cap(ranks: int = 4, rate: float = 6.0, json_out: str | None = None) -> int:
+    import json
+
+    got = measure_cap(ranks, rate)
+    print(f"\n{ranks} ranks, 32 MiB a rank, the store answering 503 SlowDown above {rate:g} requests/s:\n")
+    print("| operation | requests | throttled | share throttled | seconds |\n|---|---|---|---|---|")
+    for name, r in got.items():
+        print(f"| {name} | {r['requests']} | {r['throttled']} | {r['throttled'] / r['requests']:.0%} | {r['seconds']:.0f} |")
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump({"ranks": ranks, "rate": rate, "runs": got}, f, indent=1)
+    return 0
+
+
 def _row(name: str, c: Counter, extra: str = "") -> str:
     total = sum(c.values())
     return "| " + " | ".join([name, *(f"{c.get(k, 0):,}" for k in COLUMNS), f"{total:,}", f"${cost(c):.4f}", extra]) + " |"
@@ -217,17 +266,19 @@ def main(ranks: int = 8, json_out: str | None = None) -> int:
     mod = model(ranks, rank_bytes, tensors, 0.25, extra_bytes=rows * cols * 4)
     head = "| operation | " + " | ".join(COLUMNS) + " | total | at S3 prices | |"
     sep = "|" + "---|" * (len(COLUMNS) + 4)
-    print(f"\n{ranks} ranks, measured (model in brackets where it differs):\n")
+    print(f"\n{ranks} ranks, measured (the model's count where it differs):\n")
     print(head + "\n" + sep)
-    ok = True
+    worst = 0.0
     for name, m in got.items():
         c, predicted = m["counts"], mod[name]
         diff = {k: predicted.get(k, 0) for k in COLUMNS if predicted.get(k, 0) != c.get(k, 0)}
-        ok &= not diff
+        for k in diff:
+            worst = max(worst, abs(predicted.get(k, 0) - c.get(k, 0)) / max(1, c.get(k, 0)))
         note = (f"per rank {m['per_rank_min']}-{m['per_rank_max']}; most-read metadata object read "
                 f"{m['metadata_reads_max']}x" + (f"; model: {diff}" if diff else ""))
         print(_row(name, c, note))
-    print(f"\nmodel matches the measurement: {ok}")
+    ok = worst <= 0.10
+    print(f"\nthe model is within {100 * worst:.0f}% of the measurement for every kind (10% allowed): {ok}")
     big = dict(ranks=1000, rank_bytes=1 * GiB, tensors=64, changed=0.25, probe_each_save=False)
     after, before = model(**big), model(**big, before=True)
     print("\n1,000 ranks, 1 GiB a rank (about 1 TiB), 64 tensors a rank, a quarter changed a save (model):\n")

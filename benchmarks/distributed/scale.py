@@ -399,13 +399,20 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", action="store_true",
                     help="requests by kind of a save and a restore instead: measured on --ranks ranks "
                          "through a request-logging proxy, modelled at 1,000 (request_budget.py)")
-    ap.add_argument("--ranks", type=int, default=8)
+    ap.add_argument("--ranks", type=int, default=None, help="ranks of --requests (8) or --rate-cap (4)")
+    ap.add_argument("--rate-cap", type=float, default=None,
+                    help="answers throttled under a cap of this many requests/s, adaptive rate on and off")
     a = ap.parse_args(argv)
+    if a.rate_cap:
+        from .request_budget import main_cap
+
+        print(f"command: python -m benchmarks.distributed.scale {' '.join(argv if argv is not None else sys.argv[1:])}")
+        return main_cap(a.ranks or 4, a.rate_cap, a.json)
     if a.requests:
         from .request_budget import main as requests_main
 
         print(f"command: python -m benchmarks.distributed.scale {' '.join(argv if argv is not None else sys.argv[1:])}")
-        return requests_main(a.ranks, a.json)
+        return requests_main(a.ranks or 8, a.json)
     names = [s for s in a.sizes.split(",") if s] + (["fsdp"] if a.fsdp else [])
     v1 = {s for s in a.v1.split(",") if s}
     rows = []
