@@ -591,3 +591,23 @@ def test_cp_s3_to_gcs_copies_unique_chunks_once_and_verifies(gcs, s3):
     again = src.copy_to(dst)
     assert again.copied == [] and again.bytes_copied == 0
     src.close()
+
+
+def test_429_and_503_lower_the_process_request_rate_and_are_waited_out(gcs_env):
+    """The store's throttling answers reach the adaptive rate (every try, the store's own
+    included) and a Retry-After pauses the requests; the listing still finds the step."""
+    import ckptstore
+    from ckptstore.testing.requestproxy import RequestProxy, match
+
+    url, so = gcs_env
+    with RequestProxy(so["endpoint_url"], classify=lambda m, k, q: m) as proxy:
+        through = dict(so, endpoint_url=proxy.endpoint("gcs"))
+        repo = ckptstore.open(url, storage_options=through)
+        repo.save({"w": torch.arange(10.0)}, step=1)
+        storm = proxy.fail(match(kind="GET"), count=3, status=429, code="rateLimitExceeded", retry_after=0.05)
+        again = ckptstore.open(url, storage_options=through)
+        assert again.latest() == 1
+        assert storm.fired == 3
+        stats = again.store.throttle_stats()
+        assert stats["throttled"] >= 3 and stats["enabled"]
+        assert torch.equal(again.load(1)["w"], torch.arange(10.0))
