@@ -215,9 +215,9 @@ def measure_cap(ranks: int, rate: float, shape=(16, 2048, 256)) -> dict:
     from ckptstore.testing.requestproxy import RequestProxy
 
     out = {}
-    for mode, opts in (("adaptive", None), ("throttle=False", {"throttle": False})):
+    for n, (mode, opts) in enumerate((("adaptive", None), ("throttle=False", {"throttle": False}))):
         with MotoServer() as m, tempfile.TemporaryDirectory() as tmp:
-            m.create_bucket("bench")
+            m.create_bucket(f"bench{n}")  # moto's state is the process's: a bucket each
             with RequestProxy(m.endpoint) as p:
                 so = []
                 for r in range(ranks):
@@ -228,7 +228,7 @@ def measure_cap(ranks: int, rate: float, shape=(16, 2048, 256)) -> dict:
                 for name, ops, expect in (("save", [("save", 1)], None), ("restore", [("load", None)], 1)):
                     p.clear()
                     t0 = time.perf_counter()
-                    res = run_job(ranks, "s3://bench/run", ops, so, tmp, shape=shape, expect=expect, options=opts)
+                    res = run_job(ranks, f"s3://bench{n}/run", ops, so, tmp, shape=shape, expect=expect, options=opts)
                     if any(r != ["ok"] for r in res):
                         raise RuntimeError(f"{mode} {name}: {res}")
                     reqs = p.requests()
