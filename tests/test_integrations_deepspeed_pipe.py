@@ -1,0 +1,97 @@
+"""DeepSpeed pipeline parallelism (``PipelineModule`` + ``PipelineEngine``) through ``attach``, beside DeepSpeed's files.
+
+Ranks are processes spawned with torch.multiprocessing (bodies in
+tests/ds_pipe_workers.py), DeepSpeed's CPU accelerator, gloo on 127.0.0.1.
+Every save also goes, in the same run, to a folder of DeepSpeed's own files,
+and every load is done from both: ckptstore must give what DeepSpeed gives.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import torch.multiprocessing as mp  # noqa: E402
+
+import ckptstore  # noqa: E402
+from ckptstore.testing import free_port  # noqa: E402
+
+from . import ds_pipe_workers as P  # noqa: E402
+
+pytestmark = pytest.mark.slow  # DeepSpeed pipelines on spawned gloo ranks
+
+
+def _spawn(fn, world, *args):
+    mp.spawn(fn, args=(world, free_port(), *args), nprocs=world, join=True)
+
+
+@pytest.fixture(scope="module", params=[0, 1], ids=["zero0", "zero1"])
+def pipe_run(request, tmp_path_factory):
+    """2 stages x 2 data-parallel replicas (4 ranks) saved at step 3 and resumed from both storages."""
+    tmp = tmp_path_factory.mktemp(f"pipe{request.param}")
+    url = f"file://{tmp}/repo"
+    _spawn(P.resume_worker, 4, request.param, url, str(tmp))
+    return request.param, url, tmp
+
+
+def test_pipeline_resume_bit_exact_beside_deepspeed_files(pipe_run):
+    zero_stage, url, tmp = pipe_run
+    by_stage = [torch.load(tmp / f"pipe_expect_{s}.pt", weights_only=True)["saved"] for s in (0, 1)]
+    e0 = torch.load(tmp / "pipe_expect_0.pt", weights_only=True)
+    with ckptstore.open(url) as repo:
+        (step,) = repo.steps()
+        meta = repo.manifest(step).metadata["deepspeed"]
+        assert step == 3 and meta["zero_stage"] == zero_stage and meta["dp_world_size"] == 2
+        assert meta["pipeline"] == {"stages": 2, "parts": e0["parts"]}
+        # One tensor per layer file (PipelineModule.save_state_dict), as DeepSpeed's folder holds them.
+        files = {k for k in repo.manifest(step).tensors if "/" not in k}
+        assert files == set(e0["names"])
+        assert {"layer_00-model_states.pt", "layer_09-model_states.pt", "mp_rank_01_model_states.pt"} <= files
+        # The export names each layer's tensors as a one-stage PipelineModule does, the tied layer under
+        # both of its indices as each stage saved it (DeepSpeed ties its weight, not its bias).
+        out = repo.export(step, tmp / "pipe.safetensors")
+    from safetensors.torch import load_file
+
+    got = load_file(out["path"])
+    want = {k: v for sd in by_stage for k, v in sd.items() if not k.startswith("tied_modules.")}
+    for i, sd in ((0, by_stage[0]), (9, by_stage[1])):
+        want.update({f"{i}.{n}": sd[f"tied_modules.io.{n}"] for n in ("weight", "bias")})
+    assert set(got) == set(want) and len(want) == 12
+    for k, v in got.items():
+        assert torch.equal(v, want[k]), k
+    # The local folder holds only stubs where DeepSpeed wrote its files (resume dropped and rewrote it).
+    from ckptstore.integrations import deepspeed_tools as T
+
+    for f in e0["names"]:
+        assert T.read_stub(str(tmp / "ck" / P.TAG / f))["step"] == 3, f
+
+
+@pytest.mark.parametrize("pipe_run", [0], indirect=True, ids=["zero0"])
+def test_pipeline_stage_count_change_where_deepspeed_allows_it(pipe_run):
+    # 2 stages -> 1 stage (one rank) -> 2 stages again, ckptstore beside DeepSpeed's own folder each time.
+    _, url, tmp = pipe_run
+    _spawn(P.merge_worker, 1, str(tmp))
+    _spawn(P.split_worker, 2, str(tmp))
+    with ckptstore.open(url) as repo:
+        assert repo.steps() == [3, 4]
+        assert repo.manifest(4).metadata["deepspeed"]["pipeline"] == {"stages": 1, "parts": [0, 10]}
+
+
+def test_zero_to_fp32_of_a_pipeline_folder_fails_as_deepspeeds_does(pipe_run, tmp_path):
+    # DeepSpeed's zero_to_fp32 does not read pipeline checkpoints (it fails on the model-states file's
+    # module, None); on a folder of stubs it fails too, naming the export that does.
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from ckptstore.errors import UnsupportedLayoutError
+    from ckptstore.integrations import deepspeed_tools as T
+
+    T.install()
+    _, url, tmp = pipe_run
+    with pytest.raises(AttributeError):
+        get_fp32_state_dict_from_zero_checkpoint(str(tmp / "stock"), tag=P.TAG)
+    with pytest.raises(UnsupportedLayoutError, match="ckptstore export"):
+        get_fp32_state_dict_from_zero_checkpoint(str(tmp / "ck"), tag=P.TAG)
