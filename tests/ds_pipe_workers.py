@@ -210,3 +210,37 @@ def split_worker(rank, world, port, tmp):
     same(got["ck"], {k: v for k, v in after.items() if k in got["ck"]}, f"rank {rank}: 2 stages")
     dist.barrier()
     shutdown()
+
+
+def dp_change_worker(rank, world, port, tmp):
+    """The ZeRO-1 step of 2 stages x 2 replicas on 2 stages x 1 replica: as DeepSpeed, with either reshard."""
+    import torch.distributed as dist
+    from deepspeed.runtime.zero.utils import ZeRORuntimeException
+
+    from ckptstore.integrations import deepspeed as cds
+
+    deepspeed = init(rank, world, port)
+    url = f"file://{tmp}/repo"
+    saved = torch.load(os.path.join(tmp, f"pipe_expect_{rank}.pt"), weights_only=True)["saved"]
+    for side, reshard in (("stock", None), ("ck", None), ("ck", True)):
+        eng = pipe_engine(deepspeed, 2, 1, seed=9)
+        if side == "ck":
+            cds.attach(eng, url, reshard=reshard)
+        try:
+            eng.load_checkpoint(os.path.join(tmp, side), tag=TAG)
+            raise AssertionError(f"{side}: ZeRO-1 optimizer states of 2 replicas loaded into 1")
+        except ZeRORuntimeException as e:
+            assert "used a DP world size of 2 but the current world size is 1" in str(e), e
+            if side == "ck":
+                assert "pipeline or model-parallel files, which ckptstore does not re-partition" in str(e), e
+    got = {}
+    for side, reshard in (("stock", None), ("ck", True)):
+        eng = pipe_engine(deepspeed, 2, 1, seed=9)
+        if side == "ck":
+            cds.attach(eng, url, reshard=reshard)
+        eng.load_checkpoint(os.path.join(tmp, side), tag=TAG, load_optimizer_states=False)
+        got[side] = (train(eng, batches(eng, skip_steps=3), 1), weights(eng))
+    assert got["ck"][0] == got["stock"][0], got
+    same(got["ck"][1], got["stock"][1], f"rank {rank}: one step after a weights-only load")
+    dist.barrier()
+    shutdown()
