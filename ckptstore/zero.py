@@ -16,7 +16,10 @@ Layout of a step written by ``ckptstore.integrations.deepspeed``:
   ``/``; a key that would repeat gets ``~N`` appended). Keys live only in
   the manifest; they never become object paths.
 - the step's metadata holds ``{"deepspeed": {"format": 1, "tag", "zero_stage",
-  "dp_world_size", "world_size", "ds_version"}}``.
+  "dp_world_size", "world_size", "ds_version"}}``, plus, for DeepSpeed's
+  pipeline engine, ``"pipeline": {"stages", "parts"}`` (the layer
+  boundaries of the stages); a pipeline step keeps its weights in
+  ``layer_<index>-model_states.pt`` files (:func:`pipeline_weights`).
 
 Structure nodes (each a one-key JSON object, except ``obj``/``enum``):
 ``{"t": KEY}`` a tensor; ``{"v": X}`` a JSON scalar; ``{"d": [[K, NODE], ...]}``

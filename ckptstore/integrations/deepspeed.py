@@ -45,6 +45,11 @@ ZeRO-1/2 steps with ``reshard=True``) are re-partitioned
 (:mod:`.deepspeed_reshard`): the files each new rank asks for are rebuilt
 from range reads of the stored partitions, and DeepSpeed's stock loader
 consumes them.
+
+Pipeline engines (``PipelineModule``) save one file per layer, numbered in
+the whole model, which load on any stage count; their optimizer states
+belong to the saved stages, and loading them into another partition is
+refused (:meth:`CkptStoreCheckpointEngine.check_pipeline`).
 """
 
 from __future__ import annotations
