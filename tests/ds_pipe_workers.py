@@ -35,9 +35,11 @@ def pipe_module(stages: int, seed: int):
     return PipelineModule(layers=layers, num_stages=stages, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
 
 
-def pipe_engine(deepspeed, stages: int, zero_stage: int, seed: int = 0, parallel_write: bool = False):
+def pipe_engine(deepspeed, stages: int, zero_stage: int, seed: int = 0, parallel_write: bool = False,
+                bf16: bool = False):
     m = pipe_module(stages, seed)
     cfg = {
+        "bf16": {"enabled": bf16},
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": GAS,
         "steps_per_print": 10**9,
@@ -53,11 +55,12 @@ def pipe_engine(deepspeed, stages: int, zero_stage: int, seed: int = 0, parallel
 def batches(eng, skip_steps: int = 0):
     """This data-parallel replica's micro-batches, from the first one of step ``skip_steps + 1``."""
     g = torch.Generator().manual_seed(100 + eng.grid.data_parallel_id)
+    dt = torch.bfloat16 if eng.bfloat16_enabled() else torch.float32
     n = 0
     while True:
         x, y = torch.randn(MICRO, D, generator=g), torch.randn(MICRO, D, generator=g)
         if n >= skip_steps * GAS:
-            yield x, y
+            yield x.to(dt), y.to(dt)
         n += 1
 
 
@@ -96,14 +99,14 @@ def _drop_local_folder(tmp: str) -> None:
 
 
 # ------------------------------------------------------------------ workers
-def resume_worker(rank, world, port, zero_stage, url, tmp):
+def resume_worker(rank, world, port, zero_stage, bf16, url, tmp):
     """2 stages x 2 data-parallel replicas: save at step 3 (ckptstore and DeepSpeed's files), resume both."""
     import torch.distributed as dist
 
     from ckptstore.integrations import deepspeed as cds
 
     deepspeed = init(rank, world, port)
-    eng = pipe_engine(deepspeed, 2, zero_stage, parallel_write=zero_stage == 1)
+    eng = pipe_engine(deepspeed, 2, zero_stage, parallel_write=zero_stage == 1, bf16=bf16)
     stock = eng.checkpoint_engine
     cds.attach(eng, url, chunk_size=4096)
     it = batches(eng)
@@ -121,7 +124,7 @@ def resume_worker(rank, world, port, zero_stage, url, tmp):
 
     _drop_local_folder(tmp)  # ckptstore's side resumes from the URL alone
     for side in ("ck", "stock"):
-        fresh = pipe_engine(deepspeed, 2, zero_stage, seed=9, parallel_write=zero_stage == 1)
+        fresh = pipe_engine(deepspeed, 2, zero_stage, seed=9, parallel_write=zero_stage == 1, bf16=bf16)
         if side == "ck":
             cds.attach(fresh, url)
         path, _ = fresh.load_checkpoint(os.path.join(tmp, side), tag=TAG)

@@ -29,13 +29,17 @@ def _spawn(fn, world, *args):
     mp.spawn(fn, args=(world, free_port(), *args), nprocs=world, join=True)
 
 
-@pytest.fixture(scope="module", params=[0, 1], ids=["zero0", "zero1"])
+RUNS = {"zero0": (0, False), "zero1": (1, False), "zero1-bf16": (1, True)}
+
+
+@pytest.fixture(scope="module", params=list(RUNS))
 def pipe_run(request, tmp_path_factory):
     """2 stages x 2 data-parallel replicas (4 ranks) saved at step 3 and resumed from both storages."""
-    tmp = tmp_path_factory.mktemp(f"pipe{request.param}")
+    zero_stage, bf16 = RUNS[request.param]
+    tmp = tmp_path_factory.mktemp(f"pipe-{request.param}")
     url = f"file://{tmp}/repo"
-    _spawn(P.resume_worker, 4, request.param, url, str(tmp))
-    return request.param, url, tmp
+    _spawn(P.resume_worker, 4, zero_stage, bf16, url, str(tmp))
+    return zero_stage, url, tmp
 
 
 @slow
@@ -72,7 +76,7 @@ def test_pipeline_resume_bit_exact_beside_deepspeed_files(pipe_run):
 
 
 @slow
-@pytest.mark.parametrize("pipe_run", [0], indirect=True, ids=["zero0"])
+@pytest.mark.parametrize("pipe_run", ["zero0"], indirect=True)
 def test_pipeline_stage_count_change_where_deepspeed_allows_it(pipe_run):
     # 2 stages -> 1 stage (one rank) -> 2 stages again, ckptstore beside DeepSpeed's own folder each time.
     _, url, tmp = pipe_run
@@ -84,6 +88,7 @@ def test_pipeline_stage_count_change_where_deepspeed_allows_it(pipe_run):
 
 
 @slow
+@pytest.mark.parametrize("pipe_run", ["zero1"], indirect=True)
 def test_zero_to_fp32_of_a_pipeline_folder_fails_as_deepspeeds_does(pipe_run):
     # DeepSpeed's zero_to_fp32 does not read pipeline checkpoints (it fails on the model-states file's
     # module, None); on a folder of stubs it fails too, naming the export that does.
@@ -101,7 +106,7 @@ def test_zero_to_fp32_of_a_pipeline_folder_fails_as_deepspeeds_does(pipe_run):
 
 
 @slow
-@pytest.mark.parametrize("pipe_run", [1], indirect=True, ids=["zero1"])
+@pytest.mark.parametrize("pipe_run", ["zero1"], indirect=True)
 def test_pipeline_zero1_on_another_data_parallel_size_as_deepspeed(pipe_run):
     # DeepSpeed refuses ZeRO-1 optimizer states of 2 replicas on 1 (and so does ckptstore, saying that
     # reshard=True does not re-partition pipeline steps); weights-only loads give DeepSpeed's next step.

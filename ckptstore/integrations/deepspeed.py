@@ -505,11 +505,11 @@ def attach(
         step = current.resolve_tag(load_dir, tag)
         if step is None:
             return original(load_dir, tag, *args, **kwargs)  # a plain DeepSpeed checkpoint on disk, or nothing
+        stored = current._stored_step(step)
+        current.check_pipeline(stored, tag, _loads_optimizer(engine, original, load_dir, tag, args, kwargs))
         current.write_stubs(load_dir, tag, step)
         if dist.is_initialized():
             dist.barrier()
-        stored = current._stored_step(step)
-        current.check_pipeline(stored, tag, _loads_optimizer(engine, original, load_dir, tag, args, kwargs))
         token = T.LOADING.set(T.Loading(current, step, stored))
         try:
             return original(load_dir, tag, *args, **kwargs)
