@@ -138,3 +138,12 @@ MissingStepError = StepNotFoundError
 
 class ManifestTooLargeError(CkptStoreError, ValueError):
     """A step's manifest would be larger than readers accept; nothing was committed."""
+
+
+class UnsupportedLayoutError(CkptStoreError, NotImplementedError):
+    """A step's layout is one ckptstore cannot convert (consolidate, re-partition); the step itself is intact.
+
+    Raised, for instance, for a DeepSpeed step whose files belong to several
+    tensor-parallel ranks when its weights are consolidated. The message
+    names the file and what can be done instead.
+    """

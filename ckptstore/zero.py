@@ -16,7 +16,10 @@ Layout of a step written by ``ckptstore.integrations.deepspeed``:
   ``/``; a key that would repeat gets ``~N`` appended). Keys live only in
   the manifest; they never become object paths.
 - the step's metadata holds ``{"deepspeed": {"format": 1, "tag", "zero_stage",
-  "dp_world_size", "world_size", "ds_version"}}``.
+  "dp_world_size", "world_size", "ds_version"}}``, plus, for DeepSpeed's
+  pipeline engine, ``"pipeline": {"stages", "parts"}`` (the layer
+  boundaries of the stages); a pipeline step keeps its weights in
+  ``layer_<index>-model_states.pt`` files (:func:`pipeline_weights`).
 
 Structure nodes (each a one-key JSON object, except ``obj``/``enum``):
 ``{"t": KEY}`` a tensor; ``{"v": X}`` a JSON scalar; ``{"d": [[K, NODE], ...]}``
@@ -40,7 +43,7 @@ from typing import Any, Callable
 import torch
 
 from .format import manifest as _m
-from .errors import FormatError
+from .errors import FormatError, UnsupportedLayoutError
 
 FORMAT_VERSION = 1
 STRUCTURE_FORMAT = "ckptstore.deepspeed.file"
@@ -48,6 +51,9 @@ MAX_DEPTH = 100
 
 MODEL_RE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
 OPTIM_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+#: A pipeline layer's file (``PipelineModule.ckpt_layer_path``): the layer's global index, then the
+#: coordinates of the saving rank on the axes other than data and pipe (``model_01``), if any.
+LAYER_RE = re.compile(r"^layer_(\d+)-(?:(.+)-)?model_states\.pt$")
 
 
 @dataclass(frozen=True)
@@ -337,9 +343,43 @@ class StoredStep:
                 out[int(m.group(2))] = f
         return out
 
+    def layer_files(self) -> dict[int, str]:
+        """Pipeline layer index -> its file (``layer_03-model_states.pt``); empty for a step without pipeline.
+
+        Raises :class:`UnsupportedLayoutError` for a layer saved in
+        tensor-parallel slices (``layer_03-model_01-model_states.pt``):
+        how the slices make up the layer depends on the model.
+        """
+        out = {}
+        for f in self.files:
+            m = LAYER_RE.match(f)
+            if m:
+                if m.group(2) is not None:
+                    raise UnsupportedLayoutError(
+                        f"step {self.step}: {f} is one tensor-parallel slice ({m.group(2)}) of pipeline layer "
+                        f"{int(m.group(1))}; ckptstore consolidates pipeline steps without tensor parallelism only "
+                        "(load the step with an attached engine of the saved layout instead)"
+                    )
+                out[int(m.group(1))] = f
+        return out
+
+    def is_pipeline(self) -> bool:
+        """The step was saved by DeepSpeed's pipeline engine (it holds ``layer_*`` files)."""
+        return any(LAYER_RE.match(f) for f in self.files)
+
+    def model_parallel(self) -> bool:
+        """The step holds files of several model-parallel ranks or pipeline layers (no ZeRO re-partitioning)."""
+        if self.is_pipeline():
+            return True
+        for f in self.files:
+            m, o = MODEL_RE.match(f), OPTIM_RE.match(f)
+            if (m and int(m.group(2)) != 0) or (o and int(o.group(3)) != 0):
+                return True
+        return False
+
     def _single_mp(self, f: str, mp: str) -> None:
         if int(mp) != 0:
-            raise NotImplementedError(
+            raise UnsupportedLayoutError(
                 f"step {self.step}: {f} belongs to model-parallel rank {int(mp)}; ckptstore consolidates and "
                 "re-partitions DeepSpeed steps without tensor/pipeline parallelism only"
             )
@@ -751,7 +791,7 @@ def partition(full_reader: Callable[[int, int], torch.Tensor], numel: int, rank:
 
 
 def consolidated(
-    ckpt, exclude_frozen: bool = False, float_buffers: bool = False
+    ckpt, exclude_frozen: bool = False, float_buffers: bool = False, pipeline: bool = True
 ) -> list[tuple[str, torch.dtype, tuple[int, ...], Callable[[], torch.Tensor]]]:
     """(name, dtype, shape, read) of the model weights a DeepSpeed step makes up.
 
@@ -760,17 +800,58 @@ def consolidated(
     ``zero_to_fp32.py`` gives them), tied names included (see
     :meth:`ZeroLayout.consolidated` for the options). Without ZeRO: the
     module state dict of the model-states file as saved.
+
+    A pipeline step (``PipelineModule``, any ZeRO stage) keeps its weights
+    in one file per layer, and its model-states files hold none: the
+    weights are those files' tensors as saved, named
+    ``<layer index>.<name>`` as a one-stage ``PipelineModule``'s
+    ``state_dict`` names them (:func:`pipeline_weights`). With
+    ``pipeline=False`` (DeepSpeed's ``zero_to_fp32``, which does not read
+    pipeline checkpoints) such a step raises :class:`UnsupportedLayoutError`.
     """
     stored = StoredStep(ckpt)
+    if stored.is_pipeline():
+        if not pipeline:
+            raise UnsupportedLayoutError(
+                f"step {stored.step} was saved by DeepSpeed's pipeline engine (layer_*-model_states.pt files), "
+                "which DeepSpeed's zero_to_fp32 does not read; `ckptstore export URL STEP OUT.safetensors` "
+                "writes its layers' weights"
+            )
+        return pipeline_weights(stored)
     if int(stored.meta.get("zero_stage", 0)) in (1, 2, 3):
         return ZeroLayout(stored).consolidated(exclude_frozen=exclude_frozen, float_buffers=float_buffers)
     models = stored.model_files()
     if 0 not in models:
         raise FormatError(f"step {stored.step}: no model-states file of rank 0")
-    module = stored.structure(models[0]).get("module") or {}
+    module = stored.structure(models[0]).get("module")
+    if not isinstance(module, dict):
+        raise FormatError(f"step {stored.step}: {models[0]} holds no module state dict")
     out = []
     for name, ref in module.items():
         if isinstance(ref, TensorRef):
             tm = ckpt.tensor_meta(ref.key)
             out.append((name, tm.dtype, tuple(tm.shape), lambda k=ref.key: ckpt.read(k)))
+    return out
+
+
+def pipeline_weights(stored: StoredStep) -> list[tuple[str, torch.dtype, tuple[int, ...], Callable[[], torch.Tensor]]]:
+    """(name, dtype, shape, read) of every tensor of a pipeline step's layer files, by layer index.
+
+    ``PipelineModule.save_state_dict`` writes ``layer.state_dict()`` of
+    each layer that has one to ``layer_<index>-model_states.pt`` (index in
+    the whole model, whatever the stage count); a one-stage
+    ``PipelineModule`` registers layer ``i`` as submodule ``"i"``, so its
+    ``state_dict`` names that layer's tensors ``i.<name>``. A layer built
+    from a ``TiedLayerSpec`` is saved under every index that uses it (the
+    module itself names it ``tied_modules.<key>.<name>``).
+    """
+    out = []
+    for idx, f in sorted(stored.layer_files().items()):
+        sd = stored.structure(f)
+        if not isinstance(sd, dict):
+            raise FormatError(f"step {stored.step}: {f} does not hold a layer state dict")
+        for name, ref in sd.items():
+            if isinstance(ref, TensorRef):
+                tm = stored.ckpt.tensor_meta(ref.key)
+                out.append((f"{idx}.{name}", tm.dtype, tuple(tm.shape), lambda k=ref.key: stored.ckpt.read(k)))
     return out

@@ -14,13 +14,13 @@ import torch
 IN, HID = 16, 32
 
 
-def init(rank: int, world: int, port: int, tp: int):
+def init(rank: int, world: int, port: int, tp: int, pp: int = 1):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     from megatron.core import parallel_state
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     return parallel_state
 
 
@@ -130,4 +130,136 @@ def load_worker(rank, world, port, url, so, tmp):
         assert loaded["iteration"] == 5
         objs = loaded["rng"]
         assert objs["name"] == "run" and objs["ids"] == (1, 2) and torch.equal(objs["offset"], torch.tensor([3, 7])), objs
+    shutdown()
+
+
+# ------------------------------------------------------------------ GPT, tensor x pipeline parallel
+GPT_LAYERS, GPT_HIDDEN, GPT_VOCAB, GPT_SEQ = 4, 16, 64, 8
+#: ``sharded_state_dict`` metadata of the two layer numberings: a layer axis prepended to each
+#: layer tensor (global shape (layers, ...), the stage's layers at their global offsets; the default),
+#: and one key per layer holding its global number (``decoder.layers.2.mlp...``).
+NUMBERINGS = {"offsets": {}, "per_layer": {"non_homogeneous_layers": True}}
+
+
+def gpt(ps, seed: int):
+    """A GPT (local layer spec, tied embeddings) for this rank's tensor- and pipeline-parallel position.
+
+    Megatron ties the last stage's output layer to the first stage's word
+    embeddings with an all-reduce over the embedding group after moving the
+    weight to the GPU (``LanguageModule.setup_embeddings_and_output_layer``
+    calls ``weight.data.cuda()``); on CPU, test scaffolding makes that
+    ``.cuda()`` a no-op for the model's construction only, and gloo does the
+    all-reduce.
+    """
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    torch.manual_seed(seed)
+    cfg = TransformerConfig(num_layers=GPT_LAYERS, hidden_size=GPT_HIDDEN, num_attention_heads=4,
+                            use_cpu_initialization=True, pipeline_dtype=torch.float32,
+                            tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+                            pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size())
+    cuda = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    try:
+        return GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=GPT_VOCAB,
+                        max_sequence_length=GPT_SEQ, share_embeddings_and_output_weights=True,
+                        pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
+    finally:
+        torch.Tensor.cuda = cuda
+
+
+def gpt_sharded(ps, model, numbering: str):
+    md = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True), **NUMBERINGS[numbering]}
+    return model.sharded_state_dict(metadata=md)
+
+
+def global_value(key: str, shape) -> torch.Tensor:
+    """The value every test model holds in global tensor ``key`` (seeded by the key, whatever the layout)."""
+    import zlib
+
+    return torch.randn(tuple(shape), generator=torch.Generator().manual_seed(zlib.crc32(key.encode())))
+
+
+def sharded_tensors(sd) -> list:
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    return [v for v in nested_values(sd) if isinstance(v, ShardedTensor)]
+
+
+def fs_save_strategy():
+    """Megatron's torch_dist save (its translation and MCoreSavePlanner) over torch's FileSystemWriter.
+
+    Megatron's stock torch_dist save cannot run on CPU
+    (``filesystem_async.py:preload_tensors`` calls ``torch.cuda.synchronize()``);
+    this is the same format, which Megatron's stock torch_dist load strategy reads.
+    """
+    import torch.distributed.checkpoint as dcp
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreSavePlanner,
+        TorchDistSaveShardedStrategy,
+        _replace_state_dict_keys_with_sharded_keys,
+        mcore_to_pyt_state_dict,
+    )
+
+    class FsSave(TorchDistSaveShardedStrategy):
+        def save(self, sharded_state_dict, checkpoint_dir):
+            sd, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
+            dcp.save(mcore_to_pyt_state_dict(sd, False), storage_writer=dcp.FileSystemWriter(str(checkpoint_dir)),
+                     planner=MCoreSavePlanner(dedup_replicated_tensors=not self.keep_only_main_replica,
+                                              flatten_state_dict=False))
+
+    return FsSave("torch_dist", 1)
+
+
+def tp_pp_worker(rank, world, port, url, tmp, targets):
+    """TP2 x PP2 saves (each numbering: a ckptstore step and a torch_dist folder), then every target loads both.
+
+    The saved model holds :func:`global_value` in every global tensor; a
+    target (tp, pp) layout on the same 4 ranks (data-parallel replicas make
+    up the rest) builds a model from another seed, loads, and must hold
+    exactly those values in every shard, as Megatron's own torch_dist load
+    of the folder gives them.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+
+    from ckptstore.integrations import megatron as cmg
+
+    ps = init(rank, world, port, tp=2, pp=2)
+    model = gpt(ps, seed=0)
+    with torch.no_grad():
+        for st in sharded_tensors(gpt_sharded(ps, model, "offsets")):
+            st.data.copy_(global_value(st.key, st.global_shape)[st.global_slice()])
+    dirs = {}
+    for step, numbering in enumerate(NUMBERINGS, start=1):
+        ck, stock = os.path.join(tmp, f"{numbering}-ck"), os.path.join(tmp, f"{numbering}-torch_dist")
+        os.makedirs(ck, exist_ok=True)
+        os.makedirs(stock, exist_ok=True)
+        dist_checkpointing.save(gpt_sharded(ps, model, numbering), ck, sharded_strategy=cmg.save_strategy(url, step))
+        dist_checkpointing.save(gpt_sharded(ps, model, numbering), stock, sharded_strategy=fs_save_strategy())
+        dirs[numbering] = (step, ck, stock)
+    ps.destroy_model_parallel()
+
+    for tp, pp in targets:
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        for numbering, (step, ck, stock) in dirs.items():
+            loaded = {}
+            for side, strat, d in (("ckptstore", cmg.load_strategy(url, step), ck),
+                                   ("torch_dist", TorchDistLoadShardedStrategy(), stock)):
+                m = gpt(ps, seed=5)
+                state = dist_checkpointing.load(gpt_sharded(ps, m, numbering), d, sharded_strategy=strat)
+                m.load_state_dict(state)
+                n = 0  # checked through the offsets view, in which the saved model got its values
+                for st in sharded_tensors(gpt_sharded(ps, m, "offsets")):
+                    want = global_value(st.key, st.global_shape)[st.global_slice()]
+                    assert torch.equal(st.data, want), (side, numbering, (tp, pp), st.key)
+                    n += 1
+                assert n > 0
+                loaded[side] = {k: v.detach().clone() for k, v in m.state_dict().items() if torch.is_tensor(v)}
+            a, b = loaded["ckptstore"], loaded["torch_dist"]
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (numbering, tp, pp)
+        ps.destroy_model_parallel()
     shutdown()

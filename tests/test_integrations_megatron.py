@@ -2,8 +2,9 @@
 
 TP=2 over 2 spawned ranks saves Megatron's own ColumnParallelLinear /
 RowParallelLinear sharded state dicts (plus a ShardedObject and common
-state); one rank with TP=1 loads them bit-exact (bodies in
-tests/mg_workers.py).
+state); one rank with TP=1 loads them bit-exact. A GPT saved at TP2 x PP2
+on 4 ranks loads bit-exact at other TP x PP layouts, as Megatron's own
+torch_dist format of the same save does (bodies in tests/mg_workers.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import importlib
 import sys
 
 import pytest
+import torch
 import torch.multiprocessing as mp
 
 import ckptstore
@@ -46,6 +48,30 @@ def test_tp2_saved_tp1_loaded_bit_exact(tmp_path):
     assert m5.stats["ranks"].keys() == {"0", "1"}
     repo.close()
     mp.spawn(W.load_worker, args=(1, free_port(), url, so, str(tmp_path)), nprocs=1, join=True)
+
+
+def test_gpt_tp2_pp2_loads_bit_exact_on_other_tp_pp_as_torch_dist_does(tmp_path):
+    # 4 ranks save a GPT (4 layers, tied embeddings) at TP2 x PP2, in both layer numberings, through
+    # ckptstore and as a torch_dist folder; the same ranks then load it at TP1 x PP1, TP1 x PP2 and
+    # TP2 x PP1 (layers move between stages; data-parallel replicas make up the rest).
+    url = f"file://{tmp_path}/repo"
+    targets = [(1, 1), (1, 2), (2, 1)]
+    mp.spawn(W.tp_pp_worker, args=(4, free_port(), url, str(tmp_path), targets), nprocs=4, join=True)
+    with ckptstore.open(url) as repo:
+        assert repo.steps() == [1, 2]
+        m1, m2 = repo.manifest(1), repo.manifest(2)
+        assert m1.stats["ranks"].keys() == {"0", "1", "2", "3"}
+        # offsets: one global tensor per layer weight, (layers, ...), a shard per (stage's layer, TP rank)
+        qkv = m1.tensors["decoder.layers.self_attention.linear_qkv.weight"]
+        assert qkv.shape == (W.GPT_LAYERS, 3 * W.GPT_HIDDEN, W.GPT_HIDDEN) and len(qkv.shards) == 2 * W.GPT_LAYERS
+        # the tied output layer is the first stage's word embeddings (the last stage's copy is a replica)
+        assert "embedding.word_embeddings.weight" in m1.tensors and "output_layer.weight" not in m1.tensors
+        # per layer: one key per layer, numbered in the whole model
+        assert {f"decoder.layers.{i}.mlp.linear_fc1.weight" for i in range(W.GPT_LAYERS)} <= m2.tensors.keys()
+        # the repository's own reader assembles the global tensors the ranks wrote
+        ckpt = repo.checkpoint(1)
+        for key in ("decoder.layers.self_attention.linear_qkv.weight", "embedding.word_embeddings.weight"):
+            assert torch.equal(ckpt.read(key), W.global_value(key, ckpt.tensor_meta(key).shape)), key
 
 
 def test_load_refuses_a_torch_dist_directory(tmp_path):

@@ -45,10 +45,16 @@ ZeRO-1/2 steps with ``reshard=True``) are re-partitioned
 (:mod:`.deepspeed_reshard`): the files each new rank asks for are rebuilt
 from range reads of the stored partitions, and DeepSpeed's stock loader
 consumes them.
+
+Pipeline engines (``PipelineModule``) save one file per layer, numbered in
+the whole model, which load on any stage count; their optimizer states
+belong to the saved stages, and loading them into another partition is
+refused (:meth:`CkptStoreCheckpointEngine.check_pipeline`).
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 from collections import OrderedDict
@@ -57,6 +63,7 @@ try:
     import deepspeed as _deepspeed
     from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.pipe.module import PipelineModule
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.runtime.zero.utils import ZeRORuntimeException
     from deepspeed.utils.tensor_fragment import fragment_address
@@ -82,6 +89,10 @@ __all__ = ["attach", "CkptStoreCheckpointEngine", "CODECS", "step_for_tag", "con
 STUB_FORMAT = T.STUB_FORMAT
 NAMESPACE = T.NAMESPACE
 RESHARD_HINT = "pass reshard=True to ckptstore.integrations.deepspeed.attach to re-partition"
+NO_RESHARD_HINT = (
+    "this step holds pipeline or model-parallel files, which ckptstore does not re-partition either; "
+    "load it on the saved data-parallel size, or without optimizer states (load_optimizer_states=False)"
+)
 
 
 # ============================================================== allow-list
@@ -279,6 +290,7 @@ class CkptStoreCheckpointEngine(CheckpointEngine):
             "dp_world_size": int(getattr(e, "seq_dp_world_size", getattr(e, "dp_world_size", 1))) if e else 1,
             "world_size": dist.get_world_size() if dist.is_initialized() else 1,
             "ds_version": getattr(_deepspeed, "__version__", "?"),
+            **({"pipeline": pipe} if (pipe := _pipeline_layout(e)) else {}),
         }
 
     # -- load
@@ -387,11 +399,35 @@ class CkptStoreCheckpointEngine(CheckpointEngine):
 
     def rebuilds(self, stored: zero.StoredStep) -> bool:
         """Whether this engine re-partitions the step (``reshard``: None -> ZeRO-3 only)."""
-        if not self.dp_mismatch(stored):
-            return False
+        if not self.dp_mismatch(stored) or stored.model_parallel():
+            return False  # a pipeline / model-parallel step is served as saved: DeepSpeed decides
         if self.reshard is None:
             return int(stored.meta.get("zero_stage", 0)) == 3
         return self.reshard
+
+    def check_pipeline(self, stored: zero.StoredStep, tag: str, loads_optimizer: bool) -> None:
+        """Refuse to load a pipeline step's optimizer states into stages that hold other layers.
+
+        Each stage's optimizer states (``mp_rank_NN`` and ZeRO files) belong
+        to the parameters of the layers that stage held when saving. With
+        another stage count or partition, DeepSpeed hands stage 0's states to
+        every stage: ``Optimizer.load_state_dict`` then fails on a parameter
+        count that differs, or takes the states of other layers when the
+        counts happen to agree. The layers themselves load on any partition
+        (``layer_*`` files are numbered in the whole model).
+        """
+        saved = stored.meta.get("pipeline")
+        live = _pipeline_layout(self.engine)
+        if not (loads_optimizer and isinstance(saved, dict) and live) or saved.get("parts") == live["parts"]:
+            return
+        raise ValueError(
+            f"DeepSpeed tag {tag!r} (step {stored.step} of {self.repo.url}) was saved by a pipeline of "
+            f"{saved.get('stages')} stage(s) with layer boundaries {saved.get('parts')}; this engine's pipeline has "
+            f"{live['stages']} stage(s) with boundaries {live['parts']}. Each stage's optimizer states belong to the "
+            "layers it held when saving, so they cannot be loaded here; load the weights, learning-rate scheduler "
+            "and counters with load_checkpoint(..., load_optimizer_states=False), or the weights only with "
+            "load_module_only=True"
+        )
 
     def _layout(self, stored: zero.StoredStep) -> zero.ZeroLayout:
         layout = self._layouts.get(stored.step)
@@ -469,16 +505,18 @@ def attach(
         step = current.resolve_tag(load_dir, tag)
         if step is None:
             return original(load_dir, tag, *args, **kwargs)  # a plain DeepSpeed checkpoint on disk, or nothing
+        stored = current._stored_step(step)
+        current.check_pipeline(stored, tag, _loads_optimizer(engine, original, load_dir, tag, args, kwargs))
         current.write_stubs(load_dir, tag, step)
         if dist.is_initialized():
             dist.barrier()
-        stored = current._stored_step(step)
         token = T.LOADING.set(T.Loading(current, step, stored))
         try:
             return original(load_dir, tag, *args, **kwargs)
         except ZeRORuntimeException as e:
             if current.dp_mismatch(stored) and not current.rebuilds(stored):
-                raise ZeRORuntimeException(f"{e} (ckptstore: {RESHARD_HINT})") from None
+                hint = NO_RESHARD_HINT if stored.model_parallel() else RESHARD_HINT
+                raise ZeRORuntimeException(f"{e} (ckptstore: {hint})") from None
             raise
         finally:
             T.LOADING.reset(token)
@@ -527,6 +565,29 @@ def _dp_rank(engine) -> int:
     if group is not None and dist.is_initialized():
         return dist.get_rank(group=group)
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _pipeline_layout(engine) -> dict | None:
+    """The stage count and layer boundaries of the engine's ``PipelineModule``; None without one."""
+    module = getattr(engine, "module", None)
+    if not isinstance(module, PipelineModule):
+        return None
+    return {"stages": int(module.num_stages), "parts": [int(p) for p in module.parts]}
+
+
+def _loads_optimizer(engine, load_checkpoint, load_dir, tag, args, kwargs) -> bool:
+    """Whether DeepSpeed's ``load_checkpoint`` called with these arguments loads optimizer states."""
+    try:
+        bound = inspect.signature(load_checkpoint).bind(load_dir, tag, *args, **kwargs)
+    except TypeError:
+        return False  # DeepSpeed raises its own error for these arguments
+    bound.apply_defaults()
+    a = bound.arguments
+    return (
+        getattr(engine, "optimizer", None) is not None
+        and bool(a.get("load_optimizer_states", True))
+        and not a.get("load_module_only", False)
+    )
 
 
 def _has_plain_files(tag_dir: str) -> bool:

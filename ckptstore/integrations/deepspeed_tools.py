@@ -178,12 +178,12 @@ class _Source:
 
 def weights(stored: zero.StoredStep, exclude_frozen: bool, source=None, preload: bool = False) -> OrderedDict:
     """The consolidated weights of a step as DeepSpeed's ``zero_to_fp32`` returns them (lazy)."""
-    if preload and int(stored.meta.get("zero_stage", 0)) in (1, 2, 3):
+    if preload and int(stored.meta.get("zero_stage", 0)) in (1, 2, 3) and not stored.is_pipeline():
         layout = zero.ZeroLayout(stored)
         layout.preload_fp32()
         entries = layout.consolidated(exclude_frozen=exclude_frozen, float_buffers=True)
     else:
-        entries = zero.consolidated(stored.ckpt, exclude_frozen=exclude_frozen, float_buffers=True)
+        entries = zero.consolidated(stored.ckpt, exclude_frozen=exclude_frozen, float_buffers=True, pipeline=False)
     out: OrderedDict = OrderedDict()
     made = {}
     for name, dtype, shape, read in entries:

@@ -21,7 +21,10 @@ instead of Megatron's file system writer, so no CUDA call is made (the stock
 strategy calls ``torch.cuda.synchronize()`` and puts a tensor on the CUDA
 device in ``state_dict_saver.py``). Every rank writes its own shards; rank 0
 commits the step after all ranks have written, and a failure anywhere leaves
-no step. Resharding (TP=2 saved, TP=1 loaded) is DCP's.
+no step. Loading at another tensor- or pipeline-parallel layout is DCP's
+resharding: Megatron's ``sharded_state_dict`` names every shard by its place
+in the whole model (layers numbered across pipeline stages), see
+docs/integrations.md.
 
 ``checkpoint_dir`` stays a local directory: Megatron writes
 ``metadata.json`` (the backend, here ``"ckptstore"``) and ``common.pt``
