@@ -186,3 +186,34 @@ class GCSEmulator:
     def object_names(self, bucket: str) -> list[str]:
         """Every object name in ``bucket``, straight from the emulator's state."""
         return sorted(self._storage.objects.get(bucket, {}))
+
+
+def main(argv=None) -> int:
+    """``python -m ckptstore.testing.gcs_emulator --port 9023 --bucket my-bucket``: serve until Ctrl-C.
+
+    gcp-storage-emulator as the tests run it: in memory, with ``ifGenerationMatch``
+    enforced, so that ckptstore's check of conditional creates passes (the emulator as it
+    ships accepts a second exclusive create, and ckptstore refuses to commit to it).
+    """
+    import argparse
+    import time
+
+    ap = argparse.ArgumentParser(description=main.__doc__.split("\n\n")[0])
+    ap.add_argument("--port", type=int, default=9023)
+    ap.add_argument("--bucket", action="append", default=[], help="a bucket to create (repeatable)")
+    a = ap.parse_args(argv)
+    with GCSEmulator(port=a.port) as em:
+        for b in a.bucket:
+            em.create_bucket(b)
+        print(f"GCS emulator on {em.endpoint} (ifGenerationMatch enforced); buckets: {', '.join(a.bucket) or 'none'}",
+              flush=True)
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
