@@ -41,8 +41,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-#: The pages whose blocks must run (tests/test_doc_blocks.py runs each).
-PAGES = ("README.md", "docs/quickstart.md", "docs/dcp.md", "docs/integrations.md")
+#: The pages whose blocks must run (tests/test_doc_blocks.py runs each): every
+#: stack's page under docs/integrations/ is one, found by its folder.
+PAGES = ("README.md", "docs/quickstart.md", "docs/dcp.md", "docs/integrations.md") + tuple(
+    sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs" / "integrations").glob("*.md")))
 SHELLS = frozenset({"sh", "shell", "bash", "console"})
 LANGS = SHELLS | {"python", "text"}
 

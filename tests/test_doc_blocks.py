@@ -1,4 +1,4 @@
-"""Every code block of README.md, docs/quickstart.md, docs/dcp.md and docs/integrations.md runs as written.
+"""Every code block of README.md, docs/quickstart.md, docs/dcp.md and docs/integrations{.md,/*.md} runs as written.
 
 Each page runs in a scratch folder of its own, as a reader would run it:
 python blocks in one interpreter in page order (or in the session their

@@ -1,4 +1,4 @@
-"""Adapters for training stacks (see ``docs/integrations.md``).
+"""Adapters for training stacks (see ``docs/integrations.md``; a page per stack in ``docs/integrations/``).
 
 Each submodule imports its framework when it is itself imported, and only
 then: ``import ckptstore`` and this package import none of them. A

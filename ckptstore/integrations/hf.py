@@ -12,7 +12,7 @@
   loads (``SHARDED_STATE_DICT``) to :class:`~ckptstore.dcp.CkptStoreWriter`
   and :class:`~ckptstore.dcp.CkptStoreReader`.
 
-See ``docs/integrations.md``. Needs transformers (and accelerate for the
+See ``docs/integrations/hf.md``. Needs transformers (and accelerate for the
 Trainer): ``pip install 'ckptstore[integrations]'``.
 """
 
@@ -282,7 +282,7 @@ def _refuse_sharded(args) -> None:
     if getattr(args, "fsdp", None):  # [] / "" unless FSDP is on
         raise RuntimeError(
             "CkptStoreCallback saves a full state dict from one process; under FSDP use "
-            "ckptstore.integrations.hf.route_fsdp_checkpoints (docs/integrations.md)"
+            "ckptstore.integrations.hf.route_fsdp_checkpoints (docs/integrations/hf.md)"
         )
     if getattr(args, "deepspeed", None):
         raise RuntimeError(

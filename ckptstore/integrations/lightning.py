@@ -22,7 +22,7 @@ before names existed are read by the earlier rules (:meth:`CkptStoreCheckpointIO
 Values that are neither tensors nor JSON values are refused with an error
 naming them (no pickle), apart from the explicit conversions of
 :func:`default_convert` and OmegaConf containers, which come back as
-OmegaConf containers. See ``docs/integrations.md``.
+OmegaConf containers. See ``docs/integrations/lightning.md``.
 """
 
 from __future__ import annotations

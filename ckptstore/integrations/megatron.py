@@ -24,7 +24,7 @@ commits the step after all ranks have written, and a failure anywhere leaves
 no step. Loading at another tensor- or pipeline-parallel layout is DCP's
 resharding: Megatron's ``sharded_state_dict`` names every shard by its place
 in the whole model (layers numbered across pipeline stages), see
-docs/integrations.md.
+docs/integrations/megatron.md.
 
 ``checkpoint_dir`` stays a local directory: Megatron writes
 ``metadata.json`` (the backend, here ``"ckptstore"``) and ``common.pt``

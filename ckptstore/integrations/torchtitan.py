@@ -36,7 +36,8 @@ new state as a step of its own (one past the newest) and points the
 checkpoint name ``step-N`` at it (name space ``torchtitan``), as the
 Lightning and DeepSpeed integrations do: ``load_step=N`` and the newest
 checkpoint then load the new state, the earlier state stays until
-retention removes it, and the log says so. See ``docs/integrations.md``.
+retention removes it, and the log says so. See
+``docs/integrations/torchtitan.md``.
 """
 
 from __future__ import annotations
