@@ -17,9 +17,9 @@ from .errors import (
     StoreURLError,
     UnsupportedVersionError,
 )
-from .gc import GCPlan, RetentionPolicy
+from .repo.gc import GCPlan, RetentionPolicy
 from .loading import load_module
-from .repository import Checkpoint, Repository, StepInfo, TensorMeta, open
+from .repo.repository import Checkpoint, Repository, StepInfo, TensorMeta, open
 from .storage.retry import RetryPolicy
 from .storage.throttle import ThrottlePolicy
 

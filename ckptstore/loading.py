@@ -2,15 +2,15 @@
 
 :func:`load_module` materializes a module built on the ``meta`` device (or
 refills one that exists) from a committed step, reading every tensor
-through the repository's one :class:`~ckptstore.fetch.ChunkFetcher`, so
+through the repository's one :class:`~ckptstore.pipeline.fetch.ChunkFetcher`, so
 host memory beyond the tensors that stay on the CPU is bounded by the
 handle's read budget.
 
-Tensors are read by :class:`~ckptstore.staging.TensorReader` (the
+Tensors are read by :class:`~ckptstore.pipeline.staging.TensorReader` (the
 reading path it shares with ``Repository.load(into=...)`` and
 ``ckptstore.integrations.hf.lazy_state_dict``): decoded in place where the
 destination allows it, else block by block through
-:class:`~ckptstore.staging.StagingBuffers`. Those names are importable
+:class:`~ckptstore.pipeline.staging.StagingBuffers`. Those names are importable
 from here too.
 """
 
@@ -26,10 +26,10 @@ import torch
 
 from .format import manifest as _m
 from .progress import byte_bar
-from .reader import Checkpoint
-from .repository import Repository
-from .repository import open as _open_repo
-from .staging import (  # noqa: F401 - re-exported: the reading path's names, as before it moved
+from .repo.reader import Checkpoint
+from .repo.repository import Repository
+from .repo.repository import open as _open_repo
+from .pipeline.staging import (  # noqa: F401 - re-exported: the reading path's names, as before it moved
     STAGING_ALIGN,
     STAGING_BYTES,
     Block,
@@ -39,7 +39,7 @@ from .staging import (  # noqa: F401 - re-exported: the reading path's names, as
     plan_blocks,
     staging_sizes,
 )
-from .tensors import castable, writable_in_place
+from .pipeline.tensors import castable, writable_in_place
 
 
 # ---------------------------------------------------------------- opening

@@ -88,7 +88,7 @@ def _phased_local_store(root: str, on_write, on_commit):
 
 
 def main(argv: list[str]) -> int:
-    from ckptstore.repository import Repository
+    from ckptstore.repo.repository import Repository
     from ckptstore.storage import open_store
     from ckptstore.storage.faults import FaultStore
 

@@ -1,7 +1,7 @@
-"""A fake process group for :class:`ckptstore.exchange.Exchanger`: ranks as threads of one process.
+"""A fake process group for :class:`ckptstore.dcp.exchange.Exchanger`: ranks as threads of one process.
 
 ``Hub(n)`` holds the shared state; ``FakeComm(hub, rank)`` has the methods of
-:class:`ckptstore.exchange.TorchComm`. Collectives complete once every rank
+:class:`ckptstore.dcp.exchange.TorchComm`. Collectives complete once every rank
 has called them (matched by each rank's call count, as a real group matches
 them by order); point-to-point messages wait in a mailbox per (source,
 destination, tag). Every ``wait`` honours its timeout (False when it runs

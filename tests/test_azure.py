@@ -21,7 +21,7 @@ from ckptstore.errors import (
     StorageError,
     TransientStorageError,
 )
-from ckptstore.repository import Repository
+from ckptstore.repo.repository import Repository
 from ckptstore.storage import open_store
 from ckptstore.storage.azure import AzureStore, block_id, classify_error
 from ckptstore.storage.base import MiB

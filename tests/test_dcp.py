@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import ckptstore
 from ckptstore.dcp import CkptStoreReader, CkptStoreWriter
-from ckptstore.repository import Repository
+from ckptstore.repo.repository import Repository
 from ckptstore.storage import open_store
 from ckptstore.storage.wrappers import CountingStore
 from ckptstore.testing import free_port

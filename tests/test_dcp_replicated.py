@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 
 import ckptstore
 from ckptstore.dcp import balance_save_plans
-from ckptstore.exchange import ReadRegion, plan_exchange
+from ckptstore.dcp.exchange import ReadRegion, plan_exchange
 from ckptstore.testing import free_port
 
 from . import dcp_workers as W

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import torch
 
-from ckptstore.exchange import Exchanger, RankReadError, Round
-from ckptstore.replicas import Replicator, peer_fill
-from ckptstore.tier import Tier
+from ckptstore.dcp.exchange import Exchanger, RankReadError, Round
+from ckptstore.tier.replicas import Replicator, peer_fill
+from ckptstore.tier.cache import Tier
 
 from .fake_comm import run_ranks
 

@@ -14,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 
 from ckptstore.format import codec, manifest as M, manifest_v2 as V2, pack as P
 from ckptstore.errors import FormatError, IntegrityError, UnsupportedVersionError
-from ckptstore.repository import Repository
+from ckptstore.repo.repository import Repository
 from ckptstore.storage.memory import MemoryStore
 
 from .helpers import SMALL

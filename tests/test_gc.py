@@ -15,9 +15,9 @@ import ckptstore
 from ckptstore.cli.main import main
 from ckptstore.clock import ManualClock
 from ckptstore.errors import StaleBaseError, StorageError
-from ckptstore.gc import RetentionPolicy, parse_duration, select_steps
+from ckptstore.repo.gc import RetentionPolicy, parse_duration, select_steps
 from ckptstore.format.layout import manifest_key, pack_key
-from ckptstore.repository import Repository
+from ckptstore.repo.repository import Repository
 from ckptstore.storage import open_store
 from ckptstore.storage.memory import MemoryStore
 from ckptstore.storage.faults import FaultStore
@@ -155,7 +155,7 @@ def test_dry_run_changes_nothing(repo_url, capsys, monkeypatch):
     before = _listing(repo.store)
     # the CLI's repositories run on the default clock: move it past the grace period
     clock = ManualClock(_past_grace(repo))
-    monkeypatch.setattr("ckptstore.catalog.SYSTEM_CLOCK", clock)
+    monkeypatch.setattr("ckptstore.repo.catalog.SYSTEM_CLOCK", clock)
     args = ["gc", url, "--keep-last", "1"]
     for k, v in _cli_options(so).items():
         args += ["-o", f"{k}={v}"]
@@ -414,7 +414,7 @@ def test_gc_deletes_in_batches_each_cleared_by_a_listing_within_half_the_margin(
     # batch must follow a fresh listing of the manifests by at most half the
     # margin (docs/gc.md, G3), so GC lists again between them; a batch that
     # took over a quarter of the margin makes the next ones smaller.
-    from ckptstore import gc as gcmod
+    from ckptstore.repo import gc as gcmod
     from ckptstore.format.layout import safety_margin
     from ckptstore.storage.wrappers import WrapperStore
 
@@ -460,7 +460,7 @@ def test_gc_deletes_in_batches_each_cleared_by_a_listing_within_half_the_margin(
 
 
 def test_executor_clear_pack_says_why_each_pack_stays_or_goes(tmp_path):
-    from ckptstore.gc import _Executor
+    from ckptstore.repo.gc import _Executor
 
     repo, clock, orphans = _orphans(tmp_path)
     live = next(c.pack for c in repo.chunks(1))
@@ -477,7 +477,7 @@ def test_executor_clear_pack_says_why_each_pack_stays_or_goes(tmp_path):
 
 
 def test_executor_delete_steps_keeps_the_newest_and_what_was_tagged_since_planning(tmp_path):
-    from ckptstore.gc import _Executor
+    from ckptstore.repo.gc import _Executor
 
     clock = ManualClock()
     repo = Repository(open_store(str(tmp_path / "repo")), grace=GRACE, clock=clock, **OPTS)
@@ -493,7 +493,7 @@ def test_executor_delete_steps_keeps_the_newest_and_what_was_tagged_since_planni
 
 
 def test_executor_expire_bookkeeping_deletes_only_what_the_plan_named(tmp_path):
-    from ckptstore.gc import _Executor
+    from ckptstore.repo.gc import _Executor
 
     repo, clock, _ = _orphans(tmp_path)
     repo.store.put("leases/" + "d" * 32 + ".json", b'{"step": 2}')

@@ -573,7 +573,7 @@ def test_emulator_host_in_the_environment_means_anonymous(gcs, monkeypatch):
 def test_cp_s3_to_gcs_copies_unique_chunks_once_and_verifies(gcs, s3):
     """``cp`` between clouds: S3 (moto) to GCS (emulator)."""
     import ckptstore
-    from ckptstore.repository import Repository
+    from ckptstore.repo.repository import Repository
 
     src = ckptstore.open(s3.url, storage_options=s3.storage_options, **SMALL)
     frozen = torch.randn(100_000)

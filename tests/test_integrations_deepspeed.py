@@ -26,7 +26,7 @@ import ckptstore  # noqa: E402
 from ckptstore.errors import FormatError  # noqa: E402
 from ckptstore.testing import free_port  # noqa: E402
 
-from . import ds_workers as W  # noqa: E402
+from . import ds_workers as W
 
 pytestmark = pytest.mark.slow  # DeepSpeed ZeRO on spawned gloo ranks
 
@@ -63,7 +63,7 @@ def test_import_without_deepspeed_names_the_extra(monkeypatch):
 
 def test_importing_ckptstore_imports_no_framework():
     code = (
-        "import sys, ckptstore, ckptstore.integrations, ckptstore.dcp, ckptstore.transfer, ckptstore.cli.main\n"
+        "import sys, ckptstore, ckptstore.integrations, ckptstore.dcp, ckptstore.repo.transfer, ckptstore.cli.main\n"
         "bad = [m for m in ('deepspeed', 'megatron', 'transformers', 'lightning') if m in sys.modules]\n"
         "assert not bad, bad\n"
     )
@@ -75,7 +75,7 @@ def test_structure_round_trip_allow_list_and_refusals():
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
-    from ckptstore import zero as F
+    from ckptstore.repo import zero as F
     from ckptstore.integrations import deepspeed as cds
 
     scaler = DynamicLossScaler(init_scale=2.0**16, scale_window=100, min_scale=1, delayed_shift=2,
@@ -392,7 +392,7 @@ def test_zero12_repartition_bit_exact(tmp_path, stage, zero, other):
 
 def test_zero12_repartition_layout_pure():
     """FlatGroup: padding per rank and parameter pieces as DeepSpeed's groups_padding and slice mappings."""
-    from ckptstore.zero import FlatGroup
+    from ckptstore.repo.zero import FlatGroup
 
     g = FlatGroup(names=("w", "b", "v"), offsets=(0, 6, 10), numels=(5, 3, 7), partition_size=6, world=3)
     assert g.data_end == 17

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp  # noqa: E402
 import ckptstore  # noqa: E402
 from ckptstore.testing import free_port  # noqa: E402
 
-from . import ds_pipe_workers as P  # noqa: E402
+from . import ds_pipe_workers as P
 
 slow = pytest.mark.slow  # DeepSpeed pipelines on spawned gloo ranks
 
@@ -117,7 +117,7 @@ def test_pipeline_zero1_on_another_data_parallel_size_as_deepspeed(pipe_run):
 # ------------------------------------------------------------------ pure: a pipeline step's layout (no DeepSpeed)
 def _save_files(repo, step: int, files: dict) -> None:
     """Store ``files`` (name -> state dict) as ckptstore.integrations.deepspeed lays a step out."""
-    from ckptstore import zero
+    from ckptstore.repo import zero
 
     flat = {}
     for name, sd in files.items():
@@ -129,7 +129,7 @@ def _save_files(repo, step: int, files: dict) -> None:
 
 
 def test_pipeline_step_layout_export_and_refusals(tmp_path, capsys):
-    from ckptstore import zero
+    from ckptstore.repo import zero
     from ckptstore.cli.main import main
     from ckptstore.errors import FormatError, UnsupportedLayoutError
 

@@ -30,7 +30,7 @@ from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 from torchtitan.config import Configurable  # noqa: E402
 from torchtitan.config.override import OverrideConfig, apply_overrides, parse_cli_imports  # noqa: E402
 
-from . import torchtitan_workers as W  # noqa: E402
+from . import torchtitan_workers as W
 
 
 class TrainState:

@@ -20,7 +20,7 @@ import ckptstore
 from ckptstore.clock import ManualClock
 from ckptstore.errors import ManifestTooLargeError, StorageError
 from ckptstore.format.layout import pack_key, segment_key
-from ckptstore.repository import Repository
+from ckptstore.repo.repository import Repository
 from ckptstore.storage import MemoryStore, open_store
 from ckptstore.storage.faults import FaultStore
 

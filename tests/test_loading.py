@@ -18,9 +18,9 @@ from torch import nn
 
 import ckptstore
 from ckptstore import loading
-from ckptstore import reader as reader_mod
+from ckptstore.repo import reader as reader_mod
 from ckptstore.loading import IncompatibleKeys, ModuleLoader, StagingBuffers, TensorReader, plan_blocks
-from ckptstore.planner import box_shape, byte_runs
+from ckptstore.pipeline.planner import box_shape, byte_runs
 from ckptstore.storage import open_store
 from ckptstore.storage.wrappers import CountingStore
 
@@ -282,7 +282,7 @@ def test_host_memory_stays_within_the_read_budget(tmp_path, monkeypatch):
 
 
 def test_budget_reservations_always_leave_every_holders_room():
-    from ckptstore.runtime import ByteBudget
+    from ckptstore.pipeline.runtime import ByteBudget
 
     b = ByteBudget(512)
     assert b.reserve(1000, room=100) == 412, "clamped to what leaves the room free"

@@ -24,7 +24,7 @@ import torch
 import ckptstore
 from ckptstore.format import codec
 from ckptstore.errors import IntegrityError, TransientStorageError
-from ckptstore.repository import Repository
+from ckptstore.repo.repository import Repository
 from ckptstore.storage import local as local_mod
 from ckptstore.storage.base import MiB
 from ckptstore.storage.local import LocalStore
@@ -32,7 +32,7 @@ from ckptstore.storage.memory import MemoryStore
 from ckptstore.storage.retry import RetryPolicy, RetryStore
 from ckptstore.storage.upload import BufferPool, ParallelUploader
 from ckptstore.storage.wrappers import CountingStore
-from ckptstore.tensors import to_host
+from ckptstore.pipeline.tensors import to_host
 
 from .helpers import SMALL, assert_tree_equal
 

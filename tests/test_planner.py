@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from ckptstore import planner as pl
+from ckptstore.pipeline import planner as pl
 
 
 def test_normalize_index():

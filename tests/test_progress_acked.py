@@ -7,7 +7,7 @@ import threading
 
 import torch
 
-from ckptstore.repository import Repository
+from ckptstore.repo.repository import Repository
 from ckptstore.storage import MemoryStore
 from ckptstore.storage.faults import FaultStore
 

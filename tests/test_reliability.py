@@ -29,7 +29,7 @@ from ckptstore.errors import (
     TransientStorageError,
 )
 from ckptstore.format.layout import manifest_key, parse_relocation
-from ckptstore.repository import Repository
+from ckptstore.repo.repository import Repository
 from ckptstore.storage.faults import FaultStore, permanent, transient
 from ckptstore.storage.memory import MemoryStore
 from ckptstore.storage.retry import RetryPolicy, RetryStore

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from ckptstore.replicas import Transfer, nodes_of, plan_peer_fill, replica_peers
+from ckptstore.tier.replicas import Transfer, nodes_of, plan_peer_fill, replica_peers
 from ckptstore.testing import free_port
 
 

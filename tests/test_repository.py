@@ -19,7 +19,7 @@ from ckptstore.errors import (
     UnsupportedVersionError,
 )
 from ckptstore.format.layout import manifest_key, pack_key
-from ckptstore.repository import Repository
+from ckptstore.repo.repository import Repository
 from ckptstore.storage.memory import MemoryStore
 from ckptstore.storage.faults import FaultStore
 from ckptstore.storage.wrappers import CountingStore
@@ -622,7 +622,7 @@ def test_async_save_from_cuda_stages_into_reused_pinned_buffers(tmp_path):
 
 
 def test_local_stores_get_few_io_threads_and_small_requests_unless_asked(tmp_path):
-    from ckptstore.options import LOCAL_IO_WORKERS, LOCAL_MAX_REQUEST, RepoOptions
+    from ckptstore.pipeline.options import LOCAL_IO_WORKERS, LOCAL_MAX_REQUEST, RepoOptions
     from ckptstore.storage.local import LocalStore
     from ckptstore.storage.memory import MemoryStore
 

@@ -15,7 +15,7 @@ import torch
 
 import ckptstore
 from ckptstore.errors import ConditionalWriteUnsupportedError, StorageError, StoreThrottledError
-from ckptstore.options import RepoOptions
+from ckptstore.pipeline.options import RepoOptions
 from ckptstore.storage.retry import RetryPolicy
 from ckptstore.testing.requestproxy import RequestProxy, credential_process_script, issue_key, match
 

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from ckptstore.errors import RepositoryNotFoundError, StaleBaseError, StepNotFoundError, StorageError
-from ckptstore.repository import Repository
+from ckptstore.repo.repository import Repository
 from ckptstore.storage.faults import FaultStore, transient
 from ckptstore.storage.retry import RetryPolicy, RetryStore
 

@@ -605,7 +605,7 @@ def test_a_host_name_that_does_not_exist_fails_at_once_naming_the_host(backend, 
 def test_gcs_resolves_its_endpoint_before_its_first_request():
     import socket
 
-    from ckptstore.catalog import Catalog
+    from ckptstore.repo.catalog import Catalog
     from ckptstore.errors import HostNotResolvedError
     from ckptstore.storage.gcs import GCSStore
     from ckptstore.storage.retry import RetryPolicy, RetryStore

@@ -142,7 +142,7 @@ def test_a_listing_that_stays_throttled_says_so_never_empty():
 
 def test_a_repository_on_a_throttled_store_raises_rather_than_finding_no_step():
     import ckptstore
-    from ckptstore.repository import Repository
+    from ckptstore.repo.repository import Repository
 
     clock = Clock()
     inner = _Throttling("throttle-c", 10**6)

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import ckptstore
-from ckptstore.repository import Repository
+from ckptstore.repo.repository import Repository
 from ckptstore.storage import open_store
 from ckptstore.storage.wrappers import CountingStore
-from ckptstore.tier import Tier, parse_size, repo_key, tier_files, usage
+from ckptstore.tier.cache import Tier, parse_size, repo_key, tier_files, usage
 
 from .helpers import SMALL, assert_tree_equal
 
@@ -187,7 +187,7 @@ def test_two_processes_share_one_tier(tmp_path):
     child = textwrap.dedent(
         f"""
         import json, sys, torch, ckptstore
-        from ckptstore.repository import Repository
+        from ckptstore.repo.repository import Repository
         from ckptstore.storage import open_store
         with ckptstore.open({url!r}, cache_dir={str(cache)!r}, chunk_size=16384) as r:
             got = r.load(1)
@@ -221,7 +221,7 @@ def test_tier_layout_is_keyed_by_repository_not_by_process(tmp_path):
     tiers = usage(str(cache))
     assert set(tiers) == {repo_key(ckptstore.open(a).url), repo_key(ckptstore.open(b).url)}
     assert {t["url"] for t in tiers.values()} == {ckptstore.open(a).url, ckptstore.open(b).url}
-    assert open(cache / "TIER").read().startswith("ckptstore.tier 1")
+    assert open(cache / "TIER").read().startswith("ckptstore.tier.cache 1")
     # the same data saved to two repositories is kept for each (a repository's packs are its own)
     assert all(t["packs"] == 1 for t in tiers.values())
 
@@ -320,7 +320,7 @@ def test_no_pack_id_is_recorded_twice_and_old_records_go(tmp_path):
     for step in range(10):
         tier.note_step(step)
         tier.note_step(step, [f"p{step}"])
-    from ckptstore.tier import recent_packs
+    from ckptstore.tier.cache import recent_packs
 
     assert recent_packs(str(tmp_path / "t")) == {"p8", "p9"}
     assert len(os.listdir(os.path.join(tier.root, "recent"))) <= 8

@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 
 import ckptstore
 from ckptstore.cli.main import main
-from ckptstore.tier import repo_key
-from ckptstore.tier_admin import canonical_url, plan_prune, scan
+from ckptstore.tier.cache import repo_key
+from ckptstore.tier.admin import canonical_url, plan_prune, scan
 
 from .helpers import SMALL, assert_tree_equal
 
@@ -247,7 +247,7 @@ def test_repositories_are_found_by_any_spelling_of_their_url(tmp_path):
 
 
 def test_prune_keeps_what_a_pending_step_needs(tmp_path, capsys):
-    from ckptstore.tier import Tier
+    from ckptstore.tier.cache import Tier
 
     cache = tmp_path / "tier"
     url, _ = _saved(tmp_path, cache=cache)

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import ckptstore
-from ckptstore.repository import Repository
+from ckptstore.repo.repository import Repository
 from ckptstore.storage import open_store
 from ckptstore.storage.wrappers import CountingStore
-from ckptstore.tier_admin import plan_prune, scan
+from ckptstore.tier.admin import plan_prune, scan
 
 from .helpers import SMALL, assert_tree_equal
 
@@ -129,7 +129,7 @@ def test_a_full_disk_while_a_read_keeps_chunks_still_loads(tmp_path, monkeypatch
 def test_a_tier_segment_gone_or_damaged_between_the_look_and_the_read_is_read_from_the_store(tmp_path, monkeypatch, how):
     """Found by the 2-process soak: a chunk-table segment the tier held was evicted (or renamed out of
     wb/ as its step committed) after the reader looked and before it read: the store has it."""
-    from ckptstore import table_reader as tables
+    from ckptstore.pipeline import table_reader as tables
     from ckptstore.format.layout import segment_key
 
     url, cache = str(tmp_path / "repo"), tmp_path / "tier"

@@ -1,4 +1,4 @@
-"""Export, import, copy between repositories and diff (ckptstore.transfer) and their CLI."""
+"""Export, import, copy between repositories and diff (ckptstore.repo.transfer) and their CLI."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import ckptstore
 from ckptstore.cli.main import main
 from ckptstore.errors import FormatError
 from ckptstore.format.layout import MANIFEST_PREFIX, PACK_PREFIX
-from ckptstore.repository import Repository
+from ckptstore.repo.repository import Repository
 from ckptstore.storage import MemoryStore, open_store
 from ckptstore.storage.wrappers import CountingStore
 
@@ -71,7 +71,7 @@ def test_export_safetensors_loads_equal(repo, tmp_path):
 
 
 def test_export_safetensors_in_row_blocks(repo, tmp_path, monkeypatch):
-    import ckptstore.transfer as tr
+    import ckptstore.repo.transfer as tr
     from safetensors.torch import load_file
 
     monkeypatch.setattr(tr, "EXPORT_BLOCK_BYTES", 4096)

@@ -1,4 +1,4 @@
-"""The state trainers save: DCP bytes items through ckptstore's allowlist (ckptstore.unpickle).
+"""The state trainers save: DCP bytes items through ckptstore's allowlist (ckptstore.format.unpickle).
 
 NumPy arrays and RNG states, Python's random state, OrderedDict, datetime
 values, dataclasses of plain values and torch's safe types load through
@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 import ckptstore
 from ckptstore.dcp import CkptStoreReader, CkptStoreWriter
 from ckptstore.testing import free_port
-from ckptstore.unpickle import UnsafeValueError, load_safe
+from ckptstore.format.unpickle import UnsafeValueError, load_safe
 
 from . import state_workers as S
 

@@ -15,11 +15,11 @@ import torch
 import ckptstore
 from ckptstore.clock import ManualClock
 from ckptstore.format.layout import manifest_key
-from ckptstore.repository import Repository
+from ckptstore.repo.repository import Repository
 from ckptstore.storage import open_store
 from ckptstore.storage.faults import FaultStore
 from ckptstore.testing import free_port
-from ckptstore.writeback import WriteBackError
+from ckptstore.tier.writeback import WriteBackError
 
 from .crash_child import CHILD_OPTS, build_state
 from .helpers import SMALL, assert_tree_equal
@@ -242,8 +242,8 @@ def test_ckptstore_flush_commits_what_a_dead_process_left(tmp_path, capsys):
 
 
 def test_eviction_and_prune_never_take_a_write_back_save_s_files(tmp_path):
-    from ckptstore import tier_admin
-    from ckptstore.tier import evict
+    from ckptstore.tier import admin as tier_admin
+    from ckptstore.tier.cache import evict
 
     cache = tmp_path / "tier"
     repo, gate = _gated(tmp_path, cache_size=1 << 20)  # the save fits; the evictions below take everything they may
@@ -382,7 +382,7 @@ def test_a_save_that_does_not_fit_waits_for_uploads_and_one_that_never_can_fails
 def test_write_back_saves_keep_the_tier_within_its_budget(tmp_path):
     """Found by benchmarks/distributed/tier_soak.py: a write-back save's files are counted only once its step is
     committed, so room is made before it writes (they used to come on top of a full cache)."""
-    from ckptstore.tier import tier_files
+    from ckptstore.tier.cache import tier_files
 
     cap, pack = 6 << 20, 1 << 20
     repo = ckptstore.open(str(tmp_path / "repo"), cache_dir=tmp_path / "tier", cache_size=cap, write_back=True,

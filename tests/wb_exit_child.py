@@ -37,7 +37,7 @@ def state(seed: int) -> dict:
 def main() -> None:
     spec = json.loads(sys.argv[1])
     from ckptstore.errors import StorageError
-    from ckptstore.repository import Repository
+    from ckptstore.repo.repository import Repository
     from ckptstore.storage import open_store
     from ckptstore.storage.faults import FaultStore
     from ckptstore.storage.retry import RetryStore

@@ -28,7 +28,7 @@ def state(rank: int, step: int) -> dict:
 
 
 def _gate(tmp: str):
-    from ckptstore.writeback import WriteBack
+    from ckptstore.tier.writeback import WriteBack
 
     real = WriteBack._upload
 

@@ -32,7 +32,7 @@ def die(phase: str) -> None:
 
 def main() -> None:
     url, cache, step, seed, phase = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-    from ckptstore.repository import Repository
+    from ckptstore.repo.repository import Repository
     from ckptstore.storage import open_store
     from ckptstore.storage.faults import FaultStore
 

@@ -295,7 +295,7 @@ class CkptSystem(System):
     def open(self, wl, count: bool = False):
         if not count:
             return ckptstore.open(self.url(wl), storage_options=self.so, **self.options)
-        from ckptstore.repository import Repository
+        from ckptstore.repo.repository import Repository
         from ckptstore.storage import open_store
         from ckptstore.storage.wrappers import CountingStore
 

@@ -77,7 +77,7 @@ def worker(rank: int, world: int, port: int, cfg: dict) -> None:
     import torch.distributed.checkpoint as dcp
 
     from ckptstore.dcp import CkptStoreReader, CkptStoreWriter
-    from ckptstore.repository import Repository
+    from ckptstore.repo.repository import Repository
     from ckptstore.storage import open_store
     from ckptstore.storage.wrappers import CountingStore
 

@@ -81,9 +81,9 @@ def _restore_data_gets(tensors: int, tensor_bytes: int, *, chunk: int, pack_size
                        gap: int = 1 * MiB) -> int:
     """Ranged GETs of one rank's boxes of the second step (a quarter of its tensors new), as the
     reader plans them: batches of about ``max_request`` bytes, each coalesced by the real
-    :func:`ckptstore.planner.coalesce` over a simulated layout (the first save's packs, then the
+    :func:`ckptstore.pipeline.planner.coalesce` over a simulated layout (the first save's packs, then the
     changed tensors in the second save's)."""
-    from ckptstore.planner import coalesce
+    from ckptstore.pipeline.planner import coalesce
 
     def write(which: list[int], tag: str) -> dict[int, list[tuple[str, int, int]]]:
         out, pack, off = {}, 0, 0

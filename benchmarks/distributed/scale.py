@@ -63,8 +63,8 @@ from ckptstore.dcp.metadata import _ItemResult, _RankInfo, build_manifest
 from ckptstore.format.layout import PACK_PREFIX, pack_id_of_key, pack_key
 from ckptstore.format.manifest import ChunkRef
 from ckptstore.format.model import segment_sizes
-from ckptstore.repository import Repository
-from ckptstore.save import StepCommit, dedup_share, pack_usage, write_segment
+from ckptstore.repo.repository import Repository
+from ckptstore.repo.save import StepCommit, dedup_share, pack_usage, write_segment
 from ckptstore.storage.memory import MemoryStore
 from ckptstore.storage.wrappers import CountingStore
 

@@ -90,7 +90,7 @@ def expected_shards(cfg: dict, rank: int, world: int) -> dict[str, torch.Tensor]
 def counting_reader(url: str, **kw):
     """A ``CkptStoreReader`` whose repository reads through a ``CountingStore`` (``reader.counting``)."""
     from ckptstore.dcp import CkptStoreReader
-    from ckptstore.repository import Repository
+    from ckptstore.repo.repository import Repository
     from ckptstore.storage import open_store
     from ckptstore.storage.retry import RetryStore
     from ckptstore.storage.wrappers import CountingStore
@@ -432,7 +432,7 @@ def main(argv=None) -> int:
 
     import torch.multiprocessing as mp
 
-    from ckptstore.options import RepoOptions
+    from ckptstore.pipeline.options import RepoOptions
 
     command = command_line("benchmarks.distributed.tier", argv)
     commit = git_commit()

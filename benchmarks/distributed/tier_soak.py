@@ -18,7 +18,7 @@ bit (the seed is printed first; ``--seed`` repeats a run).
    ``cache_size``, see below), of which 4 get new values at every step (3
    always, the other 5 in turn), so dedup keeps half. After each save the
    tier's bytes are measured two ways: the files the budget counts
-   (``ckptstore.tier.tier_files``: packs, segments, chunk files, ``wb/``)
+   (``ckptstore.tier.cache.tier_files``: packs, segments, chunk files, ``wb/``)
    and every file under ``cache_dir`` (``os.walk``: also ``.tmp/``,
    pending and recent records, marks); a second thread samples both every
    2 ms to catch peaks inside and between saves. Done twice: write-through
@@ -120,7 +120,7 @@ def tier_bytes(cache_dir: str) -> int:
 
 def tier_split(cache_dir: str) -> tuple[int, int]:
     """``tier_files``' bytes: (all of them, those of pending write-back steps under ``wb/``)."""
-    from ckptstore.tier import is_pending_file, tier_files
+    from ckptstore.tier.cache import is_pending_file, tier_files
 
     total = wb = 0
     for path, size, *_ in tier_files(cache_dir):
@@ -219,7 +219,7 @@ def budget_run(mode: str, seed: int, saves: int, tmp: str) -> dict:
 def refusal_check(seed: int, tmp: str) -> dict:
     """Write-back with a state dict whose raw size is over cache_size: refused before anything is written."""
     import ckptstore
-    from ckptstore.writeback import WriteBackError
+    from ckptstore.tier.writeback import WriteBackError
 
     url, cache = os.path.join(tmp, "repo-refuse"), os.path.join(tmp, "tier-refuse")
     layout = dict(BUDGET, nbytes=1 * MiB)

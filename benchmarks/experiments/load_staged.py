@@ -34,7 +34,7 @@ import time
 
 import torch
 
-from ckptstore.reader import Checkpoint
+from ckptstore.repo.reader import Checkpoint
 
 from ..common.measure import RssSampler, rss_now
 from ..common.pinning import pin

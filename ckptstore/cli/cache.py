@@ -1,12 +1,12 @@
 """``ckptstore cache ls|stats|prune DIR``: what a node-local tier holds, and removing some of it.
 
 The commands parse flags and print; scanning and planning are
-:mod:`ckptstore.tier_admin`'s.
+:mod:`ckptstore.tier.admin`'s.
 """
 
 from __future__ import annotations
 
-from .. import tier_admin
+from ..tier import admin as tier_admin
 from ._format import emit_json, human_bytes, iso, table
 
 TIER_HELP = ("node-local tier directory (docs/tier.md): chunks are read from it first, hash-checked, and chunks read "

@@ -7,8 +7,8 @@ import sys
 
 from .. import open as open_repo
 from ..progress import Bars
-from ..tier import is_tier
-from ..tier_admin import NotATierError
+from ..tier.cache import is_tier
+from ..tier.admin import NotATierError
 from ._format import emit_json, human_bytes, iso, table
 from .cache import tier_options
 
@@ -315,7 +315,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_import(args) -> int:
-    from ..transfer import detect_format
+    from ..repo.transfer import detect_format
 
     progress = _Progress(not args.json)
     with _open(args) as repo:  # the URL is checked before the file is read

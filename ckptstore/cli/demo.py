@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from ..repository import Repository
+from ..repo.repository import Repository
 from ..storage.s3 import S3Store
 from ..storage.wrappers import CountingStore
 from ..testing.moto import MotoServer

@@ -23,7 +23,7 @@ from ..errors import (
     RepositoryNotFoundError,
     StoreURLError,
 )
-from ..tier_admin import NotATierError
+from ..tier.admin import NotATierError
 from . import commands
 from .cache import TIER_LS_HELP, TIER_STEP_HELP, add_cache_commands, add_tier_options
 

@@ -25,7 +25,7 @@ loader fetches only the chunks covering it (coalesced, concurrent,
 verified) and writes into the destination tensor. A box several ranks read
 (replicated state) is fetched once per job: the coordinator gives each
 piece of it to one of those ranks, balanced by bytes, and the owner sends
-it to the others over the process group (:mod:`ckptstore.exchange`,
+it to the others over the process group (:mod:`ckptstore.dcp.exchange`,
 ``CkptStoreReader(exchange_replicated=...)``). On save, replicated items
 that DCP's dedup left to one rank are rebalanced the same way
 (:func:`balance_save_plans`).
@@ -37,9 +37,24 @@ through ``CkptStoreReader``.
 
 from .ids import split_checkpoint_id
 from .metadata import build_manifest, metadata_from_manifest
-from ..exchange import RankReadError
-from .reader import CkptStoreReader, ExchangeOptions
-from .writer import CkptStoreWriter, RankWriteError, balance_save_plans
+from .exchange import RankReadError
+
+#: Names of the writer and the reader, imported on first use: the node-local tier's replicas
+#: (:mod:`ckptstore.tier.replicas`) use :mod:`.exchange`, and the writer and reader use them.
+_LAZY = {"CkptStoreReader": "reader", "ExchangeOptions": "reader", "CkptStoreWriter": "writer",
+         "RankWriteError": "writer", "balance_save_plans": "writer"}
+
+
+def __getattr__(name: str):
+    where = _LAZY.get(name)
+    if where == "reader":
+        from . import reader as mod
+    elif where == "writer":
+        from . import writer as mod
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(mod, name)
+
 
 __all__ = ["CkptStoreWriter", "CkptStoreReader", "ExchangeOptions", "RankReadError", "RankWriteError", "split_checkpoint_id",
            "balance_save_plans", "build_manifest", "metadata_from_manifest"]

@@ -1,8 +1,8 @@
-"""One rank's side of a DCP load that exchanges replicated pieces (:class:`ckptstore.exchange.Exchange`).
+"""One rank's side of a DCP load that exchanges replicated pieces (:class:`ckptstore.dcp.exchange.Exchange`).
 
 The reader (:meth:`ckptstore.dcp.CkptStoreReader.read_data`) hands this
 class the items it reads directly and the regions the exchange plan names;
-:meth:`ExchangedRead.prepare` is what :meth:`ckptstore.exchange.Exchanger.run`
+:meth:`ExchangedRead.prepare` is what :meth:`ckptstore.dcp.exchange.Exchanger.run`
 calls for each round: read this rank's own pieces (and, in the first round,
 its direct items), then build the round's send, receive and all-gather
 buffers. The round loop itself, and every collective, is the exchanger's.
@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from ..format import manifest as _m
-from ..exchange import Exchange, Exchanger, Gather, Message, Piece, Round, as_bytes, takes_bytes
+from .exchange import Exchange, Exchanger, Gather, Message, Piece, Round, as_bytes, takes_bytes
 
 
 def _box(item) -> tuple:

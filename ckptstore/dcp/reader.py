@@ -20,7 +20,7 @@ from torch.futures import Future
 
 from ..format import manifest as _m
 from ..errors import CkptStoreError, StepNotFoundError
-from ..exchange import (
+from .exchange import (
     Exchange,
     Exchanger,
     Piece,
@@ -30,14 +30,14 @@ from ..exchange import (
 from ..format.layout import check_step as _check_step
 from ..format.layout import manifest_key as _manifest_key
 from ..format.manifest import Manifest
-from ..repository import Repository
-from ..repository import open as _open
-from ..replicas import peer_fill
-from ..tensors import castable
+from ..repo.repository import Repository
+from ..repo.repository import open as _open
+from ..tier.replicas import peer_fill
+from ..pipeline.tensors import castable
 from ..format.tree import leaf_values
 from .exchanged import ExchangedRead, _box, _piece_box
 from .ids import _is_url, _pick_step, split_checkpoint_id
-from ..unpickle import check_safe_globals, load_safe
+from ..format.unpickle import check_safe_globals, load_safe
 from .metadata import metadata_from_manifest
 from .shared import dcp_job, pack, unpack
 
@@ -207,7 +207,7 @@ class CkptStoreReader(StorageReader):
     safe_globals:
         Classes and functions (or ``(object, "module.name")`` pairs) that
         bytes items may hold besides ckptstore's allowlist
-        (:mod:`ckptstore.unpickle`: tensors and torch's safe types, NumPy
+        (:mod:`ckptstore.format.unpickle`: tensors and torch's safe types, NumPy
         arrays and RNG states, ``OrderedDict``, ``datetime`` values,
         dataclasses of plain values), as for
         ``torch.serialization.add_safe_globals`` but for this reader only.
@@ -517,7 +517,7 @@ class CkptStoreReader(StorageReader):
         """Run ``(entry, shard index, box, target)`` reads, batched, on ``item_workers`` threads.
 
         Consecutive small boxes go together in batches of about ``max_request`` bytes, read in one
-        fetch (:meth:`~ckptstore.reader.Checkpoint.read_shards`), so their chunks coalesce into
+        fetch (:meth:`~ckptstore.repo.reader.Checkpoint.read_shards`), so their chunks coalesce into
         few range requests: a rank's shards of many small tensors cost a few GETs, not one each.
         """
         if not jobs:

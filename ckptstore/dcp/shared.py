@@ -5,7 +5,7 @@ listings of ``manifests/`` and read the root manifest and ``config.json``
 N times; a save would read the config and its dedup base's root N times.
 At a thousand ranks that is the request pattern that gets a store to
 answer 503 SlowDown. Here the DCP coordinator reads, and the bytes go to the
-other ranks in one broadcast (:meth:`ckptstore.exchange.Exchanger.share`:
+other ranks in one broadcast (:meth:`ckptstore.dcp.exchange.Exchanger.share`:
 one status first, so a failed read raises on every rank, naming it).
 
 Loads: DCP calls ``read_metadata()`` on every rank before any collective of

@@ -21,13 +21,13 @@ from torch.futures import Future
 
 from ..format.chunk_table import TableBuilder
 from ..errors import CkptStoreError, StepExistsError
-from ..exchange import Exchanger
+from .exchange import Exchanger
 from ..format.layout import check_step as _check_step
 from ..format.layout import pack_key, segment_key
-from ..repository import Repository
-from ..repository import open as _open
-from ..replicas import ReplicaError, Replicator, replica_group
-from ..save import ChunkWriter, StepCommit, dedup_share, discard_uncommitted, pack_usage, write_segment
+from ..repo.repository import Repository
+from ..repo.repository import open as _open
+from ..tier.replicas import ReplicaError, Replicator, replica_group
+from ..repo.save import ChunkWriter, StepCommit, dedup_share, discard_uncommitted, pack_usage, write_segment
 from .ids import _is_url, _pick_step, split_checkpoint_id
 from .metadata import _ItemResult, _RankInfo, build_manifest
 from .shared import Job, dcp_job, pack, unpack
@@ -322,7 +322,7 @@ class CkptStoreWriter(StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         repo = self._get_repo()
         step = self._require_step()
-        # The commit protocol every writer follows (ckptstore.save.StepCommit):
+        # The commit protocol every writer follows (ckptstore.repo.save.StepCommit):
         # the coordinator claims the step, writes the lease and picks the
         # dedup base here, and commits in finish().
         self._commit = StepCommit(repo, step, self.base)
@@ -643,7 +643,7 @@ class CkptStoreWriter(StorageWriter):
 
 #: Write-back handles of this process, shared by every CkptStoreWriter with the same
 #: repository and options: their background uploads and commits outlive each writer, and
-#: are finished at interpreter exit (``ckptstore.writeback.finish_at_exit``, as every
+#: are finished at interpreter exit (``ckptstore.tier.writeback.finish_at_exit``, as every
 #: write-back handle's: bounded, or naming the steps left and the command that commits them).
 _WRITE_BACK_HANDLES: dict[str, Repository] = {}
 _WRITE_BACK_LOCK = threading.Lock()

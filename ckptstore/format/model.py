@@ -157,7 +157,7 @@ class Shard:
     ``offsets`` and ``sizes`` give the box in global coordinates; its
     bytes are the concatenation of ``chunks``' raw bytes. In a 2.0 or 3.0 step
     the chunks are in a segment (``table``) until a reader resolves them
-    (:meth:`ckptstore.catalog.Catalog.resolve`): ``chunks`` is None until then.
+    (:meth:`ckptstore.repo.catalog.Catalog.resolve`): ``chunks`` is None until then.
     """
 
     offsets: tuple[int, ...]

@@ -78,7 +78,7 @@ import torch.distributed as dist
 
 import ckptstore
 
-from .. import zero
+from ..repo import zero
 from ..errors import CkptStoreError, StepNotFoundError
 from . import deepspeed_reshard as R
 from . import deepspeed_tools as T

@@ -5,7 +5,7 @@ DeepSpeed refuses to load ZeRO optimizer states on another DP size
 ``ZeRORuntimeException``) and points to its offline universal-checkpoint
 conversion. ckptstore instead rebuilds, for the live engine's layout, the
 very files DeepSpeed's stock loader reads, from range reads of the stored
-partitions (:class:`ckptstore.zero.ZeroLayout`): each new rank reads the
+partitions (:class:`ckptstore.repo.zero.ZeroLayout`): each new rank reads the
 bytes of its own partition, not the whole checkpoint.
 
 - ZeRO-3 partitions every parameter on its own (``ceil(numel / world)``
@@ -31,7 +31,7 @@ from collections import OrderedDict
 import torch
 import torch.distributed as dist
 
-from .. import zero
+from ..repo import zero
 
 
 # ============================================================== ZeRO-3

@@ -46,7 +46,7 @@ import torch
 
 import ckptstore
 
-from .. import zero
+from ..repo import zero
 from ..errors import FormatError
 from ._common import parse_standin, standin_bytes
 

@@ -35,7 +35,7 @@ which ``load_strategy(url)`` without a step reads.
 ``ShardedObject`` values are bytes Megatron serialized with ``torch.save``;
 ckptstore stores them opaquely and they are loaded with
 ``torch.load(weights_only=True)`` and ckptstore's allowlist
-(:mod:`ckptstore.unpickle`: NumPy arrays and RNG states such as Megatron's
+(:mod:`ckptstore.format.unpickle`: NumPy arrays and RNG states such as Megatron's
 ``rng_state``, ``datetime`` values, dataclasses of plain values; a custom
 class is refused with an error naming it), never with an unrestricted
 unpickler.
@@ -86,7 +86,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ..dcp import CkptStoreReader, CkptStoreWriter
 from ..errors import FormatError
-from ..unpickle import load_safe
+from ..format.unpickle import load_safe
 from ._common import unwrap_checkpoint_exception
 
 __all__ = ["save_strategy", "load_strategy", "CkptStoreSaveStrategy", "CkptStoreLoadStrategy", "BACKEND"]

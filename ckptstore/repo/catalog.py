@@ -3,7 +3,7 @@
 :class:`Catalog` is what every pipeline (save, load, verify, GC, transfer,
 DCP) works against: the store, the handle's options and runtime, the clock,
 and every small object that says what the repository holds. It reads and
-writes no chunk data. :class:`~ckptstore.repository.Repository` is the
+writes no chunk data. :class:`~ckptstore.repo.repository.Repository` is the
 public facade built on it.
 """
 
@@ -12,11 +12,11 @@ from __future__ import annotations
 import re
 from typing import Iterator
 
-from .format import manifest as _m
-from .clock import SYSTEM_CLOCK, Clock
-from .errors import FormatError, ObjectExistsError, ObjectNotFoundError, RepositoryNotFoundError, StepNotFoundError
-from .fetch import ChunkFetcher
-from .format.layout import (
+from ..format import manifest as _m
+from ..clock import SYSTEM_CLOCK, Clock
+from ..errors import FormatError, ObjectExistsError, ObjectNotFoundError, RepositoryNotFoundError, StepNotFoundError
+from ..pipeline.fetch import ChunkFetcher
+from ..format.layout import (
     CONFIG_KEY,
     LEASE_PREFIX,
     MANIFEST_PREFIX,
@@ -49,13 +49,13 @@ from .format.layout import (
     tombstone_key,
     tombstone_record,
 )
-from .format.manifest import Manifest, StepRefs, parse_refs, refs_of
-from .options import RepoOptions
-from .relocations import Relocations
-from .runtime import LRUCache, Runtime
-from .storage.base import ObjectInfo, ObjectStore
-from .tier import Tier
-from .table_reader import ChunkTables
+from ..format.manifest import Manifest, StepRefs, parse_refs, refs_of
+from ..pipeline.options import RepoOptions
+from ..pipeline.relocations import Relocations
+from ..pipeline.runtime import LRUCache, Runtime
+from ..storage.base import ObjectInfo, ObjectStore
+from ..tier.cache import Tier
+from ..pipeline.table_reader import ChunkTables
 
 #: ``"step":N,"created":X`` as the writers of both manifest versions begin them.
 _CREATED = re.compile(rb'^\{"format":"ckptstore\.manifest","version":\[\d+,\d+\],"step":(\d+),"created":(-?[0-9.eE+-]+),')
@@ -86,10 +86,10 @@ class Catalog:
         Wall and monotonic time for leases, tombstones, GC ages and the
         saver's dedup-base age (tests pass a :class:`~ckptstore.clock.ManualClock`).
     cache_dir, cache_size:
-        A node-local tier (:mod:`ckptstore.tier`): saves write their packs
+        A node-local tier (:mod:`ckptstore.tier.cache`): saves write their packs
         through to it, reads take each chunk from it first.
     **options:
-        :class:`~ckptstore.options.RepoOptions` fields.
+        :class:`~ckptstore.pipeline.options.RepoOptions` fields.
     """
 
     def __init__(self, store: ObjectStore, clock: Clock | None = None, cache_dir=None, cache_size=None,
@@ -108,7 +108,7 @@ class Catalog:
         self.tier = Tier(cache_dir, store.url, cache_size, decoded=cache_decoded) if cache_dir is not None else None
         self.fetcher = ChunkFetcher(store, self.runtime, self.options, self.relocations, self.tier)
         self.tables = ChunkTables(store, self.runtime, self.tier)
-        #: The write-back queue (:mod:`ckptstore.writeback`) of a handle opened with ``write_back=True``.
+        #: The write-back queue (:mod:`ckptstore.tier.writeback`) of a handle opened with ``write_back=True``.
         self.write_back = None
         self._config: dict | None = None
         self._config_raw: bytes | None = None

@@ -1,11 +1,11 @@
 """The one chunk fetcher: coalesced range reads, verified, following relocations.
 
 Every read of chunk bytes goes through :meth:`ChunkFetcher.fetch`: loads and
-slice reads (:mod:`ckptstore.reader`), export, ``cp`` (which needs the
+slice reads (:mod:`ckptstore.repo.reader`), export, ``cp`` (which needs the
 stored bytes), GC's repack and ``verify --read-data``. It
 
 1. coalesces the chunks of each pack into range requests
-   (:func:`ckptstore.planner.coalesce`: ``coalesce_gap``, ``max_request``);
+   (:func:`ckptstore.pipeline.planner.coalesce`: ``coalesce_gap``, ``max_request``);
 2. runs them on the I/O pool, each holding its bytes against the handle's
    read budget (fetched-but-undecoded bytes are bounded);
 3. decodes every chunk and checks it against its hash (format invariant 4)
@@ -13,7 +13,7 @@ stored bytes), GC's repack and ``verify --read-data``. It
    or, for a chunk the caller gave a destination (``into``), decodes it
    straight into that memory (no scratch copy) and checks the hash there;
 4. follows relocation records when a pack is gone (repacked by GC);
-5. with a node-local tier (:mod:`ckptstore.tier`), takes each chunk from
+5. with a node-local tier (:mod:`ckptstore.tier.cache`), takes each chunk from
    the tier first (a pack a save wrote through or a peer sent, or a chunk
    kept from an earlier read), checked like any other: one that fails is removed from
    the tier and read from the store, which is also where every chunk the
@@ -33,17 +33,17 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .format import codec as _codec
+from ..format import codec as _codec
 from . import planner as _plan
-from .errors import FormatError, IntegrityError, MissingDataError, ObjectNotFoundError, StorageError
-from .format.layout import MAX_RELOCATION_HOPS, pack_key
-from .format.manifest import ChunkRef
+from ..errors import FormatError, IntegrityError, MissingDataError, ObjectNotFoundError, StorageError
+from ..format.layout import MAX_RELOCATION_HOPS, pack_key
+from ..format.manifest import ChunkRef
 from .options import RepoOptions
 from .relocations import Relocations
 from .runtime import Runtime
-from .storage.base import ObjectStore
-from .storage.upload import BufferPool
-from .tier import Tier
+from ..storage.base import ObjectStore
+from ..storage.upload import BufferPool
+from ..tier.cache import Tier
 
 #: ``deliver(i, raw, stored)``: chunk ``i``'s decoded bytes and its stored
 #: bytes (both valid only during the call).
@@ -70,7 +70,7 @@ class ChunkFetcher:
         self._lock = threading.Lock()
         #: Stored (compressed) chunk bytes delivered, by where they came from.
         self.read_bytes = {"tier": 0, "peer": 0, "store": 0}
-        #: Packs a peer node's tier sent into this node's tier for a load (:mod:`ckptstore.replicas`):
+        #: Packs a peer node's tier sent into this node's tier for a load (:mod:`ckptstore.tier.replicas`):
         #: their chunks count as read from a peer.
         self.peer_packs: set[str] = set()
 

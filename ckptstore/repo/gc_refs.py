@@ -4,7 +4,7 @@
 segments, relocation records); :func:`_referenced` folds the references of
 steps (read one at a time, :func:`_step_refs`) into a :class:`_Refs`,
 following relocation records; :func:`_chunks_in` finds exactly which chunks
-of some packs are used. :mod:`ckptstore.gc` plans and executes with them.
+of some packs are used. :mod:`ckptstore.repo.gc` plans and executes with them.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
 from .catalog import Catalog
-from .clock import Clock
-from .errors import StepNotFoundError
-from .format.layout import MAX_RELOCATION_HOPS, safety_margin
-from .format.manifest import ChunkRef, StepRefs, merge_ranges
-from .relocations import RelocationView
+from ..clock import Clock
+from ..errors import StepNotFoundError
+from ..format.layout import MAX_RELOCATION_HOPS, safety_margin
+from ..format.manifest import ChunkRef, StepRefs, merge_ranges
+from ..pipeline.relocations import RelocationView
 
 
 # ---------------------------------------------------------------------- state

@@ -46,7 +46,7 @@ from typing import Any, Iterable
 
 import torch
 
-from .errors import FormatError
+from ..errors import FormatError
 
 __all__ = ["UnsafeValueError", "default_safe_globals", "load_safe", "auto_dataclass", "check_safe_globals"]
 

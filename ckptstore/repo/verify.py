@@ -14,10 +14,10 @@ import threading
 from dataclasses import dataclass, field
 
 from .catalog import Catalog
-from .errors import CkptStoreError, FormatError, MissingDataError
-from .fetch import ChunkFetcher
-from .format.layout import step_of_manifest_key
-from .format.manifest import ChunkRef
+from ..errors import CkptStoreError, FormatError, MissingDataError
+from ..pipeline.fetch import ChunkFetcher
+from ..format.layout import step_of_manifest_key
+from ..format.manifest import ChunkRef
 
 
 @dataclass(frozen=True)

@@ -20,12 +20,12 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from .format import chunk_table as _ct
-from .errors import FormatError, MissingDataError, ObjectNotFoundError
-from .format.layout import segment_key
-from .format.manifest import ChunkRef, Manifest, SegmentRef, Shard, TensorEntry, itemsize
+from ..format import chunk_table as _ct
+from ..errors import FormatError, MissingDataError, ObjectNotFoundError
+from ..format.layout import segment_key
+from ..format.manifest import ChunkRef, Manifest, SegmentRef, Shard, TensorEntry, itemsize
 from .runtime import LRUCache, Runtime
-from .storage.base import ObjectStore
+from ..storage.base import ObjectStore
 
 #: Segment headers a handle keeps (3.0: about 100 bytes and 16 a pack; 2.0: also 32 a block).
 HEADER_CACHE_BYTES = 64 << 20

@@ -30,18 +30,18 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from .format import manifest as _m
+from ..format import manifest as _m
 from . import zero
 from .catalog import Catalog
-from .errors import CkptStoreError, FormatError, IntegrityError, StepNotFoundError
-from .format.layout import check_step, name_key, name_record, tag_key, tag_record
-from .format.chunk_table import TableBuilder
-from .format.manifest import ChunkRef, Manifest, Shard, TableRef, TensorEntry
-from .pack_writer import PackWriter
-from .progress import Counter
+from ..errors import CkptStoreError, FormatError, IntegrityError, StepNotFoundError
+from ..format.layout import check_step, name_key, name_record, tag_key, tag_record
+from ..format.chunk_table import TableBuilder
+from ..format.manifest import ChunkRef, Manifest, Shard, TableRef, TensorEntry
+from ..pipeline.pack_writer import PackWriter
+from ..progress import Counter
 from .reader import load_step, open_checkpoint
 from .save import StepCommit, discard_uncommitted, flatten_for_save, pack_usage, save_step, write_segment
-from .format.tree import leaf_values, tree_keys, unflatten
+from ..format.tree import leaf_values, tree_keys, unflatten
 from .verify import verify
 
 MiB = 1 << 20
@@ -195,7 +195,7 @@ def _consolidated_view(ckpt):
     """For a step whose tensors are partitions of the model (DeepSpeed ZeRO), the weights they make up.
 
     The export hook for stacks that save a partitioned layout: such a step
-    is recognised by its metadata, and :mod:`ckptstore.zero` (pure: it never
+    is recognised by its metadata, and :mod:`ckptstore.repo.zero` (pure: it never
     imports DeepSpeed) yields ``(name, dtype, shape, read)`` per consolidated
     tensor. None for every other step.
     """
@@ -493,7 +493,7 @@ def copy(
     records of repacked packs), decoded and checked against their hash, and
     written with their stored bytes unchanged (no recompression) to new
     destination packs. Each step is then committed with the commit protocol
-    every writer follows (:class:`~ckptstore.save.StepCommit`: lease, base-age
+    every writer follows (:class:`~ckptstore.repo.save.StepCommit`: lease, base-age
     check, exclusive create), with the source's tensors, tree, metadata, DCP
     section and creation time, and chunk locations in the destination.
 

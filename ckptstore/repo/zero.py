@@ -42,8 +42,8 @@ from typing import Any, Callable
 
 import torch
 
-from .format import manifest as _m
-from .errors import FormatError, UnsupportedLayoutError
+from ..format import manifest as _m
+from ..errors import FormatError, UnsupportedLayoutError
 
 FORMAT_VERSION = 1
 STRUCTURE_FORMAT = "ckptstore.deepspeed.file"

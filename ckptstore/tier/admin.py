@@ -5,7 +5,7 @@ a tier holds (a frozen :class:`TierScan`), :func:`plan_prune` picks the
 files to remove from a scan without touching the disk (a frozen, printable
 :class:`PrunePlan`), and :meth:`PrunePlan.execute` removes them.
 
-Only the files :func:`ckptstore.tier.tier_files` lists are ever removed
+Only the files :func:`ckptstore.tier.cache.tier_files` lists are ever removed
 (whole packs under ``packs/``, segments under ``segments/``, chunk files
 under ``chunks/``), never a pack or segment that a pending step (saved with
 write-back, not yet in the object store) needs, never a folder, a pending
@@ -21,9 +21,9 @@ import dataclasses
 import json
 import os
 
-from .errors import CkptStoreError
-from .tier import FREE_FLOOR, PENDING_NAME, is_pending_file, is_tier, parse_size, pending_ids, repo_key, tier_files
-from .units import human_bytes
+from ..errors import CkptStoreError
+from .cache import FREE_FLOOR, PENDING_NAME, is_pending_file, is_tier, parse_size, pending_ids, repo_key, tier_files
+from ..units import human_bytes
 
 
 class NotATierError(CkptStoreError, FileNotFoundError):

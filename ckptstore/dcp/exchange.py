@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .errors import CkptStoreError
+from ..errors import CkptStoreError
 
 __all__ = ["ReadRegion", "RankReadError", "plan_exchange", "Exchanger", "Exchange", "Message", "Gather", "Piece", "Round", "TorchComm"]
 

@@ -14,12 +14,12 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from .format import pack as _pack
+from ..format import pack as _pack
 from .catalog import Catalog
-from .clock import Clock
-from .errors import FormatError, ObjectExistsError, ObjectNotFoundError, StepNotFoundError
+from ..clock import Clock
+from ..errors import FormatError, ObjectExistsError, ObjectNotFoundError, StepNotFoundError
 from .gc_refs import _chunks_in, _protecting_tombstones, _read_state, _referenced, _State, _step_refs, _users
-from .format.layout import (
+from ..format.layout import (
     PACK_PREFIX,
     UPLOAD_PREFIX,
     pack_key,
@@ -29,11 +29,11 @@ from .format.layout import (
     safety_margin,
     segment_key,
 )
-from .format.manifest import ChunkRef
-from .pack_writer import PackWriter
-from .progress import callback as progress_callback
-from .storage.base import MultipartInfo
-from .units import human_bytes, parse_duration
+from ..format.manifest import ChunkRef
+from ..pipeline.pack_writer import PackWriter
+from ..progress import callback as progress_callback
+from ..storage.base import MultipartInfo
+from ..units import human_bytes, parse_duration
 
 __all__ = ["RetentionPolicy", "select_steps", "plan_gc", "GCPlan", "GCResult", "PackUse", "space_accounting",
            "parse_duration"]

@@ -10,7 +10,7 @@ import threading
 from typing import Callable, Generic, Hashable, TypeVar
 
 from .options import RepoOptions
-from .storage.upload import BufferPool
+from ..storage.upload import BufferPool
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")

@@ -2,8 +2,8 @@
 
 A read maps the wanted slice to a box, intersects it with every stored
 shard, turns each shard's sub-box into byte runs and the runs into the
-chunks they touch (:mod:`ckptstore.planner`), and fetches those chunks
-through the repository's one :class:`~ckptstore.fetch.ChunkFetcher`
+chunks they touch (:mod:`ckptstore.pipeline.planner`), and fetches those chunks
+through the repository's one :class:`~ckptstore.pipeline.fetch.ChunkFetcher`
 (coalesced, concurrent, verified), decoding each chunk straight into the
 destination tensor's memory where the chunk lies wholly inside it (no
 per-chunk scratch allocation and copy).
@@ -18,17 +18,17 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import torch
 
-from .format import manifest as _m
-from . import planner as _plan
+from ..format import manifest as _m
+from ..pipeline import planner as _plan
 from .catalog import Catalog
-from .errors import FormatError
-from .format.manifest import Manifest, Shard, TensorEntry
-from .progress import Counter
-from .progress import callback as progress_callback
-from .staging import TensorReader, make_staging
-from .tensors import byte_view, castable, writable_in_place
-from .format.tree import decode_value, flatten, tensor_paths, tree_keys, unflatten
-from .unpickle import load_safe
+from ..errors import FormatError
+from ..format.manifest import Manifest, Shard, TensorEntry
+from ..progress import Counter
+from ..progress import callback as progress_callback
+from ..pipeline.staging import TensorReader, make_staging
+from ..pipeline.tensors import byte_view, castable, writable_in_place
+from ..format.tree import decode_value, flatten, tensor_paths, tree_keys, unflatten
+from ..format.unpickle import load_safe
 
 
 @dataclass(frozen=True)
@@ -138,7 +138,7 @@ class Checkpoint:
         return unflatten(self.manifest.tree, self.tensor_meta)
 
     def read_value(self, key: str, safe_globals=None):
-        """A value a DCP save pickled (a bytes item), through :func:`ckptstore.unpickle.load_safe`.
+        """A value a DCP save pickled (a bytes item), through :func:`ckptstore.format.unpickle.load_safe`.
 
         ``safe_globals``: what the value may hold besides ckptstore's
         allowlist (as ``torch.serialization.add_safe_globals`` takes it).
@@ -293,7 +293,7 @@ class Checkpoint:
         """Read box ``local`` of one shard into ``target`` (shape of the box).
 
         ``target`` may be on any device and of any dtype the stored one casts
-        to (see :func:`~ckptstore.tensors.castable`); a contiguous CPU target
+        to (see :func:`~ckptstore.pipeline.tensors.castable`); a contiguous CPU target
         of the stored dtype whose box is one contiguous byte run of the shard
         receives the decoded bytes directly, any other gets them through a
         buffer of the box's rows and one ``copy_``.

@@ -18,7 +18,7 @@ not contiguous, and of ``ckptstore.integrations.hf.lazy_state_dict``:
   each a contiguous byte run of the stored tensor, so chunks decode
   straight into the buffer.
 
-Below :mod:`ckptstore.reader` in the import order: a checkpoint is used
+Below :mod:`ckptstore.repo.reader` in the import order: a checkpoint is used
 through its methods (``entry``, ``read_box``, ``largest_chunks``, ``meeting``,
 ``repo``), not imported.
 """
@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from .format import manifest as _m
+from ..format import manifest as _m
 from . import planner as _plan
 from .tensors import castable, writable_in_place
 
@@ -125,7 +125,7 @@ class StagingBuffers:
         Allocate pinned (page-locked) memory, so copies to CUDA run
         asynchronously.
     budget, room:
-        A :class:`~ckptstore.runtime.ByteBudget` to reserve the buffers'
+        A :class:`~ckptstore.pipeline.runtime.ByteBudget` to reserve the buffers'
         bytes in for as long as they live (:meth:`close` gives them back),
         so the staging memory comes out of the read budget instead of on top
         of it; ``room`` is the largest request the reads will make, which

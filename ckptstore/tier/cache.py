@@ -4,8 +4,8 @@ Every process of a node that opens a repository with the same ``cache_dir``
 shares one tier, concurrently and across restarts (``docs/tier.md``)::
 
     <cache_dir>/
-      TIER                         "ckptstore.tier 1": what this folder is
-      NODE                         a random id naming this tier to its peers (ckptstore.replicas)
+      TIER                         "ckptstore.tier.cache 1": what this folder is
+      NODE                         a random id naming this tier to its peers (ckptstore.tier.replicas)
       repos/<key>/                 one repository: key = BLAKE3 of its canonical URL (32 hex digits)
         repo.json                  {"url": ...} (for people and `ckptstore cache ls`)
         packs/<id[:2]>/<id>.pack   whole packs a save wrote (write-through), byte for byte the store's
@@ -51,14 +51,14 @@ import socket
 import threading
 import uuid
 
-from .format import codec as _codec
-from .format.layout import segment_key
-from .storage.local import LocalStore
-from .units import parse_size
+from ..format import codec as _codec
+from ..format.layout import segment_key
+from ..storage.local import LocalStore
+from ..units import parse_size
 
 log = logging.getLogger(__name__)
 
-TIER_MARK = "ckptstore.tier 1"
+TIER_MARK = "ckptstore.tier.cache 1"
 #: Errors that turn a handle's tier writes off (no space, read-only, not allowed); others lose one copy.
 SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)
 #: Temporary files older than this (seconds) are a dead process's, removed by the next handle that writes.
@@ -394,13 +394,13 @@ class Tier:
 
 
 # ---------------------------------------------------------------- write-back: pending steps
-PENDING_FORMAT = "ckptstore.tier.pending"
+PENDING_FORMAT = "ckptstore.tier.cache.pending"
 PENDING_NAME = re.compile(r"^([0-9]{20})\.json$")
 RANK_RECORD_NAME = re.compile(r"^([0-9]{20})\.rank([0-9]{1,9})\.json$")
 
 
 class PendingSteps:
-    """The pending steps of one repository in a tier (``pending/``); see :mod:`ckptstore.writeback`.
+    """The pending steps of one repository in a tier (``pending/``); see :mod:`ckptstore.tier.writeback`.
 
     A pending record is written last, fsynced and renamed into place, after
     the step's packs and segment are fsynced in the tier: it is the step's
@@ -721,7 +721,7 @@ def usage(cache_dir: str) -> dict:
 def is_tier(cache_dir: str) -> bool:
     try:
         with open(os.path.join(cache_dir, "TIER"), "rb") as f:
-            return f.read(64).decode("utf-8", "replace").startswith("ckptstore.tier ")
+            return f.read(64).decode("utf-8", "replace").startswith("ckptstore.tier.cache ")
     except OSError:
         return False
 

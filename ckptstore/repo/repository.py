@@ -3,13 +3,13 @@
 Create with :func:`open` (``ckptstore.open``). Where each part lives:
 
 - :mod:`ckptstore.format.layout`: object keys and small records (``docs/format.md``);
-- :mod:`ckptstore.catalog`: config, steps, manifests, tags, leases (:class:`Catalog`,
+- :mod:`ckptstore.repo.catalog`: config, steps, manifests, tags, leases (:class:`Catalog`,
   the base class of :class:`Repository`);
-- :mod:`ckptstore.save`: the chunk pipeline and the commit protocol;
-- :mod:`ckptstore.reader`: :class:`Checkpoint`, range reads and loads;
-- :mod:`ckptstore.fetch` / :mod:`ckptstore.pack_writer`: the one chunk fetcher and
+- :mod:`ckptstore.repo.save`: the chunk pipeline and the commit protocol;
+- :mod:`ckptstore.repo.reader`: :class:`Checkpoint`, range reads and loads;
+- :mod:`ckptstore.pipeline.fetch` / :mod:`ckptstore.pipeline.pack_writer`: the one chunk fetcher and
   the one pack writer;
-- :mod:`ckptstore.gc`, :mod:`ckptstore.verify`, :mod:`ckptstore.transfer`.
+- :mod:`ckptstore.repo.gc`, :mod:`ckptstore.repo.verify`, :mod:`ckptstore.repo.transfer`.
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from . import gc as _gc
 from . import transfer as _transfer
 from . import verify as _verify
 from .catalog import Catalog
-from .clock import Clock
-from .progress import callback as progress_callback
+from ..clock import Clock
+from ..progress import callback as progress_callback
 from .reader import Checkpoint, TensorMeta, load_step, open_checkpoint
 from .save import AsyncSaver, StepInfo, flatten_for_save, save_step
-from .storage.base import ObjectStore
-from .writeback import EXIT_TIMEOUT, WRITE_BACK_STEPS, WriteBack, flush_on_signal
+from ..storage.base import ObjectStore
+from ..tier.writeback import EXIT_TIMEOUT, WRITE_BACK_STEPS, WriteBack, flush_on_signal
 
 __all__ = ["Repository", "Checkpoint", "StepInfo", "TensorMeta", "open"]
 
@@ -37,7 +37,7 @@ class Repository(Catalog):
     """A checkpoint repository on one object store. Thread-safe for reads.
 
     Create with :func:`ckptstore.open`. Besides the methods below it has
-    :class:`~ckptstore.catalog.Catalog`'s: ``steps``, ``latest``,
+    :class:`~ckptstore.repo.catalog.Catalog`'s: ``steps``, ``latest``,
     ``manifest``, ``delete``, ``tag``, ``tags``, ``config``, ``grace``, ``close``.
     """
 
@@ -145,12 +145,12 @@ class Repository(Catalog):
 
         A step saved through DCP also holds the values DCP pickled (bytes
         items: a dataloader's state, RNG states...); they are unpickled
-        through ckptstore's allowlist (:mod:`ckptstore.unpickle`) and placed
+        through ckptstore's allowlist (:mod:`ckptstore.format.unpickle`) and placed
         at their paths (with ``into``: only those whose path ``into``
         has, whatever its placeholder there, as DCP loads). ``safe_globals``: classes and functions they may
         hold besides the allowlist, as ``torch.serialization.add_safe_globals``
         takes them; anything else fails the load with
-        :class:`~ckptstore.unpickle.UnsafeValueError` naming it. A step
+        :class:`~ckptstore.format.unpickle.UnsafeValueError` naming it. A step
         saved by :meth:`save` holds only tensors and JSON values.
         """
         return load_step(self, step, into, progress, safe_globals)
@@ -162,11 +162,11 @@ class Repository(Catalog):
 
     # ------------------------------------------------------------ gc, verify
     def plan_gc(self, **kwargs) -> _gc.GCPlan:
-        """Plan retention and garbage collection; see :func:`ckptstore.gc.plan_gc`."""
+        """Plan retention and garbage collection; see :func:`ckptstore.repo.gc.plan_gc`."""
         return _gc.plan_gc(self, **kwargs)
 
     def verify(self, step: int | None = None, read_data: bool = False, progress=None) -> _verify.VerifyReport:
-        """Check manifests, packs and (with ``read_data``) every chunk; see :mod:`ckptstore.verify`.
+        """Check manifests, packs and (with ``read_data``) every chunk; see :mod:`ckptstore.repo.verify`.
 
         ``progress``: None, True or a callable, as in :mod:`ckptstore.progress`.
         """
@@ -180,7 +180,7 @@ class Repository(Catalog):
         """Space accounting: stored and referenced bytes, dead bytes in partly used packs, ratios."""
         return _gc.space_accounting(self)
 
-    # ------------------------------------------------------------ transfer (see ckptstore.transfer)
+    # ------------------------------------------------------------ transfer (see ckptstore.repo.transfer)
     def export(self, step: int, out, format: str = "safetensors", keys=None, progress=None) -> dict:
         """Write a step as a ``.safetensors`` file or (``format="dcp"``) a DCP directory.
 
@@ -200,12 +200,12 @@ class Repository(Catalog):
 
     def import_(self, path, step: int, **kwargs) -> StepInfo:
         """Save a .safetensors file, torch.save file or DCP directory as ``step`` (``ckptstore import``;
-        ``import`` is a Python keyword, hence the underscore); see :func:`ckptstore.transfer.import_file`."""
+        ``import`` is a Python keyword, hence the underscore); see :func:`ckptstore.repo.transfer.import_file`."""
         return _transfer.import_file(self, path, step, **kwargs)
 
     def cp(self, dst: "Repository", steps=None, progress=None, **kwargs) -> _transfer.CopyResult:
         """Copy steps to another repository, moving only chunks it lacks (``ckptstore cp``); see
-        :func:`ckptstore.transfer.copy`.
+        :func:`ckptstore.repo.transfer.copy`.
 
         ``progress``: None, True or a callable, as in :mod:`ckptstore.progress`.
         """
@@ -244,7 +244,7 @@ def open(url: str, storage_options: dict | None = None, **options) -> Repository
         ``secret``, ``client_kwargs={"endpoint_url": ...}``; for Azure: the
         account and credentials, such as ``account_name``, ``connection_string``).
     **options:
-        :class:`~ckptstore.options.RepoOptions` fields (``chunk_size``,
+        :class:`~ckptstore.pipeline.options.RepoOptions` fields (``chunk_size``,
         ``pack_size``, ``part_size``, ``workers``, ``io_workers``,
         ``max_inflight_bytes``, ``grace``, ...), ``clock`` (a
         :class:`~ckptstore.clock.Clock`), and ``retry``: a
@@ -262,15 +262,15 @@ def open(url: str, storage_options: dict | None = None, **options) -> Repository
         into their destinations (about the raw size more disk); ``write_back=True`` (with a
         ``cache_dir``): a save returns once the step is durable in the tier
         and is committed in the store in the background, at most
-        ``write_back_steps`` (2) steps pending (:mod:`ckptstore.writeback`); a
+        ``write_back_steps`` (2) steps pending (:mod:`ckptstore.tier.writeback`); a
         handle not closed when the interpreter exits commits its pending steps
         then, waiting at most ``write_back_exit_timeout`` seconds (600; None: no
         limit), or says which it left and the ``ckptstore flush`` command that
         commits them. The ``cache_dir`` must be writable: checked at open.
     """
-    from .storage import open_store
-    from .storage.retry import RetryPolicy, RetryStore
-    from .storage.throttle import ThrottlePolicy
+    from ..storage import open_store
+    from ..storage.retry import RetryPolicy, RetryStore
+    from ..storage.throttle import ThrottlePolicy
 
     retry = options.pop("retry", True)
     throttle = options.pop("throttle", None)

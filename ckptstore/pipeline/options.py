@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, fields
 
-from .format import codec as _codec
-from .format import manifest as _m
-from .format.layout import DEFAULT_GRACE
-from .storage.base import MAX_PARTS, MIN_PART_SIZE
+from ..format import codec as _codec
+from ..format import manifest as _m
+from ..format.layout import DEFAULT_GRACE
+from ..storage.base import MAX_PARTS, MIN_PART_SIZE
 
 MiB = 1 << 20
 

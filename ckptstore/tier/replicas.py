@@ -1,7 +1,7 @@
 """Peer replicas: each node's new packs copied into another node's tier, and restores that read peers' tiers.
 
 Nodes are told apart by their tiers: every rank reports its tier's id
-(:meth:`ckptstore.tier.Tier.node_id`, the same for every process sharing a
+(:meth:`ckptstore.tier.cache.Tier.node_id`, the same for every process sharing a
 ``cache_dir``), and the ranks with one id are one node. Nodes are ordered by
 their first rank; node ``k`` keeps its replicas on node ``k + 1`` (the last on
 the first), local rank ``i`` sending to local rank ``i mod size`` there
@@ -41,8 +41,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from .errors import CkptStoreError
-from .exchange import Exchanger
+from ..errors import CkptStoreError
+from ..dcp.exchange import Exchanger
 
 log = logging.getLogger(__name__)
 

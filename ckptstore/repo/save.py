@@ -2,7 +2,7 @@
 
 - :class:`ChunkWriter` cuts tensors into chunks (byte views, no serialized
   copy), hashes and compresses them on the CPU pool, and appends the new
-  ones in order to packs through the one :class:`~ckptstore.pack_writer.PackWriter`;
+  ones in order to packs through the one :class:`~ckptstore.pipeline.pack_writer.PackWriter`;
   chunks the dedup base or this save already holds are referenced instead.
 - :class:`StepCommit` is the commit protocol every writer follows
   (``Repository.save``, the DCP writer, ``cp`` and ``import``)::
@@ -39,11 +39,11 @@ from typing import Callable, Mapping
 import numpy as np
 import torch
 
-from .format import codec as _codec
-from .format import manifest as _m
+from ..format import codec as _codec
+from ..format import manifest as _m
 from .catalog import Catalog
-from .format.chunk_table import TableBuilder
-from .errors import (
+from ..format.chunk_table import TableBuilder
+from ..errors import (
     ConditionalWriteUnsupportedError,
     ManifestTooLargeError,
     ObjectExistsError,
@@ -53,7 +53,7 @@ from .errors import (
     StepExistsError,
     StorageError,
 )
-from .format.layout import (
+from ..format.layout import (
     check_step,
     lease_record,
     manifest_key,
@@ -63,7 +63,7 @@ from .format.layout import (
     safety_margin,
     segment_key,
 )
-from .format.manifest import (
+from ..format.manifest import (
     MAX_PACK_RANGES,
     ChunkRef,
     Manifest,
@@ -74,12 +74,12 @@ from .format.manifest import (
     TensorEntry,
     merge_ranges,
 )
-from .pack_writer import PackWriter, part_window
-from .progress import Counter
-from .progress import callback as progress_callback
-from .storage.upload import ParallelUploader
-from .tensors import stage, tensor_bytes
-from .format.tree import flatten, tree_keys
+from ..pipeline.pack_writer import PackWriter, part_window
+from ..progress import Counter
+from ..progress import callback as progress_callback
+from ..storage.upload import ParallelUploader
+from ..pipeline.tensors import stage, tensor_bytes
+from ..format.tree import flatten, tree_keys
 
 log = logging.getLogger(__name__)
 
@@ -418,7 +418,7 @@ class ChunkWriter:
     ``add(tensor)`` returns the list that :meth:`finish` fills with the
     tensor's chunk references. Memory: at most ``max_inflight_bytes / 4`` of
     chunks are being hashed and encoded; the rest of the budget holds part
-    buffers (:func:`~ckptstore.pack_writer.part_window`). ``on_bytes(n)`` is called
+    buffers (:func:`~ckptstore.pipeline.pack_writer.part_window`). ``on_bytes(n)`` is called
     as each chunk of ``n`` raw bytes is done: at once for a chunk the dedup
     base or this save already holds, once the store has acknowledged all of
     its stored bytes for a new one (from the thread that saw that; not when
@@ -680,7 +680,7 @@ class AsyncSaver:
     copy is issued ``non_blocking`` on the tensor's current stream, and the
     call waits once per device, after the last copy, so the copies overlap
     each other instead of each waiting on a bounce buffer. Tensors of other
-    devices go through :func:`~ckptstore.tensors.stage`.
+    devices go through :func:`~ckptstore.pipeline.tensors.stage`.
     """
 
     def __init__(self, cat: Catalog):

@@ -14,7 +14,7 @@ exists with the size written (format invariant 3) before the caller may
 name it in a manifest. Saves, DCP writes, ``cp``/``import`` and GC's repack
 all write packs through it.
 
-With a node-local tier (``mirror``, :mod:`ckptstore.tier`), each pack is
+With a node-local tier (``mirror``, :mod:`ckptstore.tier.cache`), each pack is
 also written, as it is uploaded, to the tier's file of the same key (local
 positional writes of the same chunk buffers): a restart on this node then
 reads the pack from local disk. The tier's copy never fails a save: an
@@ -30,14 +30,14 @@ import logging
 import threading
 from typing import Callable
 
-from .format import pack as _pack
-from .errors import ObjectNotFoundError, PackVanishedError, StorageError
-from .format.layout import new_pack_id, pack_key
-from .format.manifest import ChunkRef
+from ..format import pack as _pack
+from ..errors import ObjectNotFoundError, PackVanishedError, StorageError
+from ..format.layout import new_pack_id, pack_key
+from ..format.manifest import ChunkRef
 from .options import RepoOptions
 from .runtime import Runtime
-from .storage.base import ObjectStore
-from .storage.upload import ParallelUploader
+from ..storage.base import ObjectStore
+from ..storage.upload import ParallelUploader
 
 log = logging.getLogger(__name__)
 
@@ -226,7 +226,7 @@ class PackWriter:
 
     def abort(self) -> None:
         """Abandon the open pack and wait for sealing ones (finished packs stay, unreferenced, until
-        the failed save deletes them, :func:`ckptstore.save.discard_uncommitted`, or GC)."""
+        the failed save deletes them, :func:`ckptstore.repo.save.discard_uncommitted`, or GC)."""
         if self._open is not None:
             self._open[2].abort()
             self._open = None

@@ -9,11 +9,11 @@ pack missing follow the records, pack by pack, at most
 
 from __future__ import annotations
 
-from .errors import FormatError, ObjectNotFoundError
-from .format.layout import MAX_RELOCATION_HOPS, parse_relocation, relocation_key
-from .format.manifest import ChunkRef
+from ..errors import FormatError, ObjectNotFoundError
+from ..format.layout import MAX_RELOCATION_HOPS, parse_relocation, relocation_key
+from ..format.manifest import ChunkRef
 from .runtime import LRUCache
-from .storage.base import ObjectStore
+from ..storage.base import ObjectStore
 
 #: Bytes of cached relocation tables per repository handle (about 200 bytes a chunk).
 RELOCATION_CACHE_BYTES = 64 << 20

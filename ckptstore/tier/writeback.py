@@ -6,7 +6,7 @@ packs and segment into the tier (fsynced), then the step's *pending record*
 fsynced, renamed into place: the local commit) and returns. A background
 thread of the handle then, in order, uploads each pending step's packs and
 segment from the tier, checks their sizes in the store, and commits the
-step exactly as a direct save does (:class:`~ckptstore.save.StepCommit`:
+step exactly as a direct save does (:class:`~ckptstore.repo.save.StepCommit`:
 the dedup base's age is checked, the manifest is created with an exclusive
 create), drops the lease and removes the pending record. So the step
 appears in the store atomically, only once all its packs are there.
@@ -44,15 +44,15 @@ import time
 import weakref
 from dataclasses import dataclass
 
-from .format import manifest as _m
-from .catalog import Catalog
-from .errors import CkptStoreError, ObjectNotFoundError, PackVanishedError, StorageError
-from .format.layout import UPLOAD_FORMAT, manifest_key, pack_key, segment_key, upload_key, upload_of_key, upload_prefix
-from .format.manifest import Manifest, SegmentRef
-from .save import StepCommit
-from .storage.upload import ParallelUploader
-from .tier import PendingSteps, is_pending_file, tier_files
-from .units import human_bytes as _human
+from ..format import manifest as _m
+from ..repo.catalog import Catalog
+from ..errors import CkptStoreError, ObjectNotFoundError, PackVanishedError, StorageError
+from ..format.layout import UPLOAD_FORMAT, manifest_key, pack_key, segment_key, upload_key, upload_of_key, upload_prefix
+from ..format.manifest import Manifest, SegmentRef
+from ..repo.save import StepCommit
+from ..storage.upload import ParallelUploader
+from .cache import PendingSteps, is_pending_file, tier_files
+from ..units import human_bytes as _human
 
 log = logging.getLogger(__name__)
 
