@@ -35,6 +35,7 @@ $0.005 per 1,000; GET, HEAD and the rest $0.0004 per 1,000; DELETE free.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import sys
@@ -176,64 +177,63 @@ def model(ranks: int, rank_bytes: int, tensors: int, changed: float = 0.25, *, p
 
 
 # ------------------------------------------------------------------ the measurement
-def measure(ranks: int, shape=(16, 2048, 256)) -> dict:
-    from ckptstore.testing.dcpjob import run_job
+@contextlib.contextmanager
+def _proxied(ranks: int, bucket: str):
+    """moto behind a RequestProxy; yields ``(proxy, storage options per rank, a scratch folder)``."""
     from ckptstore.testing.moto import MotoServer
     from ckptstore.testing.requestproxy import RequestProxy
 
-    out = {}
     with MotoServer() as m, tempfile.TemporaryDirectory() as tmp:
-        m.create_bucket("bench")
+        m.create_bucket(bucket)
         with RequestProxy(m.endpoint) as p:
             so = []
             for r in range(ranks):
                 o = copy.deepcopy(m.storage_options())
                 o["client_kwargs"]["endpoint_url"] = p.endpoint(f"rank{r}")
                 so.append(o)
-            for name, ops, expect in (("first save", [("save", 1)], None), ("dedup save", [("save", 2)], None),
-                                      ("restore", [("load", None)], 2)):
-                p.clear()
-                t0 = time.perf_counter()
-                res = run_job(ranks, "s3://bench/run", ops, so, tmp, shape=shape, expect=expect)
-                if any(r != ["ok"] for r in res):
-                    raise RuntimeError(f"{name}: {res}")
-                reqs = p.requests()
-                per_rank = Counter(r.label for r in reqs)
-                meta = Counter(r.key for r in reqs if r.kind in ("GET", "HEAD") and not r.key.startswith("run/packs/"))
-                out[name] = {"counts": _grouped(p.counts()), "seconds": time.perf_counter() - t0,
-                             "per_rank_max": max(per_rank.values()), "per_rank_min": min(per_rank.values()),
-                             "metadata_reads_max": max(meta.values()) if meta else 0,
-                             "metadata_most_read": meta.most_common(1)[0][0] if meta else None}
+            yield p, so, tmp
+
+
+def _timed_job(p, ranks: int, url: str, ops, so, tmp, name: str, **kwargs):
+    """Run one operation as a job of its own; its requests and seconds."""
+    from ckptstore.testing.dcpjob import run_job
+
+    p.clear()
+    t0 = time.perf_counter()
+    res = run_job(ranks, url, ops, so, tmp, **kwargs)
+    if any(r != ["ok"] for r in res):
+        raise RuntimeError(f"{name}: {res}")
+    return p.requests(), time.perf_counter() - t0
+
+
+def measure(ranks: int, shape=(16, 2048, 256)) -> dict:
+    out = {}
+    with _proxied(ranks, "bench") as (p, so, tmp):
+        for name, ops, expect in (("first save", [("save", 1)], None), ("dedup save", [("save", 2)], None),
+                                  ("restore", [("load", None)], 2)):
+            reqs, seconds = _timed_job(p, ranks, "s3://bench/run", ops, so, tmp, name, shape=shape, expect=expect)
+            per_rank = Counter(r.label for r in reqs)
+            meta = Counter(r.key for r in reqs if r.kind in ("GET", "HEAD") and not r.key.startswith("run/packs/"))
+            out[name] = {"counts": _grouped(Counter(r.kind for r in reqs)), "seconds": seconds,
+                         "per_rank_max": max(per_rank.values()), "per_rank_min": min(per_rank.values()),
+                         "metadata_reads_max": max(meta.values()) if meta else 0,
+                         "metadata_most_read": meta.most_common(1)[0][0] if meta else None}
     return out
 
 
 def measure_cap(ranks: int, rate: float, shape=(16, 2048, 256)) -> dict:
     """A save and a restore under a proxy answering 503 SlowDown above ``rate`` requests a second (all
     ranks together), with the adaptive request rate and with ``throttle=False``: answers throttled."""
-    from ckptstore.testing.dcpjob import run_job
-    from ckptstore.testing.moto import MotoServer
-    from ckptstore.testing.requestproxy import RequestProxy
-
     out = {}
     for n, (mode, opts) in enumerate((("adaptive", None), ("throttle=False", {"throttle": False}))):
-        with MotoServer() as m, tempfile.TemporaryDirectory() as tmp:
-            m.create_bucket(f"bench{n}")  # moto's state is the process's: a bucket each
-            with RequestProxy(m.endpoint) as p:
-                so = []
-                for r in range(ranks):
-                    o = copy.deepcopy(m.storage_options())
-                    o["client_kwargs"]["endpoint_url"] = p.endpoint(f"rank{r}")
-                    so.append(o)
-                p.rate_limit(rate)
-                for name, ops, expect in (("save", [("save", 1)], None), ("restore", [("load", None)], 1)):
-                    p.clear()
-                    t0 = time.perf_counter()
-                    res = run_job(ranks, f"s3://bench{n}/run", ops, so, tmp, shape=shape, expect=expect, options=opts)
-                    if any(r != ["ok"] for r in res):
-                        raise RuntimeError(f"{mode} {name}: {res}")
-                    reqs = p.requests()
-                    out[f"{name}, {mode}"] = {"requests": len(reqs), "throttled": sum(1 for r in reqs if r.injected),
-                                              "seconds": time.perf_counter() - t0}
+        bucket = f"bench{n}"  # moto's state is the process's: a bucket each
+        with _proxied(ranks, bucket) as (p, so, tmp):
+            p.rate_limit(rate)
+            for name, ops, expect in (("save", [("save", 1)], None), ("restore", [("load", None)], 1)):
+                reqs, seconds = _timed_job(p, ranks, f"s3://{bucket}/run", ops, so, tmp, f"{mode} {name}",
+                                           shape=shape, expect=expect, options=opts)
+                out[f"{name}, {mode}"] = {"requests": len(reqs), "throttled": sum(1 for r in reqs if r.injected),
+                                          "seconds": seconds}
     return out
 
 
