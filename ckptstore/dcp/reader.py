@@ -30,6 +30,7 @@ from .exchange import (
 from ..format.layout import check_step as _check_step
 from ..format.layout import manifest_key as _manifest_key
 from ..format.manifest import Manifest
+from ..repo.reader import Checkpoint
 from ..repo.repository import Repository
 from ..repo.repository import open as _open
 from ..tier.replicas import peer_fill
@@ -317,11 +318,11 @@ class CkptStoreReader(StorageReader):
             self._ckpt = self._shared_checkpoint(job)
         return metadata_from_manifest(self._ckpt.manifest)
 
-    def _shared_checkpoint(self, job) -> "Checkpoint":
+    def _shared_checkpoint(self, job) -> Checkpoint:
         """The coordinator resolves the step and reads its root manifest and the config; the
         other ranks receive the bytes (one listing and one read of each per job, :mod:`.shared`)."""
         repo = self._get_repo()
-        xg = Exchanger(job.group if job.group is not None else dist.group.WORLD, job.rank, self.exchange_timeout,
+        xg = Exchanger(job.process_group, job.rank, self.exchange_timeout,
                        repo.url, activity="read of the step's metadata")
         payload, failure, step = None, None, None
         if job.is_coordinator:

@@ -49,6 +49,11 @@ class Job:
     rank: int  # this process's rank in ``group``
 
     @property
+    def process_group(self):
+        """The group itself (DCP keeps None for the default group)."""
+        return self.group if self.group is not None else dist.group.WORLD
+
+    @property
     def src(self) -> int:
         """The coordinator's rank within the group."""
         return dist.get_group_rank(self.group, self.coordinator) if self.group is not None else self.coordinator

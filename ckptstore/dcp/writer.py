@@ -361,7 +361,7 @@ class CkptStoreWriter(StorageWriter):
         if job is None:  # the coordinator found DCP's job and this rank did not: take part all the same
             group = self._group()
             job = Job(group, dist.get_global_rank(group, 0), dist.get_world_size(group), dist.get_rank(group))
-        xg = Exchanger(job.group if job.group is not None else dist.group.WORLD, job.rank, None, repo.url,
+        xg = Exchanger(job.process_group, job.rank, None, repo.url,
                        activity="save", error=RankWriteError)
         mine = self._shared if job.is_coordinator else None
         got = xg.share(mine, job.src, None, "the config and the dedup base's root manifest")
