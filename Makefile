@@ -1,10 +1,18 @@
 # One-command set-up: `make demo` and `make test` create .venv when missing and
-# install the pinned CPU build of torch and the package. `make demo` installs
-# only what the demo runs (the core and the `demo` extra: moto); `make test`
-# (and `make setup`) add the test, integrations and torchtitan extras and Azurite.
+# install the package with the exact versions of requirements/lock.txt (torch
+# the 2.13.0 CPU build). `make demo` installs only what the demo runs (the core
+# and the `demo` extra: moto); `make test` (and `make setup`) install the demo,
+# test, integrations and torchtitan extras in one resolver call, and Azurite.
+# `make lock` re-resolves the newest versions pyproject.toml allows and rewrites
+# the lock; `make lock-check` only reports what moved (docs/contributing.md).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+LOCK := requirements/lock.txt
+# Every install reads the lock as pip constraints; through the environment, so
+# that the build environments of sdists (their setuptools and wheel) are pinned too.
+PIP_INSTALL := PIP_CONSTRAINT=$(abspath $(LOCK)) $(PY) -m pip install -q
+EXTRAS := demo,test,integrations,torchtitan
 CORE_STAMP := $(VENV)/.ckptstore-core
 STAMP := $(VENV)/.ckptstore-installed
 # Azurite (the Azure Storage emulator the tests start) from npm, into a
@@ -13,22 +21,21 @@ NODE_DIR ?= .node
 AZURITE_VERSION ?= 3.35.0
 AZURITE := $(NODE_DIR)/node_modules/.bin/azurite-blob
 
-.PHONY: setup setup-bench test test-fast demo bench clean
+.PHONY: setup setup-bench test test-fast demo bench lock lock-check clean
 
-$(CORE_STAMP): pyproject.toml
+$(CORE_STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[demo]' torch==2.13.0
+	# The installers first, at the lock's versions
+	$(PIP_INSTALL) pip setuptools wheel
+	$(PIP_INSTALL) -e '.[demo]' torch==2.13.0
 	$(PY) -m pip check
 	touch $(CORE_STAMP)
 
+# Every extra the tests need in one resolver call, so that pip sees all their
+# requirements together; DS_BUILD_OPS=0: DeepSpeed compiles no op at install
+# (the tests switch its JIT comm op off).
 $(STAMP): $(CORE_STAMP)
-	$(PY) -m pip install -q -e '.[test]' torch==2.13.0
-	# The integrations extra (ckptstore.integrations), torch kept at 2.13.0;
-	# DS_BUILD_OPS=0: DeepSpeed compiles no op at install (the tests switch its JIT comm op off)
-	DS_BUILD_OPS=0 $(PY) -m pip install -q -e '.[integrations]' torch==2.13.0
-	# torchtitan (ckptstore.integrations.torchtitan): an extra of its own, torch kept at 2.13.0
-	$(PY) -m pip install -q -e '.[torchtitan]' torch==2.13.0
+	DS_BUILD_OPS=0 $(PIP_INSTALL) -e '.[$(EXTRAS)]' torch==2.13.0
 	$(PY) -m pip check
 	touch $(STAMP)
 
@@ -39,7 +46,7 @@ setup: $(STAMP) $(AZURITE)
 
 # The benchmarks' extra (real weights, peers for benchmarks/run.py), torch kept at 2.13.0.
 setup-bench: setup
-	$(PY) -m pip install -q -e '.[bench]' torch==2.13.0
+	$(PY) -m pip install -q -e '.[bench]' torch==2.13.0 -c $(LOCK)
 	$(PY) -m pip check
 
 # Everything (CI's .ci/run runs this), then the 15 slowest tests.
@@ -61,6 +68,15 @@ demo: $(CORE_STAMP)
 # (benchmarks/README.md; --full is the run docs/performance.md quotes).
 bench: setup
 	$(PY) -m benchmarks.run --quick
+
+# Re-resolve the newest versions pyproject.toml allows in a throw-away venv, run
+# pip check, print what moved, rewrite the lock (only when pip check passes).
+lock:
+	$(PYTHON) .ci/lock.py
+
+# The same, reporting only: exit 1 when the newest versions fail pip check.
+lock-check:
+	$(PYTHON) .ci/lock.py --check
 
 clean:
 	rm -rf $(VENV) $(NODE_DIR) .pytest_cache .hypothesis build *.egg-info

@@ -25,17 +25,39 @@ def _dry_run(target: str, tmp_path) -> str:
 def test_make_demo_installs_the_core_and_the_demo_extra_only(tmp_path):
     out = _dry_run("demo", tmp_path)
     assert "torch==2.13.0" in out and "-e '.[demo]'" in out and "ckptstore demo" in out
-    for heavy in ("[test]", "[integrations]", "[torchtitan]", "npm install", "azurite"):
+    for heavy in ("npm install", "azurite"):
         assert heavy not in out, heavy
+    for line in out.splitlines():
+        if "pip install" in line:
+            assert not any(x in line.split("pip install")[1] for x in ("test", "integrations", "torchtitan")), line
+    _every_install_is_locked(out)
+
+
+def _every_install_is_locked(out: str) -> None:
+    # Every pip install reads the lock through the environment (build environments included).
+    installs = [line for line in out.splitlines() if "pip install" in line]
+    assert installs
+    lock = str(ROOT / "requirements" / "lock.txt")
+    for line in installs:
+        assert f"PIP_CONSTRAINT={lock} " in line, line
 
 
 def test_make_test_installs_everything(tmp_path):
     out = _dry_run("test", tmp_path)
-    for wanted in ("torch==2.13.0", "[demo]", "[test]", "[integrations]", "[torchtitan]", "npm install", "azurite", "pytest -q"):
+    for wanted in ("torch==2.13.0", "npm install", "azurite", "pytest -q"):
         assert wanted in out, wanted
+    # every extra the tests need in one resolver call, after the demo's
+    (together,) = [line for line in out.splitlines() if "-e '.[demo,test,integrations,torchtitan]'" in line]
+    assert "DS_BUILD_OPS=0" in together and "torch==2.13.0" in together
+    _every_install_is_locked(out)
     assert "--durations=15" in out and "not slow" not in out  # everything, then the slowest tests
 
 
 def test_make_test_fast_leaves_out_the_slow_tests(tmp_path):
     out = _dry_run("test-fast", tmp_path)
     assert 'pytest -q -m "not slow"' in out
+
+
+def test_make_lock_re_resolves_and_lock_check_only_reports(tmp_path):
+    assert ".ci/lock.py\n" in _dry_run("lock", tmp_path)
+    assert ".ci/lock.py --check" in _dry_run("lock-check", tmp_path)

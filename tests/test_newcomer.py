@@ -15,8 +15,10 @@ folder and one shell-like environment (no cloud settings, no checkout on the pat
 `ckptstore` itself is this work tree, built into a wheel: the install lines get the wheel in
 place of the package name (`pip install 'ckptstore[s3]'` installs `WHEEL[s3]`); everything else
 is the page's text. torch 2.13.0 comes from the local wheel pip finds (the machine's pip
-configuration), other packages from the package index or pip's cache. The later sections of the
-quickstart (GCS, Azure, FSDP, ...) need more installs; test_doc_blocks.py runs them.
+configuration), other packages from the package index or pip's cache, at the versions of
+requirements/lock.txt (``PIP_CONSTRAINT``): what a newcomer would have got on the day the lock
+was made. The later sections of the quickstart (GCS, Azure, FSDP, ...) need more installs;
+test_doc_blocks.py runs them.
 """
 
 from __future__ import annotations
@@ -63,7 +65,10 @@ def newcomer_env(home: Path) -> dict:
                                   if p and not any(p.startswith(h) for h in here))
     cache = Path(os.environ.get("PIP_CACHE_DIR") or Path.home() / ".cache" / "pip")
     no_proxy = ",".join(x for x in ("127.0.0.1", "localhost", env.get("NO_PROXY", "")) if x)
+    # The pages' installs at the versions the suite is pinned to (requirements/lock.txt), so that an
+    # upstream release cannot change what this test installs; `make lock-check` reports drift.
     env.update(HOME=str(home), PIP_CACHE_DIR=str(cache), PIP_NO_COMPILE="1", PIP_DISABLE_PIP_VERSION_CHECK="1",
+               PIP_CONSTRAINT=str(ROOT / "requirements" / "lock.txt"),
                PYTHONUNBUFFERED="1", NO_PROXY=no_proxy, no_proxy=no_proxy)
     return env
 
