@@ -11,7 +11,6 @@ import json
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import ckptstore
@@ -22,6 +21,7 @@ from ckptstore.storage.wrappers import CountingStore
 from ckptstore.testing import free_port
 
 from . import dcp_workers as W
+from .helpers import spawn
 
 pytestmark = pytest.mark.slow  # multi-rank saves and loads on spawned gloo ranks
 
@@ -37,7 +37,7 @@ def dcp_url(request, tmp_path):
 def test_save_4_ranks_load_with_2_3_1(dcp_url, tmp_path):
     url, so = dcp_url
     expect = str(tmp_path / "expected.pt")
-    mp.spawn(W.save_worker, args=(4, free_port(), url, so, expect), nprocs=4, join=True)
+    spawn(W.save_worker, args=(4, free_port(), url, so, expect), nprocs=4)
 
     repo = ckptstore.open(url, storage_options=so)
     assert repo.steps() == [1]
@@ -74,14 +74,14 @@ def test_save_4_ranks_load_with_2_3_1(dcp_url, tmp_path):
     counted.close()
 
     for world in (2, 3):
-        mp.spawn(W.load_worker, args=(world, free_port(), url, so, expect), nprocs=world, join=True)
+        spawn(W.load_worker, args=(world, free_port(), url, so, expect), nprocs=world)
     W.load_single_process(url, so, expect)
 
 
 def test_unchanged_rank_uploads_nothing_and_failed_rank_commits_nothing(dcp_url, tmp_path):
     url, so = dcp_url
     out = tmp_path / "out.json"
-    mp.spawn(W.dedup_and_failure_worker, args=(2, free_port(), url, so, str(out)), nprocs=2, join=True)
+    spawn(W.dedup_and_failure_worker, args=(2, free_port(), url, so, str(out)), nprocs=2)
     results = json.loads(out.read_text())
     r0, r1 = results[0]["stats"], results[1]["stats"]
     assert r0["rank"] == 0 and r0["new_bytes"] == 0 and r0["pack_bytes"] == 0

@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -21,7 +20,7 @@ from ckptstore.testing import free_port
 
 from . import dcp_workers as W
 from .doc_blocks import recipe
-from .helpers import SMALL, bits_equal
+from .helpers import SMALL, bits_equal, spawn
 
 pytestmark = pytest.mark.slow  # spawned gloo ranks, PyTorch's own DCP writer/reader beside ours
 
@@ -70,7 +69,7 @@ def test_dcp_reader_casts_like_filesystem_reader(dtype_repo, tmp_path, stored):
 
 def test_sharded_step_loads_into_other_dtypes_across_shards(tmp_path):
     url = str(tmp_path / "repo")
-    mp.spawn(W.sharded_dtypes_save_worker, args=(2, free_port(), url), nprocs=2, join=True)
+    spawn(W.sharded_dtypes_save_worker, args=(2, free_port(), url), nprocs=2)
     g = torch.Generator().manual_seed(11)
     f32 = torch.randn(64, 24, generator=g)
     bf16 = torch.randn(64, 24, generator=g).bfloat16()
@@ -148,7 +147,7 @@ def test_latest_step_without_collectives_and_on_sub_group(tmp_path):
     with ckptstore.open(url) as repo:
         repo.save({"w": torch.zeros(8, 5)}, step=1)
         repo.save({"w": torch.arange(40, dtype=torch.float32).reshape(8, 5)}, step=2)
-    mp.spawn(W.no_dist_and_subgroup_worker, args=(3, free_port(), url, str(tmp_path)), nprocs=3, join=True)
+    spawn(W.no_dist_and_subgroup_worker, args=(3, free_port(), url, str(tmp_path)), nprocs=3)
     assert sorted(p.name for p in tmp_path.glob("ok-*")) == ["ok-0", "ok-1", "ok-2"]
 
 

@@ -12,7 +12,6 @@ import math
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from hypothesis import given, settings, strategies as st
 from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
@@ -24,6 +23,7 @@ from ckptstore.dcp.exchange import ReadRegion, plan_exchange
 from ckptstore.testing import free_port
 
 from . import dcp_workers as W
+from .helpers import spawn
 
 pytestmark = pytest.mark.slow  # spawned gloo ranks
 
@@ -37,7 +37,7 @@ def _ranks(out_dir, world):
 def test_fully_replicated_state_is_fetched_once_and_balanced(tmp_path):
     world = 4
     url = str(tmp_path / "repo")
-    mp.spawn(W.replicated_worker, args=(world, free_port(), url, str(tmp_path)), nprocs=world, join=True)
+    spawn(W.replicated_worker, args=(world, free_port(), url, str(tmp_path)), nprocs=world)
     ranks = _ranks(tmp_path, world)
     with ckptstore.open(url) as repo:
         man = repo.manifest(1)
@@ -72,7 +72,7 @@ def test_fully_replicated_state_is_fetched_once_and_balanced(tmp_path):
 def test_mixed_ddp_fsdp_saves_balanced_and_loads_bit_exact_with_exchange(tmp_path):
     world = 4
     url = str(tmp_path / "repo")
-    mp.spawn(W.mixed_worker, args=(world, free_port(), url, str(tmp_path)), nprocs=world, join=True)
+    spawn(W.mixed_worker, args=(world, free_port(), url, str(tmp_path)), nprocs=world)
     ranks = _ranks(tmp_path, world)  # each worker compared every loaded tensor bit for bit
     saved = [r["save"]["logical_bytes"] for r in ranks]
     with ckptstore.open(url) as repo:
@@ -95,7 +95,7 @@ def test_mixed_ddp_fsdp_saves_balanced_and_loads_bit_exact_with_exchange(tmp_pat
 def test_failed_rank_fails_every_rank_naming_it_and_subgroups(tmp_path):
     world = 3
     url = str(tmp_path / "repo")
-    mp.spawn(W.exchange_failure_worker, args=(world, free_port(), url, str(tmp_path)), nprocs=world, join=True)
+    spawn(W.exchange_failure_worker, args=(world, free_port(), url, str(tmp_path)), nprocs=world)
     ranks = _ranks(tmp_path, world)
     for r in ranks:
         err = r["pack_reads_fail"]
@@ -334,6 +334,6 @@ def test_balance_save_plans_spreads_replicated_writes_by_bytes():
 def test_exchange_into_cuda_destinations(tmp_path):
     world = 2
     url = str(tmp_path / "repo")
-    mp.spawn(W.cuda_exchange_worker, args=(world, free_port(), url, str(tmp_path)), nprocs=world, join=True)
+    spawn(W.cuda_exchange_worker, args=(world, free_port(), url, str(tmp_path)), nprocs=world)
     for r in _ranks(tmp_path, world):
         assert r["bad"] == [] and r["stats"]["exchange"] and r["stats"]["received_bytes"] > 0, r

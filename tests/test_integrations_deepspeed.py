@@ -20,19 +20,18 @@ import torch
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-import torch.multiprocessing as mp  # noqa: E402
-
 import ckptstore  # noqa: E402
 from ckptstore.errors import FormatError  # noqa: E402
 from ckptstore.testing import free_port  # noqa: E402
 
 from . import ds_workers as W
+from .helpers import spawn
 
 pytestmark = pytest.mark.slow  # DeepSpeed ZeRO on spawned gloo ranks
 
 
 def _spawn(fn, world, *args):
-    mp.spawn(fn, args=(world, free_port(), *args), nprocs=world, join=True)
+    spawn(fn, args=(world, free_port(), *args), nprocs=world)
 
 
 def _assert_only_bookkeeping(save_dir):

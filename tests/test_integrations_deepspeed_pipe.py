@@ -15,18 +15,18 @@ import torch
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-import torch.multiprocessing as mp  # noqa: E402
 
 import ckptstore  # noqa: E402
 from ckptstore.testing import free_port  # noqa: E402
 
 from . import ds_pipe_workers as P
+from .helpers import spawn
 
 slow = pytest.mark.slow  # DeepSpeed pipelines on spawned gloo ranks
 
 
 def _spawn(fn, world, *args):
-    mp.spawn(fn, args=(world, free_port(), *args), nprocs=world, join=True)
+    spawn(fn, args=(world, free_port(), *args), nprocs=world)
 
 
 RUNS = {"zero0": (0, False), "zero1": (1, False), "zero1-bf16": (1, True)}

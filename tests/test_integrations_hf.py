@@ -14,7 +14,6 @@ import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import ckptstore
 from ckptstore.integrations import hf
@@ -23,6 +22,7 @@ from ckptstore.storage.wrappers import CountingStore
 from ckptstore.testing import free_port
 
 from . import hf_lightning_workers as W
+from .helpers import spawn
 
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM, Trainer, TrainingArguments
 
@@ -130,7 +130,7 @@ def test_tensor_parallel_from_pretrained_reads_local_slices(tmp_path):
         repo.save(_llama().state_dict(), step=1)
     out = tmp_path / "out"
     out.mkdir()
-    mp.spawn(W.hf_tensor_parallel, args=(2, free_port(), url, 1, str(out)), nprocs=2, join=True)
+    spawn(W.hf_tensor_parallel, args=(2, free_port(), url, 1, str(out)), nprocs=2)
     for rank, r in enumerate(_results(out)):
         assert r["mismatched"] == [], f"rank {rank}"
         assert "model.layers.0.self_attn.q_proj.weight" in r["sharded"]
@@ -260,7 +260,7 @@ def test_accelerate_sharded_fsdp_saves_go_to_the_repository(tmp_path):
     url = str(tmp_path / "repo")
     out = tmp_path / "res"
     out.mkdir()
-    mp.spawn(W.hf_fsdp_route, args=(2, free_port(), url, str(tmp_path), str(out)), nprocs=2, join=True)
+    spawn(W.hf_fsdp_route, args=(2, free_port(), url, str(tmp_path), str(out)), nprocs=2)
     for r in _results(out):
         assert r["bad"] == []
         assert r["steps"] == {"pytorch_model_fsdp_0": [7], "optimizer_0": [7]}

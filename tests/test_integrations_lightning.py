@@ -15,7 +15,6 @@ import sys
 import lightning as L
 import pytest
 import torch
-import torch.multiprocessing as mp
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -25,7 +24,7 @@ from ckptstore.integrations import lightning as cl
 from ckptstore.testing import free_port
 
 from . import hf_lightning_workers as W
-from .helpers import assert_tree_equal
+from .helpers import assert_tree_equal, spawn
 
 pytestmark = pytest.mark.slow  # Lightning fits, spawned ranks
 
@@ -366,7 +365,7 @@ def test_model_parallel_strategy_two_ranks_saves_shards_and_resumes(tmp_path):
     url = str(tmp_path / "repo")
     out = tmp_path / "res"
     out.mkdir()
-    mp.spawn(W.lightning_model_parallel, args=(2, free_port(), url, str(tmp_path), str(out)), nprocs=2, join=True)
+    spawn(W.lightning_model_parallel, args=(2, free_port(), url, str(tmp_path), str(out)), nprocs=2)
     results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     for r in results:
         assert r["steps"] == [2, 4] and r["path"] == "epoch=1-step=4.ckpt"

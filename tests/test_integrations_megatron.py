@@ -14,12 +14,12 @@ import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import ckptstore
 from ckptstore.testing import free_port
 
 from . import mg_workers as W
+from .helpers import spawn
 
 pytestmark = pytest.mark.slow  # Megatron-Core on spawned gloo ranks
 
@@ -37,7 +37,7 @@ def test_tp2_saved_tp1_loaded_bit_exact(tmp_path):
     # file:// only: the S3 path is CkptStoreWriter/Reader's, run against moto by tests/test_dcp.py
     # and by the DeepSpeed integration's S3 test; this keeps the suite's time in bounds.
     url, so = f"file://{tmp_path}/repo", None
-    mp.spawn(W.save_worker, args=(2, free_port(), url, so, str(tmp_path)), nprocs=2, join=True)
+    spawn(W.save_worker, args=(2, free_port(), url, so, str(tmp_path)), nprocs=2)
     repo = ckptstore.open(url, storage_options=so)
     assert repo.steps() == [5, 6]
     m5 = repo.manifest(5)
@@ -47,7 +47,7 @@ def test_tp2_saved_tp1_loaded_bit_exact(tmp_path):
     assert col.shape == (W.HID, W.IN) and len(col.shards) == 2
     assert m5.stats["ranks"].keys() == {"0", "1"}
     repo.close()
-    mp.spawn(W.load_worker, args=(1, free_port(), url, so, str(tmp_path)), nprocs=1, join=True)
+    spawn(W.load_worker, args=(1, free_port(), url, so, str(tmp_path)), nprocs=1)
 
 
 def test_gpt_tp2_pp2_loads_bit_exact_on_other_tp_pp_as_torch_dist_does(tmp_path):
@@ -56,7 +56,7 @@ def test_gpt_tp2_pp2_loads_bit_exact_on_other_tp_pp_as_torch_dist_does(tmp_path)
     # TP2 x PP1 (layers move between stages; data-parallel replicas make up the rest).
     url = f"file://{tmp_path}/repo"
     targets = [(1, 1), (1, 2), (2, 1)]
-    mp.spawn(W.tp_pp_worker, args=(4, free_port(), url, str(tmp_path), targets), nprocs=4, join=True)
+    spawn(W.tp_pp_worker, args=(4, free_port(), url, str(tmp_path), targets), nprocs=4)
     with ckptstore.open(url) as repo:
         assert repo.steps() == [1, 2]
         m1, m2 = repo.manifest(1), repo.manifest(2)

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 pytest.importorskip("torchtitan")
@@ -31,6 +30,7 @@ from torchtitan.config import Configurable  # noqa: E402
 from torchtitan.config.override import OverrideConfig, apply_overrides, parse_cli_imports  # noqa: E402
 
 from . import torchtitan_workers as W
+from .helpers import spawn
 
 
 class TrainState:
@@ -459,7 +459,7 @@ def test_llama3_debugmodel_on_two_cpu_ranks_resumes_exactly_from_s3(tmp_path, s3
     out = tmp_path / "out"
     out.mkdir()
     ports = [free_port() for _ in phases]
-    mp.spawn(W.run_phases, args=(2, ports, phases, env, str(out)), nprocs=2, join=True)
+    spawn(W.run_phases, args=(2, ports, phases, env, str(out)), nprocs=2)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0] == ranks[1]
     run = ranks[0]

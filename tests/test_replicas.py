@@ -10,6 +10,8 @@ import pytest
 from ckptstore.tier.replicas import Transfer, nodes_of, plan_peer_fill, replica_peers
 from ckptstore.testing import free_port
 
+from .helpers import spawn
+
 
 def test_nodes_are_told_apart_by_their_tiers_and_each_keeps_the_next_one_s_replicas():
     ids = ["a", "a", "b", "b", "c"]
@@ -34,12 +36,10 @@ def test_a_peer_fill_sends_each_missing_pack_once_per_node_from_the_least_loaded
 
 
 def _run(tmp_path, replicas, write_back=False, damage="wipe"):
-    import torch.multiprocessing as mp
-
     from . import replica_workers as W
 
     url = str(tmp_path / "repo")
-    mp.spawn(W.run, args=(2, free_port(), url, str(tmp_path), replicas, write_back, damage), nprocs=2, join=True)
+    spawn(W.run, args=(2, free_port(), url, str(tmp_path), replicas, write_back, damage), nprocs=2)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
 
@@ -84,12 +84,10 @@ def test_a_damaged_replica_is_caught_by_the_hash_check_and_only_those_chunks_com
 
 @pytest.mark.slow
 def test_failed_replicas_leave_the_save_committed_and_flush_raises_on_every_rank_naming_them(tmp_path):
-    import torch.multiprocessing as mp
-
     from . import replica_workers as W
 
     url = str(tmp_path / "repo")
-    mp.spawn(W.run_broken, args=(2, free_port(), url, str(tmp_path)), nprocs=2, join=True)
+    spawn(W.run_broken, args=(2, free_port(), url, str(tmp_path)), nprocs=2)
     res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for r in res:
         assert r["steps"] == [1], "a replica failure must not fail or undo the save"
@@ -109,11 +107,9 @@ def test_replicas_need_a_tier_and_take_0_or_1(tmp_path):
 
 @pytest.mark.slow
 def test_replicas_with_async_save_beside_the_training_loop_s_collectives(tmp_path):
-    import torch.multiprocessing as mp
-
     from . import replica_workers as W
 
-    mp.spawn(W.run_async, args=(2, free_port(), str(tmp_path / "repo"), str(tmp_path)), nprocs=2, join=True)
+    spawn(W.run_async, args=(2, free_port(), str(tmp_path / "repo"), str(tmp_path)), nprocs=2)
     res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for r in res:
         assert r["steps"] == [1, 2]

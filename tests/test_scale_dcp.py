@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch.multiprocessing as mp
 
 import ckptstore
 from ckptstore.format.chunk_table import BLOCK_RECORDS, RECORD_SIZE
@@ -15,13 +14,14 @@ from ckptstore.format.layout import segment_key
 from ckptstore.testing import free_port
 
 from . import dcp_workers as W
+from .helpers import spawn
 
 pytestmark = pytest.mark.slow  # 16 gloo ranks
 
 
 def test_16_ranks_save_20k_shards_8_ranks_load_their_share(tmp_path):
     url = str(tmp_path / "repo")
-    mp.spawn(W.many_shards_save_worker, args=(16, free_port(), url), nprocs=16, join=True)
+    spawn(W.many_shards_save_worker, args=(16, free_port(), url), nprocs=16)
     with ckptstore.open(url) as repo:
         m = repo.manifest(1)
         assert sum(t.nshards for t in m.tensors.values()) == 16 * W.MANY == 20_000
@@ -30,7 +30,7 @@ def test_16_ranks_save_20k_shards_8_ranks_load_their_share(tmp_path):
         segs = {s.id: s for s in m.segments}
     out = tmp_path / "out"
     out.mkdir()
-    mp.spawn(W.many_shards_load_worker, args=(8, free_port(), url, str(out)), nprocs=8, join=True)
+    spawn(W.many_shards_load_worker, args=(8, free_port(), url, str(out)), nprocs=8)
     by_key = {segment_key(i): s for i, s in segs.items()}
     for rank in range(8):
         r = json.loads((out / f"rank{rank}.json").read_text())

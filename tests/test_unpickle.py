@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -29,6 +28,7 @@ from ckptstore.testing import free_port
 from ckptstore.format.unpickle import UnsafeValueError, load_safe
 
 from . import state_workers as S
+from .helpers import spawn
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -207,8 +207,8 @@ def test_repo_save_keeps_storing_json_values_only(tmp_path):
 @pytest.mark.slow
 def test_two_ranks_direct_and_exchanged_reads_match_filesystem_reader(tmp_path):
     out = tmp_path / "out.json"
-    mp.spawn(S.round_trip_worker, args=(2, free_port(), str(tmp_path / "repo"), str(tmp_path / "fs"), str(out)),
-             nprocs=2, join=True)
+    spawn(S.round_trip_worker, args=(2, free_port(), str(tmp_path / "repo"), str(tmp_path / "fs"), str(out)),
+          nprocs=2)
     assert json.loads(out.read_text()) == {"checked": ["direct", "exchanged"], "world": 2}
     with ckptstore.open(str(tmp_path / "repo")) as repo:  # and the step reads whole, every rank's values in it
         got = repo.load(1)

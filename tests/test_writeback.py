@@ -22,7 +22,7 @@ from ckptstore.testing import free_port
 from ckptstore.tier.writeback import WriteBackError
 
 from .crash_child import CHILD_OPTS, build_state
-from .helpers import SMALL, assert_tree_equal
+from .helpers import SMALL, assert_tree_equal, spawn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -284,12 +284,10 @@ def _dcp_loaded(url):
 def test_dcp_write_back_commits_once_every_rank_uploaded(tmp_path, leave):
     import json
 
-    import torch.multiprocessing as mp
-
     from . import wb_workers as W
 
     url, tmp = str(tmp_path / "repo"), str(tmp_path)
-    mp.spawn(W.dcp_write_back, args=(2, free_port(), url, tmp, leave), nprocs=2, join=True)
+    spawn(W.dcp_write_back, args=(2, free_port(), url, tmp, leave), nprocs=2)
     res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for r in res:
         assert r["committed_after_save"] == [], "dcp.save returned before the store had the step"
