@@ -26,7 +26,8 @@ from .catalog import Catalog
 from ..clock import Clock
 from ..progress import callback as progress_callback
 from .reader import Checkpoint, TensorMeta, load_step, open_checkpoint
-from .save import AsyncSaver, StepInfo, flatten_for_save, save_step
+from .async_save import AsyncSaver
+from .save import StepInfo, flatten_for_save, save_step
 from ..storage.base import ObjectStore
 from ..tier.writeback import EXIT_TIMEOUT, WRITE_BACK_STEPS, WriteBack, flush_on_signal
 
