@@ -91,7 +91,7 @@ class Snapshots:
         staged: dict[str, torch.Tensor] = {}
         snap = Snapshot(staged, self.chunk_size)
         jobs: list[tuple[str, int, int, int, int, bool]] = []  # key, block, dst, src, n, compare
-        keep: list[torch.Tensor] = []  # contiguous copies of strided sources, alive until copied
+        keep: list[torch.Tensor] = []  # the sources read by address, alive until copied
         waits: set[torch.device] = set()
         try:
             for k, t in tensors.items():
@@ -114,10 +114,8 @@ class Snapshots:
                     snap.unchanged[k] = None
                     snap.copied_bytes += nbytes
                     continue
-                src = src.resolve_conj().resolve_neg()
-                if not src.is_contiguous():
-                    src = src.contiguous()
-                    keep.append(src)
+                src = src.resolve_conj().resolve_neg().contiguous()
+                keep.append(src)  # a copy made here (conj, neg, strided) must outlive the copies by address
                 blocks = -(-nbytes // self.chunk_size) if nbytes else 0
                 snap.unchanged[k] = None if fresh else [False] * blocks
                 if not nbytes:

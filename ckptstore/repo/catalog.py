@@ -93,7 +93,7 @@ class Catalog:
     """
 
     def __init__(self, store: ObjectStore, clock: Clock | None = None, cache_dir=None, cache_size=None,
-                 cache_decoded: bool = False, **options):
+                 cache_decoded: bool | None = None, **options):
         self.store = store
         self.url = store.url
         self.options = RepoOptions.from_kwargs(bool(getattr(store, "remote", False)), **options)

@@ -450,7 +450,8 @@ class ChunkWriter:
         self.packs = PackWriter(cat.store if store is None else store, cat.runtime, o, part_window(o, self.lookahead),
                                 mirror=cat.tier if store is None else None,
                                 on_acked=None if on_bytes is None else (lambda raw, stored: on_bytes(raw)))
-        self.raw_tier = cat.tier if cat.tier is not None and cat.tier.decoded and cat.tier.writable else None
+        self.raw_tier = (cat.tier if cat.tier is not None and cat.tier.decoded is not False and cat.tier.writable
+                         else None)
         self.scratch = cat.runtime.buffers("scratch", o.chunk_size, self.lookahead // o.chunk_size + o.workers + 1)
         self.logical = self.reused = self.new_raw = self.new_stored = 0
         self.new_chunks = self.reused_chunks = self.unchanged_chunks = 0
@@ -499,7 +500,7 @@ class ChunkWriter:
         h = _codec.hash_bytes(piece)
         if h in self.base or h in self.written:
             return h, None, None, None
-        if self.raw_tier is not None:
+        if self.raw_tier is not None and self.raw_tier.keep_decoded(len(piece)):
             self.raw_tier.put_raw(h, piece)  # cache_decoded: loads on this node read it in place
         scratch = self.scratch.get() if len(piece) == self.scratch.size else None
         codec, pieces = _codec.encode_pieces(piece, self.o.codec, self.o.level, dtype, scratch)
