@@ -620,11 +620,12 @@ class KnownChunks:
 def _save_step(cat: Catalog, tree, tensors, step: int, metadata: dict, base, report, wb,
                known: KnownChunks | None = None, refs_out: dict | None = None) -> StepInfo:
     t0 = time.perf_counter()
+    raw = sum(t.numel() * t.element_size() for t in tensors.values())
     if wb is not None:
         # at most write_back_steps pending, and within cache_size: wait for the oldest
-        wb.reserve(sum(t.numel() * t.element_size() for t in tensors.values()), f"step {step}")
+        wb.reserve(raw, f"step {step}")
     if cat.tier is not None:
-        cat.tier.note_step(step)  # a save under way: older steps' packs are evicted before the newest
+        cat.tier.note_step(step, expect=raw)  # a save under way: older steps' packs are evicted before the newest
     commit = StepCommit(cat, step, base)
     handed_over = False
     target = wb.store if wb is not None else None  # write-back: packs and segment go to the tier

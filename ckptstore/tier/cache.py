@@ -233,7 +233,10 @@ class Tier:
         with self._lock:
             if self._usage is None:
                 self._usage = sum(f[1] for f in tier_files(self.cache_dir))
-            if self.cache_size is not None and self._usage + self._reserved + 2 * nbytes > self.cache_size:
+            # the save's own files are reserved (note_step's ``expect``, make_room's ``nbytes``): a decoded
+            # copy needs only its own room; without a reservation, room for its compact copy too
+            extra = nbytes if self._reserved else 2 * nbytes
+            if self.cache_size is not None and self._usage + self._reserved + extra > self.cache_size:
                 return False
             if self._room is None or self._room_spent >= ROOM_RECHECK:
                 try:
@@ -397,13 +400,15 @@ class Tier:
         with self._lock:
             self.stats["discarded"] += 1
 
-    def note_step(self, step: int, packs=()) -> None:
+    def note_step(self, step: int, packs=(), expect: int = 0) -> None:
         """Record that a save of ``step`` writes (empty ``packs``: is starting to) or wrote ``packs``
         into this tier: eviction takes the packs of the newest steps last, and an older step's first
-        (a save under way counts as a step). Records of older steps are removed. Never raises."""
-        if packs:
-            with self._lock:
-                self._reserved = 0  # the save is written: its files are on disk, counted by the next scan
+        (a save under way counts as a step). Records of older steps are removed. Never raises.
+
+        ``expect``: at the start, the most bytes the save may write here (its raw size): decoded copies
+        (:meth:`keep_decoded`) leave room for them until the save has written them (``packs``)."""
+        with self._lock:
+            self._reserved = max(self._reserved, int(expect)) if not packs else 0
         if not self._writable:
             return
         folder = os.path.join(self.root, "recent")
@@ -434,7 +439,7 @@ class Tier:
                             stats=self.stats, lock=self._lock)
         with self._lock:
             self._usage = used
-            self._reserved = nbytes  # the save's pending files: decoded copies leave room for them
+            self._reserved = max(self._reserved, nbytes)  # the save's pending files: decoded copies leave room
         return freed
 
     def enforce_budget(self) -> int:
