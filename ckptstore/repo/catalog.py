@@ -85,9 +85,10 @@ class Catalog:
     clock:
         Wall and monotonic time for leases, tombstones, GC ages and the
         saver's dedup-base age (tests pass a :class:`~ckptstore.clock.ManualClock`).
-    cache_dir, cache_size:
+    cache_dir, cache_size, cache_decoded:
         A node-local tier (:mod:`ckptstore.tier.cache`): saves write their packs
-        through to it, reads take each chunk from it first.
+        through to it (and decoded copies of their chunks: None, the default,
+        where the budget has room; True; False), reads take each chunk from it first.
     **options:
         :class:`~ckptstore.pipeline.options.RepoOptions` fields.
     """
