@@ -150,7 +150,8 @@ def test_the_tier_stays_within_its_budget_over_many_saves(tmp_path):
 
 def test_a_full_disk_in_the_tier_still_saves(tmp_path, monkeypatch, caplog):
     url, cache = str(tmp_path / "repo"), tmp_path / "tier"
-    repo = ckptstore.open(url, cache_dir=cache, **SMALL)
+    # the pack copies under test: decoded copies written before the disk filled would serve the load
+    repo = ckptstore.open(url, cache_dir=cache, cache_decoded=False, **SMALL)
     store = repo.tier.pack_store()  # the tier's own store only (the repository is a local directory too)
     real = store.create_multipart
 
