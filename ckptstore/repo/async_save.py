@@ -88,7 +88,7 @@ class AsyncSaver:
     def _save(self, tree, snap: Snapshot, step, metadata, base, progress, known, blocked, waited) -> StepInfo:
         refs: dict = {}
         info = save_step(self.cat, tree, snap.tensors, step, metadata, base, progress, known, refs)
-        self._prev = (step, self.snapshots.chunk_size, refs)
+        self._prev = (step, self.cat.options.chunk_size, refs)  # the chunk size the refs were cut with
         return dataclasses.replace(info, blocked_seconds=blocked, waited_seconds=waited)
 
 
