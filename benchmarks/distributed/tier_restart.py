@@ -19,6 +19,8 @@ first), page cache warm for every leg:
 ``tier``        a fresh ``ckptstore.open(url, cache_dir=tier)``, ``repo.load(1, into=sd)``
 ``tier-compact``  the same from the ``cache_decoded=False`` tier (``--compact``)
 
+The saves are timed once each too (what keeping decoded copies costs a save).
+
 Every restore is checked bit for bit; a tier restore must read 0 chunk bytes
 from the store (``repo.read_stats()``). Medians of ``--rounds``; issue 44's
 target: ``tier`` at most 1.2x ``dcp-fs``.
@@ -71,13 +73,20 @@ def run(args) -> dict:
     src = state(args.size_mib)
     nbytes = sum(t.numel() * t.element_size() for t in src.values())
     fs, url, tier, compact = (os.path.join(root, d) for d in ("fs", "repo", "tier", "tier_compact"))
+    saves = {}
+    t0 = time.perf_counter()
     dcp.save(src, storage_writer=FileSystemWriter(fs))
+    saves["dcp-fs"] = time.perf_counter() - t0
     with ckptstore.open(url, cache_dir=tier) as repo:
+        t0 = time.perf_counter()
         repo.save(src, step=1)
+        saves["tier"] = time.perf_counter() - t0
     if args.compact:
         curl = url + "_compact"
         with ckptstore.open(curl, cache_dir=compact, cache_decoded=False) as repo:
+            t0 = time.perf_counter()
             repo.save(src, step=1)
+            saves["tier-compact"] = time.perf_counter() - t0
     os.sync()
     dst = {k: torch.empty_like(t) for k, t in src.items()}
 
@@ -109,11 +118,12 @@ def run(args) -> dict:
                 raise SystemExit(f"{name}: not bit-exact")
         print(f"round {r}: " + "  ".join(f"{k} {v[-1]:.3f} s" for k, v in times.items()), flush=True)
     med = {k: statistics.median(v) for k, v in times.items()}
-    out = {"bytes": nbytes, "rounds": times, "median": med,
+    out = {"bytes": nbytes, "rounds": times, "median": med, "save_s": saves,
            "ratio": {k: med[k] / med["dcp-fs"] for k in med}, "cpus": args.cpus,
            "tier_bytes": {t: _du(p) for t, p in (("tier", tier), ("tier-compact", compact)) if os.path.isdir(p)}}
     print(f"{nbytes / 2**20:.0f} MiB, medians of {args.rounds}: "
           + ", ".join(f"{k} {med[k]:.3f} s ({out['ratio'][k]:.2f}x dcp-fs)" for k in med))
+    print("saves (once each, untimed legs of the target): " + ", ".join(f"{k} {v:.3f} s" for k, v in saves.items()))
     print("tier bytes on disk: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in out["tier_bytes"].items()))
     if not args.dir:
         shutil.rmtree(root, ignore_errors=True)
