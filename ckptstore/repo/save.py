@@ -33,6 +33,7 @@ import concurrent.futures as cf
 import errno
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Mapping
@@ -452,6 +453,8 @@ class ChunkWriter:
                                 on_acked=None if on_bytes is None else (lambda raw, stored: on_bytes(raw)))
         self.raw_tier = (cat.tier if cat.tier is not None and cat.tier.decoded is not False and cat.tier.writable
                          else None)
+        self.raw_writes: list[cf.Future] = []  # decoded copies being written (they read the caller's memory)
+        self._raw_lock = threading.Lock()
         self.scratch = cat.runtime.buffers("scratch", o.chunk_size, self.lookahead // o.chunk_size + o.workers + 1)
         self.logical = self.reused = self.new_raw = self.new_stored = 0
         self.new_chunks = self.reused_chunks = self.unchanged_chunks = 0
@@ -501,7 +504,11 @@ class ChunkWriter:
         if h in self.base or h in self.written:
             return h, None, None, None
         if self.raw_tier is not None and self.raw_tier.keep_decoded(len(piece)):
-            self.raw_tier.put_raw(h, piece)  # cache_decoded: loads on this node read it in place
+            # cache_decoded: loads on this node read it in place. Written on the I/O pool, not by this
+            # hashing thread (a page-cache write can stall on write-back); finish() waits for them.
+            fut = self.cat.runtime.io.submit(self.raw_tier.put_raw, h, piece)
+            with self._raw_lock:
+                self.raw_writes.append(fut)
         scratch = self.scratch.get() if len(piece) == self.scratch.size else None
         codec, pieces = _codec.encode_pieces(piece, self.o.codec, self.o.level, dtype, scratch)
         if scratch is not None and not any(_in_buffer(p, scratch) for p in pieces):
@@ -547,12 +554,23 @@ class ChunkWriter:
     def finish(self) -> dict[str, int]:
         """Write out every chunk; pack id -> size of each pack written, all verified complete."""
         self.drain()
-        return self.packs.finish()
+        try:
+            return self.packs.finish()
+        finally:
+            self._wait_raw()
+
+    def _wait_raw(self) -> None:
+        """Wait for the decoded copies (``put_raw`` never raises): none may read the tensors after the save."""
+        with self._raw_lock:
+            writes, self.raw_writes = self.raw_writes, []
+        cf.wait(writes)
 
     def abort(self) -> None:
         for _, fut, _, _ in self.pending:
             fut.cancel()
+        cf.wait([fut for _, fut, _, _ in self.pending])  # a running _prepare may still queue a decoded copy
         self.pending.clear()
+        self._wait_raw()
         self.packs.abort()
 
     def started(self) -> list[str]:
