@@ -119,7 +119,8 @@ class Tier:
         self._usage: int | None = None  # the tier's bytes as last scanned, plus what this handle added since
         self._room: int | None = None  # bytes the file system has above the free floor, as last checked
         self._room_spent = 0  # decoded bytes admitted since then
-        self._reserved = 0  # room a write-back save made for its own files (not counted until committed)
+        self._reserved = 0  # room the save under way reserved for its own files (note_step, make_room)
+        self._admitted = 0  # decoded copies said yes to and not yet published (keep_decoded -> put_raw)
         self.stats = {"tier_misses": 0, "discarded": 0, "evicted": 0}
         self._prepared = False
         self._pending: PendingSteps | None = None
@@ -216,19 +217,22 @@ class Tier:
     def keep_decoded(self, nbytes: int) -> bool:
         """Whether a save keeps a decoded copy of a new chunk of ``nbytes`` (``cache_decoded``).
 
-        With the default (None) a decoded copy is kept only where it and the
-        chunk's compact copy (its pack's, counted at ``nbytes``, an upper
-        bound) both fit in what the budget leaves: the tier's bytes plus
-        both stay within ``cache_size``, and the file system keeps twice that
-        above the free-space floor. So decoded copies take only room nothing
-        else needs at the time of the save and never make a save evict; later
-        saves' files evict them like any other file, least recently used
-        first (the packs of the newest steps last). True keeps them always
-        (eviction keeps the budget), False never.
+        With the default (None) a decoded copy is kept only where the budget
+        has room for it beside the compact copies: the tier's bytes, the room
+        the save reserved for its own files at its start (``note_step``'s
+        ``expect``, ``make_room``; without a reservation, ``nbytes`` more for
+        the chunk's pack copy) and the copy stay within ``cache_size``, and the
+        file system keeps ``4 * nbytes`` above the free-space floor. So decoded
+        copies take only room nothing else needs at the time of the save and
+        never make a save evict; later saves' files evict them like any other
+        file, least recently used first (the packs of the newest steps last).
+        True keeps them always (eviction keeps the budget), False never.
         """
         if self.decoded is False or not self._writable:
             return False
         if self.decoded is True:
+            with self._lock:
+                self._admitted += nbytes
             return True
         with self._lock:
             if self._usage is None:
@@ -236,7 +240,8 @@ class Tier:
             # the save's own files are reserved (note_step's ``expect``, make_room's ``nbytes``): a decoded
             # copy needs only its own room; without a reservation, room for its compact copy too
             extra = nbytes if self._reserved else 2 * nbytes
-            if self.cache_size is not None and self._usage + self._reserved + extra > self.cache_size:
+            if self.cache_size is not None and (self._usage + self._reserved + self._admitted + extra
+                                                > self.cache_size):
                 return False
             if self._room is None or self._room_spent >= ROOM_RECHECK:
                 try:
@@ -249,13 +254,19 @@ class Tier:
                 return False
             self._room -= 2 * nbytes
             self._room_spent += 2 * nbytes
+            self._admitted += nbytes  # until put_raw has published it (on another thread)
             return True
 
     def put_raw(self, h: str, data) -> None:
-        """Keep a chunk decoded (its raw bytes) for loads to read in place; never raises."""
+        """Keep a chunk decoded (its raw bytes) for loads to read in place; never raises. Each call
+        follows a :meth:`keep_decoded` that said yes, whose bytes it then stops holding in reserve."""
         path = self.raw_path(h)
-        if not os.path.isfile(path):
-            self._publish(path, data)
+        try:
+            if not os.path.isfile(path):
+                self._publish(path, data)
+        finally:
+            with self._lock:
+                self._admitted = max(0, self._admitted - memoryview(data).nbytes)
 
     def discard_raw(self, h: str) -> None:
         self._unlink(self.raw_path(h))
@@ -408,7 +419,7 @@ class Tier:
         ``expect``: at the start, the most bytes the save may write here (its raw size): decoded copies
         (:meth:`keep_decoded`) leave room for them until the save has written them (``packs``)."""
         with self._lock:
-            self._reserved = max(self._reserved, int(expect)) if not packs else 0
+            self._reserved = 0 if packs else int(expect)  # a new save's reservation replaces a failed one's
         if not self._writable:
             return
         folder = os.path.join(self.root, "recent")
@@ -439,7 +450,7 @@ class Tier:
                             stats=self.stats, lock=self._lock)
         with self._lock:
             self._usage = used
-            self._reserved = max(self._reserved, nbytes)  # the save's pending files: decoded copies leave room
+            self._reserved = nbytes  # the save's pending files: decoded copies leave room for them
         return freed
 
     def enforce_budget(self) -> int:
