@@ -128,6 +128,11 @@ class StaleBaseError(CkptStoreError, RuntimeError):
     """A save ran longer than the GC grace period allows; it did not commit."""
 
 
+class SaveBacklogError(CkptStoreError, TimeoutError):
+    """An async save waited ``async_wait`` seconds for the handle's previous one, still writing; nothing
+    of it was saved."""
+
+
 class PackVanishedError(ObjectNotFoundError):
     """A pack this save uploaded is gone before the commit (collected by GC?)."""
 

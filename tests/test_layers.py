@@ -24,7 +24,7 @@ LAYERS: list[list[str]] = [
     ["storage.memory", "storage.local", "storage.retry", "storage.faults", "storage.s3", "storage.gcs", "storage.azure"],
     ["storage"],
     # format/ (pure) and the pure parts of pipeline/
-    ["format.codec", "format.tree", "format.unpickle", "pipeline.planner", "pipeline.tensors"],
+    ["format.codec", "format.tree", "format.unpickle", "pipeline.planner", "pipeline.tensors", "pipeline.snapshot"],
     ["format.pack", "format.model", "format.strict_json", "format.manifest_v1", "format.manifest_v2", "format.refs",
      "format.manifest"],
     ["format.layout", "format.chunk_table", "format"],
@@ -36,7 +36,7 @@ LAYERS: list[list[str]] = [
     # repo/ (pipeline.staging reads through a Checkpoint's methods)
     ["repo.catalog", "pipeline.staging"],
     ["repo.save", "repo.reader"],
-    ["repo.verify", "repo.zero", "tier.writeback", "repo.gc_refs"],
+    ["repo.verify", "repo.zero", "tier.writeback", "repo.gc_refs", "repo.async_save"],
     ["repo.gc", "repo.transfer"],
     ["repo.repository"],
     ["loading"],  # below the package, which exports load_module

@@ -94,7 +94,8 @@ def _damage(path: str, at: int, data: bytes = b"\xde\xad\xbe\xef" * 8) -> None:
 def test_damaged_truncated_or_missing_tier_files_give_bit_exact_data(tmp_path, how):
     url, cache = str(tmp_path / "repo"), tmp_path / "tier"
     sd = _state(3)
-    with ckptstore.open(url, cache_dir=cache, **SMALL) as repo:
+    # the compact copies (packs, chunk files) are the ones under test: no decoded copies
+    with ckptstore.open(url, cache_dir=cache, cache_decoded=False, **SMALL) as repo:
         repo.save(sd, step=1)
     if how.endswith("chunk"):
         for p in _pack_copies(cache):
@@ -149,7 +150,8 @@ def test_the_tier_stays_within_its_budget_over_many_saves(tmp_path):
 
 def test_a_full_disk_in_the_tier_still_saves(tmp_path, monkeypatch, caplog):
     url, cache = str(tmp_path / "repo"), tmp_path / "tier"
-    repo = ckptstore.open(url, cache_dir=cache, **SMALL)
+    # the pack copies under test: decoded copies written before the disk filled would serve the load
+    repo = ckptstore.open(url, cache_dir=cache, cache_decoded=False, **SMALL)
     store = repo.tier.pack_store()  # the tier's own store only (the repository is a local directory too)
     real = store.create_multipart
 

@@ -37,7 +37,7 @@ def _chunk_files(cache) -> list[str]:
 def test_a_pack_copy_removed_between_the_check_and_the_read_is_read_from_the_store(tmp_path):
     url, cache = str(tmp_path / "repo"), tmp_path / "tier"
     sd = _state(1)
-    with ckptstore.open(url, cache_dir=cache, **SMALL) as repo:
+    with ckptstore.open(url, cache_dir=cache, cache_decoded=False, **SMALL) as repo:  # the pack copy under test
         repo.save(sd, step=1)
     repo, counting = _counting(url, cache_dir=cache)
     real = repo.tier.store.read_range_into

@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python -m benchmarks.distributed.tier [--size-gib 1.0] [--rounds 3] [--json OUT.json] [--no-pin] [--seed 0] [--cache-decoded]
+    python -m benchmarks.distributed.tier [--size-gib 1.0] [--rounds 3] [--json OUT.json] [--no-pin] [--seed 0] [--cache-decoded {default,on,off}]
 
 One SeaweedFS server (``weed server -s3`` on loopback, pinned to its own CPU
 unless ``--no-pin``; the ranks then run on the other CPU(s)). Ranks are
@@ -422,8 +422,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", metavar="OUT.json", help="write the results here")
     ap.add_argument("--no-pin", action="store_true", help="do not pin the server and the ranks to CPUs")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--cache-decoded", action="store_true",
-                    help="the tier's save keeps chunks decoded too (cache_decoded=True): restores read them in place")
+    ap.add_argument("--cache-decoded", choices=("default", "on", "off"), default="default",
+                    help="the tier's saves keep chunks decoded too: 'default' (cache_decoded=None: where the budget "
+                         "has room), 'on' (True), 'off' (False: pack copies only, as saves wrote before issue 44)")
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
@@ -449,7 +450,7 @@ def main(argv=None) -> int:
            "fs_path": os.path.join(tmp, "dcp-fs"), "one_node": os.path.join(tmp, "one-node"),
            "out_nodes": os.path.join(tmp, "nodes.json"), "out_reshard": os.path.join(tmp, "reshard.json"),
            "client_cpus": sorted(pinning.client_cpus) if pinning.enabled else None,
-           "tier_opts": {"cache_decoded": True} if args.cache_decoded else {}}
+           "tier_opts": {"default": {}, "on": {"cache_decoded": True}, "off": {"cache_decoded": False}}[args.cache_decoded]}
     started = time.perf_counter()
     try:
         with seaweedfs(BUCKET) as server:
@@ -480,7 +481,7 @@ def main(argv=None) -> int:
     print(f"Produced by: {command}")
     print(f"  ckptstore at commit {commit}; {args.size_gib:g} GiB fp32 randn in {nodes['tensors']} tensors, DTensors "
           f"Shard(0) over {world} ranks (nodes: ranks 0-1 and 2-3, one cache_dir each"
-          f"{', cache_decoded=True' if args.cache_decoded else ''}); SeaweedFS pinned: "
+          f"{'' if args.cache_decoded == 'default' else ', cache_decoded=' + str(args.cache_decoded == 'on')}); SeaweedFS pinned: "
           f"{server_cpus}; packs of {human(PACK_SIZE)}, chunks of {human(chunk)}")
     print(f"  saves (once each, no target): dcp-fs {saves.get('dcp-fs', 0):.2f} s; ckptstore to SeaweedFS with "
           f"write-through to the tier {saves.get('ckpt-tier', 0):.2f} s, then without a tier (another prefix) "

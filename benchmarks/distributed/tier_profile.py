@@ -2,7 +2,8 @@
 
 Run from the repository root, under a sampling profiler::
 
-    .venv/bin/python -m benchmarks.distributed.tier_profile --dir DIR --prepare [--size-gib 1.0] [--world 4]
+    .venv/bin/python -m benchmarks.distributed.tier_profile --dir DIR --prepare [--size-gib 1.0] [--world 4] \\
+        [--cache-decoded default|off]
     py-spy record --native -r 250 -f raw -o tier.raw -- .venv/bin/python -m benchmarks.distributed.tier_profile \\
         --dir DIR [--size-gib 1.0] [--world 4] [--repeat 5] [--only ckpt-tier] [--cpus 0]
     .venv/bin/python -m benchmarks.distributed.tier_profile --summarize tier.raw
@@ -40,13 +41,15 @@ PHASES = (
     ("BLAKE3 hash check", ("hash_bytes", "blake3", "hash_into")),
     ("byte-group reverse transform (numpy)", ("_unlow3", "_bytegroup_decode", "_ungroup", "fromnumeric")),
     ("fresh read buffers (mmap MAP_POPULATE)", ("_populated",)),
+    ("decoded copy reads (readinto, page cache)", ("read_raw_into",)),
     ("pack copy reads (preadv, page cache)", ("local.py",)),
-    ("thread hand-offs (pool submit)", ("ThreadPoolExecutor.submit",)),
+    ("thread hand-offs (pool submit, results, wake-ups)", ("ThreadPoolExecutor.submit", "notify_all (threading",
+                                                           "set_result (concurrent", "add_result (concurrent")),
     ("DCP reads from files (FileSystemReader)", ("filesystem.py",)),
     ("torch.load of DCP items", ("serialization.py",)),
     ("idle: waiting for work or a result", ("Condition.wait", "thread.py:81", "_wait_for_tstate_lock",
                                             "Condition.notify", "thread.py:88", "thread.py:90")),
-    ("the profiler script's own check and scrub", ("bits_equal", "scrub", "tier_profile.py:61")),
+    ("the profiler script's own check and scrub", ("bits_equal", "scrub", "tier_profile.py:61", "tier_profile.py:71")),
     ("imports and first-use setup", ("importlib", "_create_fn", "_compile_bytecode")),
     ("DCP planning, metadata, other ckptstore code", ("ckptstore/", "checkpoint/")),
 )
@@ -72,7 +75,8 @@ def run(args) -> int:
     print(f"{len(src)} tensors, {nbytes / 2**20:.0f} MiB (rank 0 of {args.world})", flush=True)
     if args.prepare:
         dcp.save(src, storage_writer=FileSystemWriter(fs))
-        dcp.save(src, storage_writer=CkptStoreWriter(repo, step=1, cache_dir=cache, pack_size=64 << 20))
+        opts = {"default": {}, "off": {"cache_decoded": False}}[args.cache_decoded]
+        dcp.save(src, storage_writer=CkptStoreWriter(repo, step=1, cache_dir=cache, pack_size=64 << 20, **opts))
         os.sync()
         print(f"saved under {args.dir}")
         return 0
@@ -129,6 +133,9 @@ def main(argv=None) -> int:
     ap.add_argument("--cpus", default="0", help="CPUs to run on (default 0, as benchmarks.distributed.tier's pinned ranks; '' all)")
     ap.add_argument("--dir", help="where the prepared checkpoints are")
     ap.add_argument("--prepare", action="store_true", help="save the checkpoints under --dir, then exit")
+    ap.add_argument("--cache-decoded", choices=("default", "off"), default="default",
+                    help="--prepare: the tier's save with default options (decoded copies where the budget has "
+                         "room) or cache_decoded=False (pack copies only)")
     ap.add_argument("--only", choices=["ckpt-tier", "dcp-fs"], help="restore only this way")
     ap.add_argument("--summarize", metavar="RAW", help="fold a py-spy raw file instead of running "
                     "(--repeat: the restores it sampled; --hz: its sampling rate)")

@@ -429,12 +429,13 @@ class CkptStoreWriter(StorageWriter):
             else:
                 boxes.append((item.index.fqn, tuple(item.tensor_data.chunk.offsets), tuple(item.tensor_data.chunk.sizes)))
         wb = repo.write_back
+        share = sum(_write_bytes(item) for item in plan.items)
         if wb is not None:
             # at most write_back_steps pending on this node, and within its cache_size
-            wb.reserve(sum(_write_bytes(item) for item in plan.items), f"rank {rank}'s share of step {self.step}")
+            wb.reserve(share, f"rank {rank}'s share of step {self.step}")
         target = wb.store if wb is not None else None  # write-back: into this node's tier
         if repo.tier is not None:
-            repo.tier.note_step(self.step)  # a save under way: older steps' packs are evicted first
+            repo.tier.note_step(self.step, expect=share)  # a save under way: older steps' packs are evicted first
         try:
             writer = ChunkWriter(repo, dedup_share(repo, base_step, boxes), store=target)
         except BaseException:

@@ -46,6 +46,9 @@ class RepoOptions:
         repository (the repository's recorded value wins otherwise).
     manifest_cache_bytes: parsed manifests kept in memory by a handle, by
         their estimated size (least recently used ones are dropped).
+    async_wait: seconds ``save(blocking=False)`` waits for the handle's
+        previous async save, still writing, before it refuses
+        (:class:`~ckptstore.repo.async_save.SaveBacklogError`).
 
     ``explicit`` holds the names the caller gave (those win over the
     repository's recorded config and over the local-store defaults).
@@ -65,6 +68,7 @@ class RepoOptions:
     tensor_workers: int = 4
     grace: float = DEFAULT_GRACE
     manifest_cache_bytes: int = 256 * MiB
+    async_wait: float = 600.0
     explicit: frozenset = field(default=frozenset(), repr=False, compare=False)
 
     @classmethod
@@ -114,5 +118,7 @@ class RepoOptions:
         for name in ("workers", "io_workers", "packs_in_flight", "tensor_workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if not (self.async_wait >= 0):
+            raise ValueError(f"async_wait must be a number of seconds >= 0, got {self.async_wait!r}")
         if self.manifest_cache_bytes < 0:
             raise ValueError("manifest_cache_bytes must not be negative")

@@ -85,15 +85,16 @@ class Catalog:
     clock:
         Wall and monotonic time for leases, tombstones, GC ages and the
         saver's dedup-base age (tests pass a :class:`~ckptstore.clock.ManualClock`).
-    cache_dir, cache_size:
+    cache_dir, cache_size, cache_decoded:
         A node-local tier (:mod:`ckptstore.tier.cache`): saves write their packs
-        through to it, reads take each chunk from it first.
+        through to it (and decoded copies of their chunks: None, the default,
+        where the budget has room; True; False), reads take each chunk from it first.
     **options:
         :class:`~ckptstore.pipeline.options.RepoOptions` fields.
     """
 
     def __init__(self, store: ObjectStore, clock: Clock | None = None, cache_dir=None, cache_size=None,
-                 cache_decoded: bool = False, **options):
+                 cache_decoded: bool | None = None, **options):
         self.store = store
         self.url = store.url
         self.options = RepoOptions.from_kwargs(bool(getattr(store, "remote", False)), **options)

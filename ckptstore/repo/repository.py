@@ -26,7 +26,8 @@ from .catalog import Catalog
 from ..clock import Clock
 from ..progress import callback as progress_callback
 from .reader import Checkpoint, TensorMeta, load_step, open_checkpoint
-from .save import AsyncSaver, StepInfo, flatten_for_save, save_step
+from .async_save import AsyncSaver
+from .save import StepInfo, flatten_for_save, save_step
 from ..storage.base import ObjectStore
 from ..tier.writeback import EXIT_TIMEOUT, WRITE_BACK_STEPS, WriteBack, flush_on_signal
 
@@ -106,7 +107,14 @@ class Repository(Catalog):
         blocking:
             If False, copy the tensors to host memory, then return a
             ``concurrent.futures.Future`` resolving to the :class:`StepInfo`;
-            the caller may modify its tensors as soon as this returns.
+            the caller may modify its tensors as soon as this returns. The
+            copy goes into buffers reused from the previous async save, and
+            only the chunk-sized blocks whose bytes differ from that save's
+            are copied; the others are referenced again without hashing
+            (:mod:`ckptstore.repo.async_save`). A call while the previous
+            async save is still being written waits for it, at most
+            ``async_wait`` seconds (``StepInfo.waited_seconds`` says how long;
+            :class:`~ckptstore.errors.SaveBacklogError` past the bound).
         base:
             Dedup base: ``"latest"`` (default), a step number, or None.
         progress:
@@ -257,9 +265,11 @@ def open(url: str, storage_options: dict | None = None, **options) -> Repository
         node-local tier, shared by the node's processes that name it:
         saves keep what they upload there and reads take each chunk from it
         first, hash-checked; see ``docs/tier.md``) and ``cache_size`` (its
-        budget, ``"200GB"`` or bytes); ``cache_decoded=True``: saves also
+        budget, ``"200GB"`` or bytes); ``cache_decoded``: whether saves also
         keep each new chunk decoded in the tier, which loads read straight
-        into their destinations (about the raw size more disk); ``write_back=True`` (with a
+        into their destinations (about the raw size more disk): None (the
+        default) where the budget has room beside the compact copies, True
+        always, False never (``docs/tier.md``); ``write_back=True`` (with a
         ``cache_dir``): a save returns once the step is durable in the tier
         and is committed in the store in the background, at most
         ``write_back_steps`` (2) steps pending (:mod:`ckptstore.tier.writeback`); a

@@ -29,9 +29,11 @@ outcome is unknown), leaves them to GC after the grace period.
 from __future__ import annotations
 
 import collections
+import concurrent.futures as cf
 import errno
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Mapping
@@ -78,7 +80,7 @@ from ..pipeline.pack_writer import PackWriter, part_window
 from ..progress import Counter
 from ..progress import callback as progress_callback
 from ..storage.upload import ParallelUploader
-from ..pipeline.tensors import stage, tensor_bytes
+from ..pipeline.tensors import tensor_bytes
 from ..format.tree import flatten, tree_keys
 
 log = logging.getLogger(__name__)
@@ -98,6 +100,7 @@ class StepInfo:
     stored_bytes: compressed size of those new chunks.
     compression_ratio: ``new_bytes / stored_bytes`` (1.0 when nothing new).
     seconds: wall time of the save.
+    unchanged_chunks, blocked_seconds, waited_seconds: see below (async saves).
     """
 
     step: int
@@ -112,6 +115,13 @@ class StepInfo:
     new_chunks: int
     reused_chunks: int
     packs: int
+    #: Of ``reused_chunks``, those an async save found unchanged by comparing bytes with its previous
+    #: snapshot (:mod:`ckptstore.pipeline.snapshot`): referenced again without being hashed.
+    unchanged_chunks: int = 0
+    #: ``save(blocking=False)``: seconds the call blocked the caller (snapshot included), and of those
+    #: the seconds it waited for the previous async save to finish writing; None for a blocking save.
+    blocked_seconds: float | None = None
+    waited_seconds: float = 0.0
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -441,10 +451,13 @@ class ChunkWriter:
         self.packs = PackWriter(cat.store if store is None else store, cat.runtime, o, part_window(o, self.lookahead),
                                 mirror=cat.tier if store is None else None,
                                 on_acked=None if on_bytes is None else (lambda raw, stored: on_bytes(raw)))
-        self.raw_tier = cat.tier if cat.tier is not None and cat.tier.decoded and cat.tier.writable else None
+        self.raw_tier = (cat.tier if cat.tier is not None and cat.tier.decoded is not False and cat.tier.writable
+                         else None)
+        self.raw_writes: list[cf.Future] = []  # decoded copies being written (they read the caller's memory)
+        self._raw_lock = threading.Lock()
         self.scratch = cat.runtime.buffers("scratch", o.chunk_size, self.lookahead // o.chunk_size + o.workers + 1)
         self.logical = self.reused = self.new_raw = self.new_stored = 0
-        self.new_chunks = self.reused_chunks = 0
+        self.new_chunks = self.reused_chunks = self.unchanged_chunks = 0
 
     def stats(self, packs: dict[str, int]) -> dict:
         """Byte counts of this save, as manifests record them."""
@@ -456,14 +469,24 @@ class ChunkWriter:
             "pack_bytes": sum(packs.values()),
         }
 
-    def add(self, t: torch.Tensor) -> list:
+    def add(self, t: torch.Tensor, known: list | None = None) -> list:
+        """Queue a tensor's chunks; ``known[j]``, where given, is the reference of chunk ``j`` found
+        unchanged (byte for byte) since the dedup base: taken without hashing if the base holds it."""
         mv = tensor_bytes(t)
         dtype = str(t.dtype).removeprefix("torch.")
         self.logical += len(mv)
         refs: list = []
         cs = self.o.chunk_size
-        for off in range(0, len(mv), cs):
+        for j, off in enumerate(range(0, len(mv), cs)):
             piece = mv[off : off + cs]
+            ref = known[j] if known is not None and j < len(known) else None
+            if ref is not None and ref.raw_len == len(piece) and self.base.get(ref.hash) is not None:
+                fut = cf.Future()
+                fut.set_result((ref.hash, None, None, None))
+                self.unchanged_chunks += 1
+                self.pending.append((piece, fut, refs, dtype))
+                self.pending_bytes += len(piece)
+                continue
             while self.pending and self.pending_bytes + len(piece) > self.lookahead:
                 self._drain_one()
             fut = self.cpu.submit(self._prepare, piece, dtype)
@@ -480,8 +503,12 @@ class ChunkWriter:
         h = _codec.hash_bytes(piece)
         if h in self.base or h in self.written:
             return h, None, None, None
-        if self.raw_tier is not None:
-            self.raw_tier.put_raw(h, piece)  # cache_decoded: loads on this node read it in place
+        if self.raw_tier is not None and self.raw_tier.keep_decoded(len(piece)):
+            # cache_decoded: loads on this node read it in place. Written on the I/O pool, not by this
+            # hashing thread (a page-cache write can stall on write-back); finish() waits for them.
+            fut = self.cat.runtime.io.submit(self.raw_tier.put_raw, h, piece)
+            with self._raw_lock:
+                self.raw_writes.append(fut)
         scratch = self.scratch.get() if len(piece) == self.scratch.size else None
         codec, pieces = _codec.encode_pieces(piece, self.o.codec, self.o.level, dtype, scratch)
         if scratch is not None and not any(_in_buffer(p, scratch) for p in pieces):
@@ -527,12 +554,23 @@ class ChunkWriter:
     def finish(self) -> dict[str, int]:
         """Write out every chunk; pack id -> size of each pack written, all verified complete."""
         self.drain()
-        return self.packs.finish()
+        try:
+            return self.packs.finish()
+        finally:
+            self._wait_raw()
+
+    def _wait_raw(self) -> None:
+        """Wait for the decoded copies (``put_raw`` never raises): none may read the tensors after the save."""
+        with self._raw_lock:
+            writes, self.raw_writes = self.raw_writes, []
+        cf.wait(writes)
 
     def abort(self) -> None:
         for _, fut, _, _ in self.pending:
             fut.cancel()
+        cf.wait([fut for _, fut, _, _ in self.pending])  # a running _prepare may still queue a decoded copy
         self.pending.clear()
+        self._wait_raw()
         self.packs.abort()
 
     def started(self) -> list[str]:
@@ -554,15 +592,21 @@ def check_metadata(metadata) -> dict:
 
 
 def save_step(cat: Catalog, tree, tensors: dict[str, torch.Tensor], step: int, metadata: dict, base,
-              progress=None) -> StepInfo:
-    """Save one flattened state dict as a new step (the body of ``Repository.save``)."""
+              progress=None, known: "KnownChunks | None" = None, refs_out: dict | None = None) -> StepInfo:
+    """Save one flattened state dict as a new step (the body of ``Repository.save``).
+
+    ``known``: chunks an async save found unchanged since its previous step
+    (:class:`KnownChunks`), used only if that step is this save's dedup base.
+    ``refs_out``: filled with each tensor's chunk references once saved.
+    """
     report, close = progress_callback(progress)
     report = report if progress not in (None, False) else None
+    args = (known, refs_out)
     try:
         if cat.write_back is None or not cat.tier.writable:
-            return _save_step(cat, tree, tensors, step, metadata, base, report, None)
+            return _save_step(cat, tree, tensors, step, metadata, base, report, None, *args)
         try:
-            return _save_step(cat, tree, tensors, step, metadata, base, report, cat.write_back)
+            return _save_step(cat, tree, tensors, step, metadata, base, report, cat.write_back, *args)
         except OSError as e:
             if e.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
@@ -571,18 +615,35 @@ def save_step(cat: Catalog, tree, tensors: dict[str, torch.Tensor], step: int, m
             log.warning("ckptstore: write-back: the node-local tier %s is full (%s); step %d is saved "
                         "straight to %s", cat.tier.cache_dir, e, step, cat.url)
             cat.tier.disable_writes(e)
-            return _save_step(cat, tree, tensors, step, metadata, base, report, None)
+            return _save_step(cat, tree, tensors, step, metadata, base, report, None, *args)
     finally:
         close()
 
 
-def _save_step(cat: Catalog, tree, tensors, step: int, metadata: dict, base, report, wb) -> StepInfo:
+@dataclass(frozen=True)
+class KnownChunks:
+    """Chunks of an async save's tensors whose bytes equal those of step ``step``'s chunks
+    (:mod:`ckptstore.pipeline.snapshot`): ``refs[key][j]`` is chunk ``j``'s reference there, or None
+    (changed, or not compared). Valid only for ``chunk_size`` chunks and for a save whose dedup base is
+    ``step``: :meth:`for_base` says."""
+
+    step: int
+    chunk_size: int
+    refs: dict
+
+    def for_base(self, base_step: int | None, chunk_size: int) -> dict:
+        return self.refs if base_step == self.step and chunk_size == self.chunk_size else {}
+
+
+def _save_step(cat: Catalog, tree, tensors, step: int, metadata: dict, base, report, wb,
+               known: KnownChunks | None = None, refs_out: dict | None = None) -> StepInfo:
     t0 = time.perf_counter()
+    raw = sum(t.numel() * t.element_size() for t in tensors.values())
     if wb is not None:
         # at most write_back_steps pending, and within cache_size: wait for the oldest
-        wb.reserve(sum(t.numel() * t.element_size() for t in tensors.values()), f"step {step}")
+        wb.reserve(raw, f"step {step}")
     if cat.tier is not None:
-        cat.tier.note_step(step)  # a save under way: older steps' packs are evicted before the newest
+        cat.tier.note_step(step, expect=raw)  # a save under way: older steps' packs are evicted before the newest
     commit = StepCommit(cat, step, base)
     handed_over = False
     target = wb.store if wb is not None else None  # write-back: packs and segment go to the tier
@@ -594,11 +655,12 @@ def _save_step(cat: Catalog, tree, tensors, step: int, metadata: dict, base, rep
         if report is not None:
             on_bytes = Counter(report, "save bytes", sum(t.numel() * t.element_size() for t in tensors.values())).add
         writer = ChunkWriter(cat, dedup_index(cat, base_step), on_bytes, store=target)
+        same = known.for_base(base_step, cat.options.chunk_size) if known is not None else {}
         entries: dict[str, tuple[torch.Tensor, list]] = {}
         try:
             for key in tree_keys(tree):
                 t = tensors[key]
-                entries[key] = (t, writer.add(t))
+                entries[key] = (t, writer.add(t, same.get(key)))
             writer.drain()
             # The chunk table goes out while the last pack is completed; the
             # manifest naming both is created only once both are verified.
@@ -640,6 +702,8 @@ def _save_step(cat: Catalog, tree, tensors, step: int, metadata: dict, base, rep
             body = commit.commit(commit.pack_sizes(man, packs))
         if cat.tier is not None:
             cat.tier.note_step(commit.step, packs)  # eviction takes the newest steps' packs last
+        if refs_out is not None:
+            refs_out.update((key, refs) for key, (_, refs) in entries.items())
     except BaseException as e:
         # Not committed here (and, write-back, not recorded as pending): what it uploaded goes now.
         if (writer is not None and not handed_over and commit.uncommitted(e)
@@ -665,67 +729,8 @@ def _save_step(cat: Catalog, tree, tensors, step: int, metadata: dict, base, rep
         new_chunks=writer.new_chunks,
         reused_chunks=writer.reused_chunks,
         packs=len(packs),
+        unchanged_chunks=writer.unchanged_chunks,
     )
-
-
-class AsyncSaver:
-    """``save(..., blocking=False)``: stage host copies, save in the background, in order.
-
-    A fresh allocation pays a page fault per page on first touch;
-    copying into buffers already touched runs at memory speed
-    (``docs/performance.md``, "Two figures the code's docstrings used to carry"). So staging buffers are reused, but only once the async
-    save that used them has finished; otherwise fresh ones are allocated.
-
-    CUDA tensors stage into pinned host buffers (reused the same way): every
-    copy is issued ``non_blocking`` on the tensor's current stream, and the
-    call waits once per device, after the last copy, so the copies overlap
-    each other instead of each waiting on a bounce buffer. Tensors of other
-    devices go through :func:`~ckptstore.pipeline.tensors.stage`.
-    """
-
-    def __init__(self, cat: Catalog):
-        self.cat = cat
-        self.staging: dict[str, torch.Tensor] = {}
-        self.last = None
-
-    def stage_all(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        last = self.last
-        pool = self.staging if (last is None or last.done()) else {}
-        staged = {}
-        waits: set[torch.device] = set()
-        try:
-            for k, t in tensors.items():
-                src = t.detach()
-                kind = src.device.type
-                if kind not in ("cpu", "cuda"):
-                    staged[k] = stage(t)
-                    continue
-                buf = pool.get(k)
-                if not _fits(buf, src):
-                    buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=kind == "cuda")
-                if kind == "cuda":
-                    buf.copy_(src, non_blocking=True)  # conj/neg bits resolve in the copy
-                    waits.add(src.device)
-                else:
-                    buf.copy_(src.resolve_conj().resolve_neg())
-                staged[k] = buf
-        finally:
-            for dev in waits:  # also on failure: no copy may still be writing a buffer we drop
-                torch.cuda.synchronize(dev)
-        self.staging = staged
-        return staged
-
-    def submit(self, tree, tensors, step, metadata, base, progress=None):
-        staged = self.stage_all(tensors)
-        fut = self.cat.runtime.background.submit(save_step, self.cat, tree, staged, step, metadata, base, progress)
-        self.last = fut
-        return fut
-
-
-def _fits(buf: torch.Tensor | None, src: torch.Tensor) -> bool:
-    """A staging buffer from the last save that can take ``src``: same shape and dtype, pinned for CUDA."""
-    return (buf is not None and buf.shape == src.shape and buf.dtype == src.dtype
-            and (src.device.type != "cuda" or buf.is_pinned()))
 
 
 def flatten_for_save(state_dict: Mapping, step, metadata) -> tuple[dict, dict, int, dict]:

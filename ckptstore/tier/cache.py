@@ -10,8 +10,9 @@ shares one tier, concurrently and across restarts (``docs/tier.md``)::
         repo.json                  {"url": ...} (for people and `ckptstore cache ls`)
         packs/<id[:2]>/<id>.pack   whole packs a save wrote (write-through), byte for byte the store's
         chunks/<h[:2]>/<h>         chunks read from the store, in their stored (compressed) form
-        raw/<h[:2]>/<h>            chunks decoded (their raw bytes), kept by saves with cache_decoded=True:
-                                   loads read them straight into their destinations, then hash them there
+        raw/<h[:2]>/<h>            chunks decoded (their raw bytes), kept by saves (cache_decoded: by default
+                                   while the budget has room, see Tier.keep_decoded): loads read them
+                                   straight into their destinations, then hash them there
         segments/<id[:2]>/<id>.seg chunk tables a save wrote (through, or committed from wb/)
         wb/packs/..., wb/segments/...  the packs and chunk tables of pending write-back steps:
                                    out of eviction's and prune's reach; moved to packs/ and
@@ -67,6 +68,8 @@ STALE_TMP = 3600.0
 FREE_FLOOR = 0.05
 #: Eviction takes the packs of this many newest saved steps (per repository) last.
 RECENT_STEPS = 2
+#: Decoded bytes a handle keeps (``Tier.keep_decoded``) between two looks at the file system's free space.
+ROOM_RECHECK = 256 << 20
 RECENT_NAME = re.compile(r"^([0-9]{20})\.[0-9a-f]{8}\.json$")
 
 def repo_key(url: str) -> str:
@@ -88,13 +91,20 @@ class Tier:
         bytes); None: no limit but the free-space floor.
     free_floor:
         Share of the file system to leave free (default 5%).
+    decoded:
+        Whether saves through this handle also keep each new chunk decoded
+        (``raw/``), for loads to read straight into their destinations:
+        None (the default, ``cache_decoded=None``) while the budget has room
+        (:meth:`keep_decoded`), True always (within the budget, by eviction),
+        False never.
     """
 
-    def __init__(self, cache_dir, url: str, cache_size=None, free_floor: float = FREE_FLOOR, decoded: bool = False):
+    def __init__(self, cache_dir, url: str, cache_size=None, free_floor: float = FREE_FLOOR,
+                 decoded: bool | None = None):
         self.cache_dir = os.path.abspath(os.fspath(cache_dir))
-        #: Saves through this handle also keep each new chunk decoded (``raw/``), for loads to read
-        #: straight into their destinations (``cache_decoded=True``).
-        self.decoded = bool(decoded)
+        if decoded not in (None, True, False):
+            raise ValueError(f"cache_decoded must be None (while the tier has room), True or False, got {decoded!r}")
+        self.decoded = decoded
         self.url = url
         self.cache_size = None if cache_size is None else parse_size(cache_size)
         if not 0 <= free_floor < 1:
@@ -107,6 +117,10 @@ class Tier:
         self._writable = True
         self._added = 0  # bytes this handle published since the tier was last scanned
         self._usage: int | None = None  # the tier's bytes as last scanned, plus what this handle added since
+        self._room: int | None = None  # bytes the file system has above the free floor, as last checked
+        self._room_spent = 0  # decoded bytes admitted since then
+        self._reserved = 0  # room the save under way reserved for its own files (note_step, make_room)
+        self._admitted = 0  # decoded copies said yes to and not yet published (keep_decoded -> put_raw)
         self.stats = {"tier_misses": 0, "discarded": 0, "evicted": 0}
         self._prepared = False
         self._pending: PendingSteps | None = None
@@ -200,11 +214,59 @@ class Tier:
         _touch(path)
         return True
 
+    def keep_decoded(self, nbytes: int) -> bool:
+        """Whether a save keeps a decoded copy of a new chunk of ``nbytes`` (``cache_decoded``).
+
+        With the default (None) a decoded copy is kept only where the budget
+        has room for it beside the compact copies: the tier's bytes, the room
+        the save reserved for its own files at its start (``note_step``'s
+        ``expect``, ``make_room``; without a reservation, ``nbytes`` more for
+        the chunk's pack copy) and the copy stay within ``cache_size``, and the
+        file system keeps ``4 * nbytes`` above the free-space floor. So decoded
+        copies take only room nothing else needs at the time of the save and
+        never make a save evict; later saves' files evict them like any other
+        file, least recently used first (the packs of the newest steps last).
+        True keeps them always (eviction keeps the budget), False never.
+        """
+        if self.decoded is False or not self._writable:
+            return False
+        if self.decoded is True:
+            with self._lock:
+                self._admitted += nbytes
+            return True
+        with self._lock:
+            if self._usage is None:
+                self._usage = sum(f[1] for f in tier_files(self.cache_dir))
+            # the save's own files are reserved (note_step's ``expect``, make_room's ``nbytes``): a decoded
+            # copy needs only its own room; without a reservation, room for its compact copy too
+            extra = nbytes if self._reserved else 2 * nbytes
+            if self.cache_size is not None and (self._usage + self._reserved + self._admitted + extra
+                                                > self.cache_size):
+                return False
+            if self._room is None or self._room_spent >= ROOM_RECHECK:
+                try:
+                    st = os.statvfs(self.cache_dir)
+                except OSError:
+                    return False
+                self._room = st.f_bavail * st.f_frsize - int(self.free_floor * st.f_blocks * st.f_frsize)
+                self._room_spent = 0
+            if self._room < 4 * nbytes:
+                return False
+            self._room -= 2 * nbytes
+            self._room_spent += 2 * nbytes
+            self._admitted += nbytes  # until put_raw has published it (on another thread)
+            return True
+
     def put_raw(self, h: str, data) -> None:
-        """Keep a chunk decoded (its raw bytes) for loads to read in place; never raises."""
+        """Keep a chunk decoded (its raw bytes) for loads to read in place; never raises. Each call
+        follows a :meth:`keep_decoded` that said yes, whose bytes it then stops holding in reserve."""
         path = self.raw_path(h)
-        if not os.path.isfile(path):
-            self._publish(path, data)
+        try:
+            if not os.path.isfile(path):
+                self._publish(path, data)
+        finally:
+            with self._lock:
+                self._admitted = max(0, self._admitted - memoryview(data).nbytes)
 
     def discard_raw(self, h: str) -> None:
         self._unlink(self.raw_path(h))
@@ -349,10 +411,15 @@ class Tier:
         with self._lock:
             self.stats["discarded"] += 1
 
-    def note_step(self, step: int, packs=()) -> None:
+    def note_step(self, step: int, packs=(), expect: int = 0) -> None:
         """Record that a save of ``step`` writes (empty ``packs``: is starting to) or wrote ``packs``
         into this tier: eviction takes the packs of the newest steps last, and an older step's first
-        (a save under way counts as a step). Records of older steps are removed. Never raises."""
+        (a save under way counts as a step). Records of older steps are removed. Never raises.
+
+        ``expect``: at the start, the most bytes the save may write here (its raw size): decoded copies
+        (:meth:`keep_decoded`) leave room for them until the save has written them (``packs``)."""
+        with self._lock:
+            self._reserved = 0 if packs else int(expect)  # a new save's reservation replaces a failed one's
         if not self._writable:
             return
         folder = os.path.join(self.root, "recent")
@@ -383,6 +450,7 @@ class Tier:
                             stats=self.stats, lock=self._lock)
         with self._lock:
             self._usage = used
+            self._reserved = nbytes  # the save's pending files: decoded copies leave room for them
         return freed
 
     def enforce_budget(self) -> int:
