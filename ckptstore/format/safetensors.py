@@ -108,20 +108,19 @@ def _reject_constant(c):
 
 
 def _tensor(name: str, t, where: str) -> tuple[torch.dtype, tuple[int, ...], int, int]:
-    w = f"{where}: tensor {name!r}"
     if type(t) is not dict or set(t) != {"dtype", "shape", "data_offsets"}:
-        _fail(w, "expected an object with exactly 'dtype', 'shape' and 'data_offsets'")
+        _fail(where, f"tensor {name!r}: expected an object with exactly 'dtype', 'shape' and 'data_offsets'")
     dtype = DTYPES.get(t["dtype"]) if type(t["dtype"]) is str else None
     if dtype is None:
-        _fail(w, f"unsupported dtype {t['dtype']!r:.40} (known: {', '.join(DTYPES)})")
+        _fail(where, f"tensor {name!r}: unsupported dtype {t['dtype']!r:.40} (known: {', '.join(DTYPES)})")
     shape, offs = t["shape"], t["data_offsets"]
     if type(shape) is not list or len(shape) > MAX_DIMS or any(type(n) is not int or n < 0 for n in shape):
-        _fail(w, f"shape must be a list of at most {MAX_DIMS} non-negative ints")
+        _fail(where, f"tensor {name!r}: shape must be a list of at most {MAX_DIMS} non-negative ints")
     if type(offs) is not list or len(offs) != 2 or any(type(o) is not int or o < 0 for o in offs) \
             or offs[1] < offs[0]:
-        _fail(w, "data_offsets must be [begin, end] with 0 <= begin <= end")
+        _fail(where, f"tensor {name!r}: data_offsets must be [begin, end] with 0 <= begin <= end")
     if math.prod(shape) * dtype.itemsize != offs[1] - offs[0]:
-        _fail(w, f"{t['dtype']}{shape} is {math.prod(shape) * dtype.itemsize} bytes, "
+        _fail(where, f"tensor {name!r}: {t['dtype']}{shape} is {math.prod(shape) * dtype.itemsize} bytes, "
                  f"data_offsets {offs} hold {offs[1] - offs[0]}")
     return dtype, tuple(shape), offs[0], offs[1]
 

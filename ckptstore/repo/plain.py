@@ -25,8 +25,9 @@ from ..pipeline.staging import StagingBuffers
 from ..pipeline.tensors import byte_view, castable, writable_in_place
 
 MiB = 1 << 20
-#: The first ranged read of an object: the 8-byte length and, mostly, the whole header.
-HEADER_PROBE = 1 * MiB
+#: The first ranged read of an object: the 8-byte length and, mostly, the whole header (a
+#: model's header is about 150 bytes a tensor: 64 KiB holds ~400 tensors; a longer one costs one more GET).
+HEADER_PROBE = 64 << 10
 
 
 def is_safetensors_url(url) -> bool:
