@@ -189,7 +189,7 @@ class ModuleLoader:
     def __init__(
         self,
         module: torch.nn.Module,
-        checkpoint,
+        checkpoint: Checkpoint | SafetensorsObject,
         *,
         device_map=None,
         prefix: str = "",
