@@ -42,7 +42,7 @@ from .pipeline.staging import (  # noqa: F401 - re-exported: the reading path's 
 )
 from .pipeline.tensors import castable, writable_in_place
 from .pipeline.tp_plan import TPPlan, TPPlanError
-from .repo.plain import SafetensorsObject, is_safetensors_url, open_safetensors
+from .repo.plain import PLAIN_SOURCES, SafetensorsObject, SafetensorsShards, is_safetensors_url, open_safetensors
 
 
 # ---------------------------------------------------------------- opening
@@ -189,7 +189,7 @@ class ModuleLoader:
     def __init__(
         self,
         module: torch.nn.Module,
-        checkpoint: Checkpoint | SafetensorsObject,
+        checkpoint: Checkpoint | SafetensorsObject | SafetensorsShards,
         *,
         device_map=None,
         prefix: str = "",
@@ -589,10 +589,10 @@ def load_module(
     """
     kw = dict(device_map=device_map, prefix=prefix, strict=strict, progress=progress,
               staging_bytes=staging_bytes, tp_plan=tp_plan, tp_rank=tp_rank, tp_size=tp_size)
-    if isinstance(url, SafetensorsObject) or is_safetensors_url(url):
+    if isinstance(url, PLAIN_SOURCES) or is_safetensors_url(url):
         if step is not None:
             raise TypeError(f"step={step}: a plain safetensors object has no steps")
-        if isinstance(url, SafetensorsObject):
+        if isinstance(url, PLAIN_SOURCES):
             if storage_options or open_options:
                 raise TypeError("storage_options and open options apply only when a URL is given")
             return PlainModuleLoader(module, url, **kw).run()
@@ -609,6 +609,9 @@ def load_module(
 __all__ = [
     "load_module",
     "SafetensorsObject",
+    "SafetensorsShards",
+    "PLAIN_SOURCES",
+    "is_safetensors_url",
     "open_safetensors",
     "TPPlanError",
     "IncompatibleKeys",

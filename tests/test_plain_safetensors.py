@@ -169,3 +169,61 @@ def test_a_padded_valid_header_and_a_duplicate_key(tmp_path):
     (tmp_path / "dup.safetensors").write_bytes(struct.pack("<Q", len(dup)) + dup + b"\x00")
     with pytest.raises(FormatError, match=r"duplicate key 'a'"):
         SafetensorsObject(open_store(str(tmp_path)), "dup.safetensors")
+
+
+def _shards(ref: dict, n: int = 2) -> tuple[dict[str, bytes], bytes]:
+    """``ref`` cut into ``n`` safetensors files and the index naming them (Hugging Face's layout)."""
+    names = sorted(ref)
+    files, weight_map = {}, {}
+    for i in range(n):
+        f = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        part = {k: ref[k] for k in names[i::n]}
+        files[f] = safetensors_torch.save(part)
+        weight_map.update({k: f for k in part})
+    index = json.dumps({"metadata": {"total_size": sum(v.nbytes for v in ref.values())}, "weight_map": weight_map})
+    return files, index.encode()
+
+
+def test_a_sharded_model_loads_through_its_index_from_s3(s3, model_bytes):
+    from ckptstore.integrations import hf
+
+    ref, plan, _ = model_bytes
+    files, index = _shards(ref)
+    raw = s3.store(f"s3://{s3.bucket}")
+    for f, data in files.items():
+        raw.put(f"models/sharded/{f}", data)
+    raw.put("models/sharded/model.safetensors.index.json", index)
+    url = f"s3://{s3.bucket}/models/sharded/model.safetensors.index.json"
+    model = _meta()
+    ckptstore.load_module(model, url, storage_options=s3.storage_options, tp_plan=plan, tp_rank=0, tp_size=2)
+    for k, full in ref.items():
+        leaf = k.split(".")
+        dim = 1 if ("o_proj" in leaf or "down_proj" in leaf) else 0 if full.dim() == 2 else None
+        assert _same(model.state_dict()[k], full if dim is None else torch.chunk(full, 2, dim)[0]), k
+
+    store = CountingStore(raw)
+    with ckptstore.open_safetensors(url, s3.storage_options) as shards:
+        assert set(shards.keys()) == set(ref) and shards.metadata["total_size"] > 0
+    with hf.lazy_state_dict(url, storage_options=s3.storage_options) as sd:
+        assert set(sd) == set(ref) and _same(sd["lm_head.weight"][5:9], ref["lm_head.weight"][5:9])
+    from ckptstore.repo.plain import SafetensorsShards
+
+    with SafetensorsShards(store, "models/sharded/model.safetensors.index.json") as shards:
+        store.reset()
+        shards.read("model.norm.weight")
+        (key, s, e), = store.reads  # one range of the file holding it, nothing else
+    holder = next(f for f, data in files.items() if "model.norm.weight" in safetensors_torch.load(data))
+    assert key == f"models/sharded/{holder}" and e - s == ref["model.norm.weight"].nbytes
+
+
+@pytest.mark.parametrize("index, match", [
+    (b'{"weight_map": {"a": "../up.safetensors"}}', r"names '../up.safetensors', not a .safetensors file beside"),
+    (b'{"weight_map": {"c": "ok.safetensors"}}', r"weight_map puts tensor 'c' in ok.safetensors, which has no such"),
+    (b'{"weight_map": {}}', r"no weight_map of tensor names to files"),
+    (b'{"weight_map": ', r"not valid JSON"),
+])
+def test_bad_indexes_are_refused(tmp_path, index, match):
+    (tmp_path / "ok.safetensors").write_bytes(_file(GOOD))
+    (tmp_path / "model.safetensors.index.json").write_bytes(index)
+    with pytest.raises(FormatError, match=match):
+        ckptstore.open_safetensors(str(tmp_path / "model.safetensors.index.json"))

@@ -43,7 +43,7 @@ import torch
 import ckptstore
 from ckptstore.errors import StepNotFoundError
 from ckptstore import Checkpoint, Repository, SafetensorsObject, TensorMeta
-from ckptstore.loading import TensorReader, is_safetensors_url, open_safetensors, resolve_checkpoint
+from ckptstore.loading import PLAIN_SOURCES, TensorReader, is_safetensors_url, open_safetensors, resolve_checkpoint
 
 #: Key of the step metadata written by :class:`CkptStoreCallback`.
 METADATA_KEY = "hf_trainer"
@@ -103,9 +103,9 @@ class LazyTensor:
     __slots__ = ("_reader", "key", "_meta")
 
     def __init__(self, source: Checkpoint | TensorReader | SafetensorsObject, key: str, meta: TensorMeta | None = None):
-        self._reader = source if isinstance(source, (TensorReader, SafetensorsObject)) else TensorReader(source)
+        self._reader = source if isinstance(source, (TensorReader,) + PLAIN_SOURCES) else TensorReader(source)
         self.key = key
-        self._meta = meta or (_plain_meta(source, key) if isinstance(source, SafetensorsObject)
+        self._meta = meta or (_plain_meta(source, key) if isinstance(source, PLAIN_SOURCES)
                               else self._reader.checkpoint.tensor_meta(key))
 
     @property
@@ -156,12 +156,12 @@ class LazyTensor:
 
     def __repr__(self) -> str:
         dt = str(self.dtype).removeprefix("torch.")
-        where = (f"url={self._reader.url!r}" if isinstance(self._reader, SafetensorsObject)
+        where = (f"url={self._reader.url!r}" if isinstance(self._reader, PLAIN_SOURCES)
                  else f"step={self._reader.step}")
         return f"LazyTensor({self.key!r}, {dt}{list(self._meta.shape)}, {where})"
 
 
-def _plain_meta(obj: SafetensorsObject, key: str) -> TensorMeta:
+def _plain_meta(obj, key: str) -> TensorMeta:
     t = obj.tensor(key)
     return TensorMeta(key=key, dtype=t.dtype, shape=t.shape, shards=(((0,) * len(t.shape), t.shape),),
                       nbytes=t.nbytes, stored_bytes=t.nbytes, chunks=0)
@@ -183,7 +183,7 @@ class LazyStateDict(dict):
 
     def __init__(self, items, checkpoint: Checkpoint | SafetensorsObject, prefix: str, owned: bool):
         super().__init__(items)
-        self.plain = checkpoint if isinstance(checkpoint, SafetensorsObject) else None
+        self.plain = checkpoint if isinstance(checkpoint, PLAIN_SOURCES) else None
         self.checkpoint = None if self.plain is not None else checkpoint
         self.step = None if self.plain is not None else checkpoint.step
         self.prefix = prefix
@@ -244,7 +244,7 @@ def lazy_state_dict(
     storage_options, **open_options:
         As for :func:`ckptstore.open`.
     """
-    if isinstance(url, SafetensorsObject) or is_safetensors_url(url):
+    if isinstance(url, PLAIN_SOURCES) or is_safetensors_url(url):
         return _plain_state_dict(url, step, prefix, storage_options, open_options)
     repo, ckpt, owned = resolve_checkpoint(url, step, storage_options, open_options)
     try:
@@ -267,7 +267,7 @@ def lazy_state_dict(
 def _plain_state_dict(url, step, prefix, storage_options, open_options) -> LazyStateDict:
     if step is not None:
         raise TypeError(f"step={step}: a plain safetensors object has no steps")
-    if isinstance(url, SafetensorsObject):
+    if isinstance(url, PLAIN_SOURCES):
         if storage_options or open_options:
             raise TypeError("storage_options and open options apply only when a URL is given")
         obj, owned = url, False

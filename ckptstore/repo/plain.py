@@ -14,11 +14,13 @@ the file into a repository (``ckptstore import``) and read that.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import os
 from typing import Any, Callable
 
 import torch
 
+from ..errors import FormatError
 from ..format import safetensors as _st
 from ..pipeline import planner as _plan
 from ..pipeline.staging import StagingBuffers
@@ -30,9 +32,15 @@ MiB = 1 << 20
 HEADER_PROBE = 64 << 10
 
 
+#: The largest ``model.safetensors.index.json`` read.
+MAX_INDEX_BYTES = 64 << 20
+_SUFFIXES = (".safetensors", ".safetensors.index.json")
+
+
 def is_safetensors_url(url) -> bool:
-    """A URL or path naming one ``.safetensors`` object."""
-    return isinstance(url, (str, os.PathLike)) and os.fspath(url).rstrip("/").endswith(".safetensors")
+    """A URL or path naming one ``.safetensors`` object, or the index of a sharded model
+    (``model.safetensors.index.json``)."""
+    return isinstance(url, (str, os.PathLike)) and os.fspath(url).rstrip("/").endswith(_SUFFIXES)
 
 
 class SafetensorsObject:
@@ -54,6 +62,8 @@ class SafetensorsObject:
         once, pinned when a destination is on CUDA.
     owns_store:
         Close ``store`` in :meth:`close`.
+    pool:
+        A thread pool to read pieces on (not shut down by :meth:`close`); default one of ``workers`` threads.
 
     Attributes
     ----------
@@ -62,14 +72,15 @@ class SafetensorsObject:
     """
 
     def __init__(self, store, key: str, *, piece_bytes: int = 8 * MiB, workers: int = 16,
-                 staging_bytes: int = 64 * MiB, owns_store: bool = False):
+                 staging_bytes: int = 64 * MiB, owns_store: bool = False, pool: cf.Executor | None = None):
         if piece_bytes < 1 or workers < 1 or staging_bytes < 1:
             raise ValueError("piece_bytes, workers and staging_bytes must be positive")
         self.store, self.key = store, key
         self.url = f"{store.url.rstrip('/')}/{key}"
         self.piece_bytes, self.workers, self.staging_bytes = piece_bytes, workers, staging_bytes
         self._owns = owns_store
-        self._pool: cf.ThreadPoolExecutor | None = None
+        self._pool: cf.Executor | None = pool
+        self._own_pool = pool is None
         try:
             self.header = self._read_header()
         except BaseException:
@@ -222,9 +233,9 @@ class SafetensorsObject:
             r = r1
 
     def close(self) -> None:
-        if self._pool is not None:
+        if self._pool is not None and self._own_pool:
             self._pool.shutdown(wait=True)
-            self._pool = None
+        self._pool = None
         if self._owns:
             self._owns = False
             self.store.close()
@@ -236,16 +247,114 @@ class SafetensorsObject:
         self.close()
 
 
-def open_safetensors(url, storage_options: dict | None = None, **options) -> SafetensorsObject:
+class SafetensorsShards:
+    """The safetensors objects a sharded model's ``model.safetensors.index.json`` names, read as one.
+
+    The index (Hugging Face's: ``{"metadata": {...}, "weight_map": {tensor: file}}``, files
+    beside it) is read whole (at most :data:`MAX_INDEX_BYTES`), then every file's header, as
+    :class:`SafetensorsObject` reads one; each tensor is read from the file the map names, which
+    must hold it. Same reading methods as :class:`SafetensorsObject`; not hash-checked either.
+    The files share one pool of ``workers`` threads for their pieces.
+    """
+
+    def __init__(self, store, index_key: str, *, owns_store: bool = False, workers: int = 16, **options):
+        self.store, self.key = store, index_key
+        self.url = f"{store.url.rstrip('/')}/{index_key}"
+        self._owns = owns_store
+        self.objects: dict[str, SafetensorsObject] = {}
+        self._pool = cf.ThreadPoolExecutor(workers, thread_name_prefix="ckpt-plain")
+        try:
+            files = self._read_index()
+            folder = index_key.rpartition("/")[0]
+            for f in dict.fromkeys(files.values()):
+                self.objects[f] = SafetensorsObject(store, f"{folder}/{f}" if folder else f, workers=workers,
+                                                    pool=self._pool, **options)
+            self.where = {}
+            for name, f in files.items():
+                if name not in self.objects[f]:
+                    raise FormatError(f"{self.url}: weight_map puts tensor {name!r} in {f}, which has no such tensor")
+                self.where[name] = self.objects[f]
+        except BaseException:
+            self.close()
+            raise
+        self.staging_bytes = next(iter(self.objects.values())).staging_bytes if self.objects else 64 * MiB
+
+    def _read_index(self) -> dict[str, str]:
+        size = self.store.head(self.key).size
+        if size > MAX_INDEX_BYTES:
+            raise FormatError(f"{self.url}: index of {size} bytes is over the {MAX_INDEX_BYTES}-byte limit")
+        try:
+            doc = json.loads(self.store.get(self.key).decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as e:
+            raise FormatError(f"{self.url}: not a safetensors index (not valid JSON: {e})") from None
+        files = doc.get("weight_map") if type(doc) is dict else None
+        if type(files) is not dict or not files or any(type(k) is not str or type(v) is not str
+                                                       for k, v in files.items()):
+            raise FormatError(f"{self.url}: not a safetensors index (no weight_map of tensor names to files)")
+        for f in set(files.values()):
+            parts = f.split("/")
+            if not f.endswith(".safetensors") or f.startswith("/") or any(p in ("", ".", "..") for p in parts):
+                raise FormatError(f"{self.url}: weight_map names {f!r}, not a .safetensors file beside the index")
+        self.metadata = doc.get("metadata") if type(doc.get("metadata")) is dict else {}
+        return files
+
+    def keys(self) -> list[str]:
+        """Tensor names, file by file in the index's order, each file's in the order of its bytes."""
+        return [k for obj in self.objects.values() for k in obj.keys() if self.where.get(k) is obj]
+
+    def __contains__(self, key) -> bool:
+        return key in self.where
+
+    def _obj(self, key: str) -> SafetensorsObject:
+        try:
+            return self.where[key]
+        except KeyError:
+            raise KeyError(f"{self.url} has no tensor {key!r}") from None
+
+    def tensor(self, key: str) -> _st.PlainTensor:
+        return self._obj(key).tensor(key)
+
+    def read(self, key: str, index: Any = None, **kw) -> torch.Tensor:
+        """As :meth:`SafetensorsObject.read`, from the file holding ``key``."""
+        return self._obj(key).read(key, index, **kw)
+
+    def read_into(self, key: str, dest: torch.Tensor, index: Any = None, **kw) -> torch.Tensor:
+        """As :meth:`SafetensorsObject.read_into`, from the file holding ``key``."""
+        return self._obj(key).read_into(key, dest, index, **kw)
+
+    def __repr__(self) -> str:
+        return f"SafetensorsShards({self.url!r}, files={len(self.objects)}, tensors={len(self.where)})"
+
+    def close(self) -> None:
+        for obj in self.objects.values():
+            obj.close()
+        self._pool.shutdown(wait=True)
+        if self._owns:
+            self._owns = False
+            self.store.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+#: What :func:`open_safetensors` returns.
+PLAIN_SOURCES = (SafetensorsObject, SafetensorsShards)
+
+
+def open_safetensors(url, storage_options: dict | None = None, **options) -> SafetensorsObject | SafetensorsShards:
     """Open the plain safetensors object ``url`` names (``s3://bucket/path/model.safetensors``,
-    ``gs://``, ``az://``, ``file://`` or a path), with the store's retries as
+    ``gs://``, ``az://``, ``file://`` or a path), or the files of a sharded model through its index
+    (``.../model.safetensors.index.json``: a :class:`SafetensorsShards`), with the store's retries as
     :func:`ckptstore.open` has them. ``options``: as :class:`SafetensorsObject`."""
     from ..storage import open_store
     from ..storage.retry import RetryStore
 
     url = os.fspath(url).rstrip("/")
     if not is_safetensors_url(url):
-        raise ValueError(f"{url!r} does not name a .safetensors object")
+        raise ValueError(f"{url!r} does not name a .safetensors object or a .safetensors.index.json")
     scheme, sep, rest = url.partition("://")
     if sep:
         folder, slash, key = rest.rpartition("/")
@@ -257,7 +366,10 @@ def open_safetensors(url, storage_options: dict | None = None, **options) -> Saf
     store = open_store(root, storage_options)
     if store.remote:
         store = RetryStore(store)
+    if key.endswith(".index.json"):
+        return SafetensorsShards(store, key, owns_store=True, **options)
     return SafetensorsObject(store, key, owns_store=True, **options)
 
 
-__all__ = ["SafetensorsObject", "open_safetensors", "is_safetensors_url", "HEADER_PROBE"]
+__all__ = ["SafetensorsObject", "SafetensorsShards", "PLAIN_SOURCES", "open_safetensors", "is_safetensors_url",
+           "HEADER_PROBE"]
