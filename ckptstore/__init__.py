@@ -18,7 +18,7 @@ from .errors import (
     UnsupportedVersionError,
 )
 from .repo.gc import GCPlan, RetentionPolicy
-from .loading import SafetensorsObject, TPPlanError, load_module, open_safetensors
+from .loading import SafetensorsObject, SafetensorsShards, TPPlanError, load_module, open_safetensors
 from .repo.repository import Checkpoint, Repository, StepInfo, TensorMeta, open
 from .storage.retry import RetryPolicy
 from .storage.throttle import ThrottlePolicy
@@ -30,6 +30,7 @@ __all__ = [
     "load_module",
     "open_safetensors",
     "SafetensorsObject",
+    "SafetensorsShards",
     "TPPlanError",
     "Repository",
     "Checkpoint",

@@ -12,6 +12,11 @@ reading path it shares with ``Repository.load(into=...)`` and
 destination allows it, else block by block through
 :class:`~ckptstore.pipeline.staging.StagingBuffers`. Those names are importable
 from here too.
+
+With a tensor-parallel plan (:mod:`ckptstore.pipeline.tp_plan`) each tensor
+is read as this rank's slice only. :class:`PlainModuleLoader` fills a module
+from plain safetensors objects (:mod:`ckptstore.repo.plain`) instead of a
+repository's step, with the same checks and the same plan.
 """
 
 from __future__ import annotations

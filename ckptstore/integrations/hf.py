@@ -175,7 +175,7 @@ class LazyStateDict(dict):
     checkpoint: the :class:`~ckptstore.Checkpoint` the values read from
         (None when they read from a plain safetensors object).
     step: its step number (None for a safetensors object).
-    plain: the :class:`~ckptstore.SafetensorsObject` the values read from, or None.
+    plain: the :class:`~ckptstore.SafetensorsObject` (or ``SafetensorsShards``) the values read from, or None.
     prefix: the stored key prefix stripped from every key.
 
     ``close()`` (or ``with``) closes the repository (or object) when this object opened it.
