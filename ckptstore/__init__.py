@@ -19,7 +19,7 @@ from .errors import (
     UnsupportedVersionError,
 )
 from .repo.gc import GCPlan, RetentionPolicy
-from .loading import load_module
+from .loading import SafetensorsObject, SafetensorsShards, TPPlanError, load_module, open_safetensors
 from .repo.repository import Checkpoint, Repository, StepInfo, TensorMeta, open
 from .storage.retry import RetryPolicy
 from .storage.throttle import ThrottlePolicy
@@ -29,6 +29,10 @@ __version__ = "0.1.0"
 __all__ = [
     "open",
     "load_module",
+    "open_safetensors",
+    "SafetensorsObject",
+    "SafetensorsShards",
+    "TPPlanError",
     "Repository",
     "Checkpoint",
     "StepInfo",

@@ -145,6 +145,10 @@ class ManifestTooLargeError(CkptStoreError, ValueError):
     """A step's manifest would be larger than readers accept; nothing was committed."""
 
 
+class TPPlanError(CkptStoreError, ValueError):
+    """A tensor-parallel plan ``load_module`` cannot apply; the message names the entry and the tensor."""
+
+
 class UnsupportedLayoutError(CkptStoreError, NotImplementedError):
     """A step's layout is one ckptstore cannot convert (consolidate, re-partition); the step itself is intact.
 

@@ -12,11 +12,17 @@ reading path it shares with ``Repository.load(into=...)`` and
 destination allows it, else block by block through
 :class:`~ckptstore.pipeline.staging.StagingBuffers`. Those names are importable
 from here too.
+
+With a tensor-parallel plan (:mod:`ckptstore.pipeline.tp_plan`) each tensor
+is read as this rank's slice only. :class:`PlainModuleLoader` fills a module
+from plain safetensors objects (:mod:`ckptstore.repo.plain`) instead of a
+repository's step, with the same checks and the same plan.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import math
 import os
 import threading
 from dataclasses import dataclass, field
@@ -40,6 +46,8 @@ from .pipeline.staging import (  # noqa: F401 - re-exported: the reading path's 
     staging_sizes,
 )
 from .pipeline.tensors import castable, writable_in_place
+from .pipeline.tp_plan import TPPlan, TPPlanError
+from .repo.plain import PLAIN_SOURCES, SafetensorsObject, SafetensorsShards, is_safetensors_url, open_safetensors
 
 
 # ---------------------------------------------------------------- opening
@@ -83,13 +91,15 @@ class _Group:
     names: list[str] = field(default_factory=list)
     owners: list[tuple[torch.nn.Module, str]] = field(default_factory=list)
     key: str | None = None  # the stored key it is read from
+    index: tuple | None = None  # this tensor-parallel rank's slice of it (None: all of it)
+    shape: tuple[int, ...] | None = None  # the shape it is read into (the slice's)
     device: torch.device | None = None
     in_place: bool = False
     result: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
-        return self.tensor.numel() * self.tensor.element_size()
+        return math.prod(self.shape if self.shape is not None else self.tensor.shape) * self.tensor.element_size()
 
 
 def _module_tensors(module: torch.nn.Module) -> list[_Group]:
@@ -175,7 +185,7 @@ def _same_stored(a, b) -> bool:
 
 
 class ModuleLoader:
-    """The body of :func:`load_module` (see there); ``run()`` does the load.
+    """The body of :func:`load_module` (see there) for a repository's step; ``run()`` does the load.
 
     ``staging_cls`` builds the staging buffers (tests pass a subclass that
     defers its copies, as an accelerator's asynchronous copies would).
@@ -184,7 +194,7 @@ class ModuleLoader:
     def __init__(
         self,
         module: torch.nn.Module,
-        checkpoint: Checkpoint,
+        checkpoint: Checkpoint | SafetensorsObject | SafetensorsShards,
         *,
         device_map=None,
         prefix: str = "",
@@ -192,6 +202,9 @@ class ModuleLoader:
         progress: bool = False,
         staging_bytes: int | None = None,
         staging_cls: type[StagingBuffers] = StagingBuffers,
+        tp_plan=None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
     ):
         self.module = module
         self.ckpt = checkpoint
@@ -202,22 +215,69 @@ class ModuleLoader:
         self.staging_bytes = staging_bytes
         self.staging_cls = staging_cls
         self.staging: StagingBuffers | None = None
+        if tp_plan is None and (tp_size != 1 or tp_rank != 0):
+            raise TPPlanError(f"tp_rank={tp_rank}, tp_size={tp_size} without a tp_plan: say how each tensor is split")
+        self.tp = TPPlan(tp_plan, tp_rank, tp_size) if tp_plan is not None else None
+
+    # -- what the source holds (a repository step here; PlainModuleLoader: a safetensors object)
+    def _source(self) -> str:
+        return f"{self.ckpt.repo.url} step {self.ckpt.step}"
+
+    def _bar_title(self) -> str:
+        return f"load step {self.ckpt.step}"
+
+    def _keys(self) -> list[str]:
+        return self.ckpt.keys()
+
+    def _has(self, key: str) -> bool:
+        return key in self.ckpt
+
+    def _stored(self, key: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        e = self.ckpt.entry(key)
+        return _m.DTYPES[e.dtype], tuple(e.shape)
+
+    def _same(self, a: str, b: str) -> bool:
+        return _same_stored(self.ckpt.resolved(a), self.ckpt.resolved(b))
 
     # -- checks (no data read, nothing changed)
     def _title(self) -> str:
         p = f", prefix {self.prefix!r}" if self.prefix else ""
-        return (f"Error(s) in loading state_dict for {type(self.module).__name__} "
-                f"from {self.ckpt.repo.url} step {self.ckpt.step}{p}")
+        return f"Error(s) in loading state_dict for {type(self.module).__name__} from {self._source()}{p}"
+
+    def _check_tp(self, groups: list[_Group]) -> None:
+        if self.tp is None:
+            return
+        names = [n for g in groups for n in g.names]
+        names += [m for m, _ in self.module.named_modules(remove_duplicate=False) if m]
+        unmatched = self.tp.unmatched(names)
+        if unmatched:
+            raise TPPlanError(f"tp_plan entries {unmatched} match no parameter, buffer or module of "
+                              f"{type(self.module).__name__} (names look like {names[0]!r})")
+
+    def _split(self, g: _Group, name: str, shape: tuple[int, ...]) -> str | None:
+        """Set ``g.index``/``g.shape`` (this rank's slice); an error message, or None."""
+        g.shape = shape
+        if self.tp is None:
+            return None
+        splits = {n: self.tp.split(n, shape) for n in g.names}
+        if len({s.dim for s in splits.values()}) > 1:
+            return (f"tied tensors {', '.join(g.names)} (one tensor in the module) are split differently by "
+                    f"tp_plan ({', '.join(f'{n}: dim {s.dim}' for n, s in splits.items())}).")
+        split = splits[g.names[0]]
+        g.index = split.index(shape, self.tp.rank, self.tp.size)
+        g.shape = split.local_shape(shape, self.tp.size)
+        return None
 
     def plan(self) -> tuple[list[_Group], IncompatibleKeys]:
         groups = _module_tensors(self.module)
-        ckpt, pre = self.ckpt, self.prefix
-        stored = [k[len(pre):] for k in ckpt.keys() if k.startswith(pre)]
+        self._check_tp(groups)
+        pre = self.prefix
+        stored = [k[len(pre):] for k in self._keys() if k.startswith(pre)]
         known = {n for g in groups for n in g.names}
         unexpected = [k for k in stored if k not in known]
         missing = []
         for g in groups:
-            present = [n for n in g.names if pre + n in ckpt]
+            present = [n for n in g.names if self._has(pre + n)]
             if present:
                 g.key = pre + present[0]
             else:
@@ -231,24 +291,30 @@ class ModuleLoader:
         for g in groups:
             if g.key is None:
                 continue
-            e = ckpt.entry(g.key)
+            dtype, shape = self._stored(g.key)
             name = g.key[len(pre):]
             t = g.tensor
             for other in g.names:
-                if pre + other != g.key and pre + other in ckpt and not _same_stored(
-                        ckpt.resolved(g.key), ckpt.resolved(pre + other)):
+                if pre + other != g.key and self._has(pre + other) and not self._same(g.key, pre + other):
                     errors.append(f'tied tensors "{name}" and "{other}" (one tensor in the module) '
                                   "are stored with different values.")
             if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided:
                 errors.append(f"{name} is a {type(t).__name__}; load_module fills plain dense tensors "
                               "(use ckptstore.dcp.CkptStoreReader for DTensor and sharded state).")
                 continue
-            if tuple(t.shape) != e.shape:
-                errors.append(f"size mismatch for {name}: copying a param with shape {torch.Size(e.shape)} from "
-                              f"checkpoint, the shape in current model is {t.shape}.")
+            problem = self._split(g, name, shape)
+            if problem is not None:
+                errors.append(problem)
                 continue
-            if not castable(_m.DTYPES[e.dtype], t.dtype):
-                errors.append(f"dtype mismatch for {name}: the checkpoint holds {e.dtype}, the module "
+            if tuple(t.shape) != g.shape and not (t.is_meta and tuple(t.shape) == shape):
+                rank = "" if self.tp is None else (f" (tensor-parallel rank {self.tp.rank} of {self.tp.size} "
+                                                   f"reads {torch.Size(g.shape)} of it)")
+                errors.append(f"size mismatch for {name}: copying a param with shape {torch.Size(shape)} from "
+                              f"checkpoint{rank}, the shape in current model is {t.shape}.")
+                continue
+            if not castable(dtype, t.dtype):
+                errors.append(f"dtype mismatch for {name}: the checkpoint holds "
+                              f"{str(dtype).removeprefix('torch.')}, the module "
                               f"{str(t.dtype).removeprefix('torch.')} (values are cast only between floating "
                               "dtypes, or between complex dtypes).")
                 continue
@@ -265,33 +331,32 @@ class ModuleLoader:
             if dev is None:
                 dev = torch.device("cpu") if t.is_meta else t.device
             g.device = dev
-            g.in_place = not t.is_meta and t.device == dev
+            g.in_place = not t.is_meta and t.device == dev and tuple(t.shape) == g.shape
         if errors:
             raise RuntimeError(self._title() + ":\n\t" + "\n\t".join(errors))
         return groups, IncompatibleKeys(missing, unexpected)
 
     # -- reading
     def _direct(self, g: _Group) -> bool:
-        """Decoded chunks can land in ``g``'s destination itself."""
-        stored = _m.DTYPES[self.ckpt.entry(g.key).dtype]
-        if g.device.type != "cpu" or g.tensor.dtype != stored:
+        """Bytes can land in ``g``'s destination itself."""
+        if g.device.type != "cpu" or g.tensor.dtype != self._stored(g.key)[0]:
             return False
         return writable_in_place(g.tensor) if g.in_place else True
 
     def _dest(self, g: _Group) -> torch.Tensor:
         if g.in_place:
             return g.tensor.detach()
-        return torch.empty(g.tensor.shape, dtype=g.tensor.dtype, device=g.device)
+        return torch.empty(g.shape, dtype=g.tensor.dtype, device=g.device)
 
     def _units(self, todo: list[_Group]) -> list[list[_Group]]:
-        """Consecutive direct tensors in batches of about one range request (their chunks
-        coalesce into few GETs); every other tensor alone."""
+        """Consecutive direct whole tensors in batches of about one range request (their chunks
+        coalesce into few GETs); every other tensor (a slice, staged) alone."""
         units: list[list[_Group]] = []
         batch: list[_Group] = []
         size = 0
         limit = self.ckpt.repo.options.max_request
         for g in todo:
-            if not self._direct(g):
+            if not self._direct(g) or g.index is not None:
                 if batch:
                     units.append(batch)
                     batch, size = [], 0
@@ -307,10 +372,10 @@ class ModuleLoader:
         return units
 
     def _run_unit(self, unit: list[_Group], reader: TensorReader, tick) -> None:
-        if len(unit) == 1 and not self._direct(unit[0]):
+        if len(unit) == 1 and (not self._direct(unit[0]) or unit[0].index is not None):
             g = unit[0]
             dest = self._dest(g)
-            reader.read_into(g.key, dest, on_bytes=tick)
+            reader.read_into(g.key, dest, g.index, on_bytes=tick)
             g.result = dest
             return
         dests = {g.key: self._dest(g) for g in unit}
@@ -319,22 +384,29 @@ class ModuleLoader:
             g.result = dests[g.key]
         tick(sum(g.nbytes for g in unit))
 
+    def _pin(self, todo: list[_Group]) -> bool:
+        return torch.cuda.is_available() and any(g.device.type == "cuda" for g in todo)
+
+    def _read_all(self, todo: list[_Group], tick) -> None:
+        """Fill ``g.result`` of every group (the repository's reading path)."""
+        units = self._units(todo)
+        if any(not self._direct(g) for g in todo):
+            self.ckpt.prefetch([g.key for g in todo])  # every chunk table this load needs, in one batch
+            room, chunk = self.ckpt.largest_chunks([g.key for g in todo], None)
+            self.staging = make_staging(self.ckpt, pin=self._pin(todo), staging_bytes=self.staging_bytes, room=room,
+                                        chunk=chunk, cls=self.staging_cls)
+        reader = TensorReader(self.ckpt, self.staging)
+        _map(self._run_unit, [(u, reader, tick) for u in units], self.ckpt.repo.options.tensor_workers)
+
     def run(self) -> IncompatibleKeys:
         groups, incompatible = self.plan()
         todo = [g for g in groups if g.key is not None]
-        # the read order is the stored order: chunks of neighbouring tensors sit together in packs
-        order = {k: i for i, k in enumerate(self.ckpt.keys())}
+        # the read order is the stored order: neighbouring tensors' bytes sit together
+        order = {k: i for i, k in enumerate(self._keys())}
         todo.sort(key=lambda g: order[g.key])
-        units = self._units(todo)
-        if any(not self._direct(g) for g in todo):
-            pin = torch.cuda.is_available() and any(g.device.type == "cuda" for g in todo)
-            self.ckpt.prefetch([g.key for g in todo])  # every chunk table this load needs, in one batch
-            room, chunk = self.ckpt.largest_chunks(g.key for g in todo)
-            self.staging = make_staging(self.ckpt, pin=pin, staging_bytes=self.staging_bytes, room=room,
-                                        chunk=chunk, cls=self.staging_cls)
         bar = None
         if self.progress:
-            bar = byte_bar(sum(g.nbytes for g in todo), f"load step {self.ckpt.step}")
+            bar = byte_bar(sum(g.nbytes for g in todo), self._bar_title())
         lock = threading.Lock()
 
         def tick(n: int) -> None:
@@ -342,18 +414,8 @@ class ModuleLoader:
                 with lock:
                     bar.update(n)
 
-        reader = TensorReader(self.ckpt, self.staging)
-        workers = self.ckpt.repo.options.tensor_workers
         try:
-            with cf.ThreadPoolExecutor(workers, thread_name_prefix="ckpt-load") as pool:
-                futures = [pool.submit(self._run_unit, u, reader, tick) for u in units]
-                try:
-                    for f in cf.as_completed(futures):
-                        f.result()
-                except BaseException:
-                    for f in futures:
-                        f.cancel()
-                    raise
+            self._read_all(todo, tick)
             if self.staging is not None:
                 self.staging.synchronize()
         finally:
@@ -377,6 +439,58 @@ class ModuleLoader:
         return incompatible
 
 
+def _map(fn, calls: list[tuple], workers: int) -> None:
+    """``fn(*args)`` for every ``args`` of ``calls`` on ``workers`` threads; the first error cancels the rest."""
+    with cf.ThreadPoolExecutor(workers, thread_name_prefix="ckpt-load") as pool:
+        futures = [pool.submit(fn, *args) for args in calls]
+        try:
+            for f in cf.as_completed(futures):
+                f.result()
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
+
+
+class PlainModuleLoader(ModuleLoader):
+    """:func:`load_module` from a plain :class:`~ckptstore.repo.plain.SafetensorsObject`.
+
+    Each tensor (or this rank's slice of it) is read from its own byte
+    range: straight into a CPU destination of the stored dtype, else
+    through one set of staging buffers (pinned for CUDA). Not hash-checked.
+    Tied names: the first one present is read (safetensors keeps one copy).
+    """
+
+    #: Tensors read at once.
+    workers = 8
+
+    def _source(self) -> str:
+        return self.ckpt.url
+
+    def _bar_title(self) -> str:
+        return f"load {self.ckpt.key}"
+
+    def _stored(self, key: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        t = self.ckpt.tensor(key)
+        return t.dtype, t.shape
+
+    def _same(self, a: str, b: str) -> bool:
+        return self._stored(a) == self._stored(b)
+
+    def _read_one(self, g: _Group, tick) -> None:
+        dest = self._dest(g)
+        self.ckpt.read_into(g.key, dest, g.index, on_bytes=tick, staging=self.staging)
+        g.result = dest
+
+    def _read_all(self, todo: list[_Group], tick) -> None:
+        if any(not self._direct(g) or g.index is not None for g in todo):
+            total = self.staging_bytes or min(STAGING_BYTES, self.ckpt.staging_bytes)
+            slots = self.workers + 2
+            self.staging = self.staging_cls(max(STAGING_ALIGN, total // slots // STAGING_ALIGN * STAGING_ALIGN),
+                                            slots, pin=self._pin(todo))
+        _map(self._read_one, [(g, tick) for g in todo], self.workers)
+
+
 def load_module(
     module: torch.nn.Module,
     url,
@@ -388,9 +502,13 @@ def load_module(
     storage_options: dict | None = None,
     progress: bool = False,
     staging_bytes: int | None = None,
+    tp_plan=None,
+    tp_rank: int = 0,
+    tp_size: int = 1,
     **open_options,
 ) -> IncompatibleKeys:
-    """Fill ``module``'s parameters and persistent buffers from a step, each on its device.
+    """Fill ``module``'s parameters and persistent buffers from a step (or a plain
+    ``.safetensors`` object), each on its device, optionally only one tensor-parallel rank's slices.
 
     The module may be built on the ``meta`` device (``with torch.device("meta"):``);
     every tensor is materialized where ``device_map`` places it and read
@@ -409,9 +527,16 @@ def load_module(
         The module to fill.
     url:
         Repository URL (as :func:`ckptstore.open`), or an open
-        :class:`~ckptstore.Repository` (used as is, not closed).
+        :class:`~ckptstore.Repository` (used as is, not closed); or a URL
+        ending in ``.safetensors`` naming one plain safetensors object
+        (``s3://bucket/llama/model.safetensors``), or an open
+        :class:`~ckptstore.SafetensorsObject`: its header is read with one
+        ranged GET and each tensor (or slice) from its own byte range.
+        Those reads are **not hash-checked** (``ckptstore import`` gives the
+        checked format); ``**open_options`` then are
+        :class:`~ckptstore.SafetensorsObject`'s (``piece_bytes``, ``workers``).
     step:
-        Step to read; default the newest committed step.
+        Step to read; default the newest committed step (None for a safetensors object).
     device_map:
         Module-name prefixes to devices (``"cpu"``, ``"cuda:1"``, an int
         for a CUDA index, a ``torch.device``), as accelerate's: the longest
@@ -437,6 +562,20 @@ def load_module(
         of the read budget). They are reserved in the read budget, as much of
         them as leaves room for the largest range request; a larger size
         given here is allocated all the same, the excess on top of the budget.
+    tp_plan, tp_rank, tp_size:
+        Tensor-parallel loading: ``tp_plan`` maps parameter or module names
+        (``*`` for one name component, as Hugging Face's ``model.tp_plan``)
+        to a split dimension (int), None / ``"replicated"``, or a Hugging
+        Face style (``"colwise"``: weight and bias along dim 0; ``"rowwise"``:
+        weight along its last dim, bias replicated; see
+        :mod:`ckptstore.pipeline.tp_plan` for every name). Rank ``tp_rank``
+        of ``tp_size`` reads only its contiguous ``1/tp_size`` block of each
+        split tensor (tensors no entry names are read whole). The module's
+        tensor may have the slice's shape, or the stored shape on ``meta``
+        (it is then replaced by the slice). An entry that names nothing, a
+        dimension the tensor lacks or one ``tp_size`` does not divide raise
+        :class:`~ckptstore.pipeline.tp_plan.TPPlanError` (a ``ValueError``)
+        before anything is read.
 
     Returns
     -------
@@ -453,10 +592,20 @@ def load_module(
     succeeded; tensors already on their device (not ``meta``) are filled in
     place, so a read error part way leaves those partly written.
     """
+    kw = dict(device_map=device_map, prefix=prefix, strict=strict, progress=progress,
+              staging_bytes=staging_bytes, tp_plan=tp_plan, tp_rank=tp_rank, tp_size=tp_size)
+    if isinstance(url, PLAIN_SOURCES) or is_safetensors_url(url):
+        if step is not None:
+            raise TypeError(f"step={step}: a plain safetensors object has no steps")
+        if isinstance(url, PLAIN_SOURCES):
+            if storage_options or open_options:
+                raise TypeError("storage_options and open options apply only when a URL is given")
+            return PlainModuleLoader(module, url, **kw).run()
+        with open_safetensors(url, storage_options, **open_options) as obj:
+            return PlainModuleLoader(module, obj, **kw).run()
     repo, ckpt, owned = resolve_checkpoint(url, step, storage_options, open_options)
     try:
-        return ModuleLoader(module, ckpt, device_map=device_map, prefix=prefix, strict=strict,
-                            progress=progress, staging_bytes=staging_bytes).run()
+        return ModuleLoader(module, ckpt, **kw).run()
     finally:
         if owned:
             repo.close()
@@ -464,6 +613,12 @@ def load_module(
 
 __all__ = [
     "load_module",
+    "SafetensorsObject",
+    "SafetensorsShards",
+    "PLAIN_SOURCES",
+    "is_safetensors_url",
+    "open_safetensors",
+    "TPPlanError",
     "IncompatibleKeys",
     "TensorReader",
     "StagingBuffers",

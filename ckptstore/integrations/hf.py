@@ -42,8 +42,8 @@ import torch
 
 import ckptstore
 from ckptstore.errors import StepNotFoundError
-from ckptstore import Checkpoint, Repository, TensorMeta
-from ckptstore.loading import TensorReader, resolve_checkpoint
+from ckptstore import Checkpoint, Repository, SafetensorsObject, TensorMeta
+from ckptstore.loading import PLAIN_SOURCES, TensorReader, is_safetensors_url, open_safetensors, resolve_checkpoint
 
 #: Key of the step metadata written by :class:`CkptStoreCallback`.
 METADATA_KEY = "hf_trainer"
@@ -102,10 +102,11 @@ class LazyTensor:
 
     __slots__ = ("_reader", "key", "_meta")
 
-    def __init__(self, source: Checkpoint | TensorReader, key: str, meta: TensorMeta | None = None):
-        self._reader = source if isinstance(source, TensorReader) else TensorReader(source)
+    def __init__(self, source: Checkpoint | TensorReader | SafetensorsObject, key: str, meta: TensorMeta | None = None):
+        self._reader = source if isinstance(source, (TensorReader,) + PLAIN_SOURCES) else TensorReader(source)
         self.key = key
-        self._meta = meta or self._reader.checkpoint.tensor_meta(key)
+        self._meta = meta or (_plain_meta(source, key) if isinstance(source, PLAIN_SOURCES)
+                              else self._reader.checkpoint.tensor_meta(key))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -155,7 +156,15 @@ class LazyTensor:
 
     def __repr__(self) -> str:
         dt = str(self.dtype).removeprefix("torch.")
-        return f"LazyTensor({self.key!r}, {dt}{list(self._meta.shape)}, step={self._reader.step})"
+        where = (f"url={self._reader.url!r}" if isinstance(self._reader, PLAIN_SOURCES)
+                 else f"step={self._reader.step}")
+        return f"LazyTensor({self.key!r}, {dt}{list(self._meta.shape)}, {where})"
+
+
+def _plain_meta(obj, key: str) -> TensorMeta:
+    t = obj.tensor(key)
+    return TensorMeta(key=key, dtype=t.dtype, shape=t.shape, shards=(((0,) * len(t.shape), t.shape),),
+                      nbytes=t.nbytes, stored_bytes=t.nbytes, chunks=0)
 
 
 class LazyStateDict(dict):
@@ -163,24 +172,30 @@ class LazyStateDict(dict):
 
     Attributes
     ----------
-    checkpoint: the :class:`~ckptstore.Checkpoint` the values read from.
-    step: its step number.
+    checkpoint: the :class:`~ckptstore.Checkpoint` the values read from
+        (None when they read from a plain safetensors object).
+    step: its step number (None for a safetensors object).
+    plain: the :class:`~ckptstore.SafetensorsObject` (or ``SafetensorsShards``) the values read from, or None.
     prefix: the stored key prefix stripped from every key.
 
-    ``close()`` (or ``with``) closes the repository when this object opened it.
+    ``close()`` (or ``with``) closes the repository (or object) when this object opened it.
     """
 
-    def __init__(self, items, checkpoint: Checkpoint, prefix: str, owned: bool):
+    def __init__(self, items, checkpoint: Checkpoint | SafetensorsObject, prefix: str, owned: bool):
         super().__init__(items)
-        self.checkpoint = checkpoint
-        self.step = checkpoint.step
+        self.plain = checkpoint if isinstance(checkpoint, PLAIN_SOURCES) else None
+        self.checkpoint = None if self.plain is not None else checkpoint
+        self.step = None if self.plain is not None else checkpoint.step
         self.prefix = prefix
         self._owned = owned
 
     def close(self) -> None:
         if self._owned:
             self._owned = False
-            self.checkpoint.repo.close()
+            if self.plain is not None:
+                self.plain.close()
+            else:
+                self.checkpoint.repo.close()
 
     def __enter__(self):
         return self
@@ -205,11 +220,20 @@ def lazy_state_dict(
     device; with tensor parallelism, only the local slice is read). Keys the
     model does not use are never read.
 
+    ``url`` may also name a plain ``.safetensors`` object
+    (``s3://bucket/llama/model.safetensors``; or be an open
+    :class:`~ckptstore.SafetensorsObject`): its header is read with one
+    ranged GET, and each value reads only its own byte range (a slice along
+    dim 0 only its rows). Those reads are **not hash-checked**; import the
+    file (``ckptstore import``) for checked reads.
+
     Parameters
     ----------
     url:
         Repository URL (as :func:`ckptstore.open`), or an open
-        :class:`~ckptstore.Repository` (not closed by this object).
+        :class:`~ckptstore.Repository` (not closed by this object), or a
+        safetensors object's URL (``**open_options``: those of
+        :class:`~ckptstore.SafetensorsObject`).
     step:
         Step to read; default the newest committed step.
     prefix:
@@ -220,6 +244,8 @@ def lazy_state_dict(
     storage_options, **open_options:
         As for :func:`ckptstore.open`.
     """
+    if isinstance(url, PLAIN_SOURCES) or is_safetensors_url(url):
+        return _plain_state_dict(url, step, prefix, storage_options, open_options)
     repo, ckpt, owned = resolve_checkpoint(url, step, storage_options, open_options)
     try:
         if prefix is None:
@@ -235,6 +261,27 @@ def lazy_state_dict(
     except BaseException:
         if owned:
             repo.close()
+        raise
+
+
+def _plain_state_dict(url, step, prefix, storage_options, open_options) -> LazyStateDict:
+    if step is not None:
+        raise TypeError(f"step={step}: a plain safetensors object has no steps")
+    if isinstance(url, PLAIN_SOURCES):
+        if storage_options or open_options:
+            raise TypeError("storage_options and open options apply only when a URL is given")
+        obj, owned = url, False
+    else:
+        obj, owned = open_safetensors(url, storage_options, **open_options), True
+    try:
+        prefix = prefix or ""
+        items = {k[len(prefix):]: LazyTensor(obj, k) for k in obj.keys() if k.startswith(prefix)}
+        if not items:
+            raise KeyError(f"{obj.url} has no tensor whose key starts with {prefix!r}")
+        return LazyStateDict(items, obj, prefix, owned)
+    except BaseException:
+        if owned:
+            obj.close()
         raise
 
 
