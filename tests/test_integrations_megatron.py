@@ -82,3 +82,14 @@ def test_load_refuses_a_torch_dist_directory(tmp_path):
     strat = cmg.load_strategy(f"file://{tmp_path}/repo", step=1)
     with pytest.raises(CheckpointingException, match="torch_dist"):
         strat.check_backend_compatibility("torch_dist")
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["temporal-worker", "persistent-worker"])
+def test_async_save_through_megatrons_queue(tmp_path, persistent):
+    # Megatron's AsyncCallsQueue runs the upload in its worker (forked per save, or the persistent
+    # one, spawned); the state at the call is stored; finalize commits (bodies in tests/mg_workers.py)
+    url = f"file://{tmp_path}/repo"
+    mp.spawn(W.async_worker, args=(2, free_port(), url, str(tmp_path), persistent), nprocs=2, join=True)
+    with ckptstore.open(url) as repo:
+        assert repo.steps() == [10, 15, 20]
+        assert repo.manifest(20).stats["ranks"].keys() == {"0", "1"}
