@@ -63,7 +63,7 @@ def sharded(ps, col, row, extra):
           "row": row.sharded_state_dict(prefix="row.", metadata=md)}
     tp_rank = ps.get_tensor_model_parallel_rank()
     # A ShardedObject replicated over TP: tensor-parallel rank 0 saves it, every rank loads it.
-    sd["rng"] = ShardedObject("rng", extra, (1,), (0,), replica_id=tp_rank)
+    sd["rng"] = ShardedObject("rng", extra, (1,), (0,), replica_id=tp_rank + 2 * ps.get_data_parallel_rank())
     sd["iteration"] = 5
     return sd
 
@@ -324,6 +324,9 @@ def _load_check(ps, url, ckpt_dir, step, want):
     for k, v in mine.items():
         assert torch.equal(got[k], v), (step, k)
     assert loaded["iteration"] == 5 and loaded["rng"]["name"] == "run", loaded.keys()
+    # the folder holds Megatron's metadata.json and ckptstore's pointer (0.16: and Megatron's common.pt);
+    # 0.17+ reads its common state (iteration, ...) from the repository, through ckptstore's reader
+    assert set(os.listdir(ckpt_dir)) - {"common.pt"} == {"metadata.json", "ckptstore.json"}, os.listdir(ckpt_dir)
 
 
 def local_weights(ps, full: dict) -> dict:
@@ -333,7 +336,21 @@ def local_weights(ps, full: dict) -> dict:
             "row.weight": full["row.weight"].chunk(tp, 1)[r], "row.bias": full["row.bias"]}
 
 
-def async_worker(rank, world, port, url, tmp, persistent):
+def async_worker(rank, world, port, tmp, modes):
+    """:func:`_async_run` for each worker in ``modes`` ("persistent", "temporal"), each with its own
+    repository (``file://<tmp>/<mode>/repo``), in one pair of ranks."""
+    ps = init(rank, world, port, tp=world)
+    cuda_shim()
+    for mode in modes:
+        d = os.path.join(tmp, mode)
+        os.makedirs(d, exist_ok=True)
+        ps.destroy_model_parallel()
+        ps.initialize_model_parallel(tensor_model_parallel_size=world)
+        _async_run(ps, rank, f"file://{d}/repo", d, mode == "persistent")
+    shutdown()
+
+
+def _async_run(ps, rank, url, tmp, persistent):
     """Async saves at TP=2 through Megatron's AsyncCallsQueue (temporal or persistent worker).
 
     Step 10: training changes the weights right after scheduling; the step
@@ -350,8 +367,6 @@ def async_worker(rank, world, port, url, tmp, persistent):
     import ckptstore
     from ckptstore.integrations import megatron as cmg
 
-    ps = init(rank, world, port, tp=world)
-    cuda_shim()
     q = AsyncCallsQueue(persistent=persistent)
     col, row = layers(seed=0)
     extra = {"offset": torch.tensor([3, 7]), "name": "run", "ids": (1, 2)}
@@ -391,8 +406,28 @@ def async_worker(rank, world, port, url, tmp, persistent):
 
     if not persistent:
         _async_failures(ps, rank, url, tmp, q, strat, col, row, extra, folder, steps)
+        _fully_parallel(ps, url, q, extra, folder)
     q.close()
-    shutdown()
+
+
+def _fully_parallel(ps, url, q, extra, folder):
+    """TP=1 on 2 ranks (2 data-parallel replicas): Megatron's FullyParallelSaveStrategyWrapper splits
+    the writes between the replicas, synchronously (step 50) and async (step 60)."""
+    from megatron.core import dist_checkpointing
+
+    from ckptstore.integrations import megatron as cmg
+
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    col, row = layers(seed=4)
+    want = full_weights(ps, col, row)
+    strat = cmg.fully_parallel_save_strategy(url)
+    dist_checkpointing.save(sharded(ps, col, row, extra), folder(50), sharded_strategy=strat)
+    req = dist_checkpointing.save(sharded(ps, col, row, extra), folder(60), sharded_strategy=strat, **save_kwargs())
+    q.schedule_async_request(req)
+    q.maybe_finalize_async_calls(blocking=True)
+    for step in (50, 60):
+        _load_check(ps, url, folder(step), step, want)
 
 
 def _async_failures(ps, rank, url, tmp, q, strat, col, row, extra, folder, steps):

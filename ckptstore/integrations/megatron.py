@@ -40,12 +40,21 @@ ckptstore stores them opaquely and they are loaded with
 class is refused with an error naming it), never with an unrestricted
 unpickler.
 
-Supported: Megatron-Core 0.16.x (tested: 0.16.1, the newest release that
-installs on Python 3.11; 0.17 needs Python 3.12). The strategies use
-Megatron's module-level helpers of ``dist_checkpointing/strategies/torch.py``
+Supported: Megatron-Core 0.16.x to 0.19.x (tested: 0.16.1, the newest
+release that installs on Python 3.11 as declared, and 0.19.2, whose cp311
+wheel runs on 3.11 though it declares 3.12). From 0.17 Megatron keeps the
+common state as a ``common_state`` ShardedObject and reads it with a stock
+``FileSystemReader`` of the folder: importing this module points that
+reader, for folders saved through ckptstore only, at the step the folder's
+``ckptstore.json`` names. The strategies use Megatron's module-level helpers
+of ``dist_checkpointing/strategies/torch.py``
 (``_replace_state_dict_keys_with_sharded_keys``, ``mcore_to_pyt_state_dict``
 and their inverses), which are not public API and may change in another
 minor release.
+
+Async saves (``dist_checkpointing.save(..., async_sharded_save=True)`` and
+Megatron's ``AsyncCallsQueue``, either worker): see
+:mod:`ckptstore.integrations.megatron_async`.
 """
 
 from __future__ import annotations
@@ -75,8 +84,8 @@ try:
     )
 except ImportError as _e:  # pragma: no cover - exercised with megatron hidden
     raise ImportError(
-        "ckptstore.integrations.megatron needs Megatron-Core 0.16: pip install 'ckptstore[integrations]' "
-        f"(or pip install 'megatron-core>=0.16,<0.17'); importing it failed: {_e}"
+        "ckptstore.integrations.megatron needs Megatron-Core 0.16 to 0.19: pip install 'ckptstore[integrations]' "
+        f"(or pip install 'megatron-core>=0.16,<0.20'); importing it failed: {_e}"
     ) from _e
 
 import torch
