@@ -2,20 +2,22 @@
 
 Run from the repository root::
 
-    python -m benchmarks.integrations.megatron_async [--hidden 1024] [--pairs 2] [--saves 3]
+    python -m benchmarks.integrations.megatron_async [--hidden 1024] [--pairs 2] [--saves 5]
                                                       [--backends file,seaweedfs] [--json OUT.json]
 
 Two CPU processes (gloo on 127.0.0.1) hold ``--pairs`` Megatron
 ColumnParallelLinear/RowParallelLinear pairs (hidden -> 4 x hidden ->
-hidden) at TP=2. Each round perturbs every weight (so that every save
-uploads everything: no dedup) and saves the same state twice, to two
-steps:
+hidden) at TP=2. Each round saves twice, to two steps, each time after
+perturbing every weight (so that every save uploads everything: no
+dedup against the step before):
 
 * **sync**: ``dist_checkpointing.save`` with ckptstore's strategy;
 * **async**: ``dist_checkpointing.save(..., async_sharded_save=True)`` and
   ``AsyncCallsQueue.schedule_async_request`` (Megatron's temporal worker,
   forked per save): the **blocking** part, what the training loop waits
-  for; then the worker's upload runs in the background (waited for here),
+  for (timed as two parts: the ``dist_checkpointing.save`` call, which
+  plans, claims the step and snapshots, and ``schedule_async_request``,
+  which forks the worker); then the worker's upload runs in the background (waited for here),
   then ``maybe_finalize_async_calls(blocking=True)``: the time **finalize**
   adds (the commit, on every rank).
 
@@ -116,15 +118,17 @@ def worker(rank, world, port, url, so, tmp, hidden, pairs, saves, out):
         perturb()
         t_sync, _ = _timed(lambda: dist_checkpointing.save(sharded(), folder(2 * i + 1), sharded_strategy=strat))
 
-        def schedule():
-            req = dist_checkpointing.save(sharded(), folder(2 * i + 2), sharded_strategy=strat, **kw)
-            q.schedule_async_request(req)
+        perturb()  # new values: the async save uploads everything too (no dedup against the sync step)
 
-        t_block, _ = _timed(schedule)
+        t_plan, req = _timed(lambda: dist_checkpointing.save(sharded(), folder(2 * i + 2), sharded_strategy=strat,
+                                                              **kw))
+        t_sched, _ = _timed(lambda: q.schedule_async_request(req))
+        t_block = t_plan + t_sched
         t_bg, _ = _timed(lambda: q.async_calls[0].async_caller.process.join())
         t_fin, done = _timed(lambda: q.maybe_finalize_async_calls(blocking=True))
         assert done == [i], done
-        rows.append({"sync": t_sync, "async_blocking": t_block, "background_wait": t_bg, "finalize": t_fin})
+        rows.append({"sync": t_sync, "async_blocking": t_block, "async_save_call": t_plan,
+                     "schedule_async_request": t_sched, "background_wait": t_bg, "finalize": t_fin})
     nbytes = sum(p.numel() * p.element_size() for m in mods for p in m.parameters())
     got = [None] * world
     dist.all_gather_object(got, {"rows": rows, "bytes": nbytes})
@@ -159,7 +163,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--pairs", type=int, default=2)
-    ap.add_argument("--saves", type=int, default=3)
+    ap.add_argument("--saves", type=int, default=5)
     ap.add_argument("--backends", default="file,seaweedfs")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -182,7 +186,8 @@ def main(argv=None) -> int:
                          "finalize_over_sync": med["finalize"] / med["sync"]}
         r = results[name]
         print(f"{name}: {r['bytes_per_save'] / 2**20:.1f} MiB per save; sync {med['sync']:.3f} s, async blocking "
-              f"{med['async_blocking']:.3f} s ({r['blocking_over_sync']:.3f}x), background "
+              f"{med['async_blocking']:.3f} s ({r['blocking_over_sync']:.3f}x: save call {med['async_save_call']:.3f} s, "
+              f"schedule {med['schedule_async_request']:.3f} s), background "
               f"{med['background_wait']:.3f} s, finalize {med['finalize']:.3f} s ({r['finalize_over_sync']:.3f}x)")
     if args.json:
         write_results(args.json, command, {"megatron_core": megatron.core.__version__, "loadavg": loadavg(),
