@@ -100,7 +100,7 @@ from ..format.unpickle import load_safe
 from ._common import unwrap_checkpoint_exception
 from .megatron_async import AsyncSaveError
 
-__all__ = ["save_strategy", "load_strategy", "fully_parallel_save_strategy", "AsyncSaveError", "CkptStoreSaveStrategy", "CkptStoreLoadStrategy", "BACKEND"]
+__all__ = ["save_strategy", "load_strategy", "fully_parallel_save_strategy", "install", "AsyncSaveError", "CkptStoreSaveStrategy", "CkptStoreLoadStrategy", "BACKEND"]
 
 #: The backend name Megatron records in ``metadata.json``.
 BACKEND = "ckptstore"
@@ -131,12 +131,10 @@ def fully_parallel_save_strategy(url: str | os.PathLike, step: int | None = None
     0.17 it records ``"torch_dist"`` unless told otherwise, and the load
     would then refuse the folder).
     """
-    import inspect
-
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
     inner = save_strategy(url, step, storage_options=storage_options, **options)
-    if "backend" in inspect.signature(FullyParallelSaveStrategyWrapper.__init__).parameters:
+    if _wrapper_takes_backend():
         return FullyParallelSaveStrategyWrapper(inner, parallelization_group, backend=BACKEND, version=VERSION)
     return FullyParallelSaveStrategyWrapper(inner, parallelization_group)
 
@@ -380,6 +378,66 @@ class CkptStoreLoadStrategy(TorchDistLoadShardedStrategy):
 
     def remove_sharded_tensors(self, checkpoint_dir, key_prefix):
         raise NotImplementedError("ckptstore steps are immutable; save a new step without those tensors")
+
+
+# ------------------------------------------------------------------ Megatron-LM's training loop
+def install(url: str | os.PathLike, storage_options: dict | None = None, **options) -> None:
+    """Route Megatron-LM's own ``save_checkpoint``/``load_checkpoint`` through the repository at ``url``.
+
+    Call once per process, after importing Megatron-LM and before
+    ``pretrain`` (or any ``megatron.training.checkpointing`` call), with
+    ``--ckpt-format torch_dist`` (Megatron-LM's default distributed format).
+    The strategies Megatron-LM makes in ``megatron.training.checkpointing``
+    (0.16: ``get_default_save_sharded_strategy`` and
+    ``get_default_load_sharded_strategy``; 0.17+: ``TorchDistSaveShardedStrategy``
+    and ``TorchDistLoadShardedStrategy``; ``FullyParallelSaveStrategyWrapper``
+    with ``--ckpt-fully-parallel-save``) become ckptstore's: every save's
+    step is its folder's iteration (``iter_0001000``), synchronous or
+    ``--async-save`` (Megatron-LM's own queue and ``maybe_finalize_async_save``
+    commit it), and every load reads the step its folder's pointer names.
+    Megatron-LM keeps its tracker file (``latest_checkpointed_iteration.txt``)
+    and the small per-iteration folders under ``--save``.
+    """
+    import megatron.training.checkpointing as C
+
+    url = os.fspath(url)
+
+    def save_factory(*args, **kwargs):
+        return CkptStoreSaveStrategy(url, None, storage_options=storage_options, **options)
+
+    def load_factory(*args, **kwargs):
+        return CkptStoreLoadStrategy(url, None, storage_options=storage_options, **options)
+
+    for name, factory in (("get_default_save_sharded_strategy", save_factory),
+                          ("TorchDistSaveShardedStrategy", save_factory),
+                          ("get_default_load_sharded_strategy", load_factory),
+                          ("TorchDistLoadShardedStrategy", load_factory)):
+        if hasattr(C, name):
+            setattr(C, name, factory)
+    try:  # 0.16: what dist_checkpointing picks for a folder by its metadata.json (load_common_state_dict...)
+        from megatron.core.dist_checkpointing.strategies import base as _base
+
+        _base.register_default_strategy(_base.StrategyAction.LOAD_SHARDED, BACKEND, VERSION, load_factory())
+        _base.register_default_strategy(_base.StrategyAction.SAVE_SHARDED, BACKEND, VERSION, save_factory())
+    except (ImportError, AttributeError):  # 0.17+ has no registry: the common-state reader hook serves
+        pass
+    if hasattr(C, "FullyParallelSaveStrategyWrapper"):
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+        def fully_parallel(strategy, group=None, do_cache_distribution=False, **kwargs):
+            if isinstance(strategy, CkptStoreSaveStrategy) and _wrapper_takes_backend():
+                kwargs.update(backend=BACKEND, version=VERSION)
+            return FullyParallelSaveStrategyWrapper(strategy, group, do_cache_distribution, **kwargs)
+
+        C.FullyParallelSaveStrategyWrapper = fully_parallel
+
+
+def _wrapper_takes_backend() -> bool:
+    import inspect
+
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+    return "backend" in inspect.signature(FullyParallelSaveStrategyWrapper.__init__).parameters
 
 
 # ------------------------------------------------------------------ Megatron 0.17+: async requests, common state
