@@ -86,7 +86,18 @@ def _args(save_dir: str, async_save: bool):
     return args
 
 
+def _py311():
+    """Megatron-LM 0.19's training package imports ``typing.override`` (Python 3.12); on 3.11, typing_extensions'."""
+    import typing
+
+    if not hasattr(typing, "override"):
+        import typing_extensions
+
+        typing.override = typing_extensions.override
+
+
 def worker(rank, world, port, url, tmp, results):
+    _py311()
     import torch
     import torch.distributed as dist
 
