@@ -181,7 +181,13 @@ def main(argv=None) -> int:
         mp.spawn(worker, args=(2, free_port(), f"file://{tmp}/repo", tmp, results), nprocs=2, join=True)
         with open(results) as f:
             out = json.load(f)
-    print(json.dumps(out, indent=1))
+    import megatron.core
+
+    print(f"megatron-core {megatron.core.__version__} from {os.path.dirname(megatron.core.__file__)}")
+    for r in out:
+        print(f"{r['mode']}: load_checkpoint -> iteration {r['iteration']}; tracker file {r['tracker']!r}; "
+              f"repository steps {r['steps']}; weights equal {r['equal']}/{r['weights']}; "
+              f"iter_0000020 holds {r['folder']}")
     ok = all(r["iteration"] == 20 and r["tracker"] == "20" and r["steps"] == [10, 20] and r["equal"] == r["weights"]
              for r in out)
     print("OK" if ok else "FAILED")
