@@ -41,7 +41,8 @@ $(STAMP): $(CORE_STAMP)
 
 $(MCORE019_STAMP): requirements/megatron-0.19.txt $(STAMP)
 	rm -rf $(MCORE019)
-	$(PY) -m pip install -q --no-deps --ignore-requires-python --target $(MCORE019) -r requirements/megatron-0.19.txt
+	# PIP_CONSTRAINT emptied: a constraints file pinning the main venv's megatron-core must not apply here
+	PIP_CONSTRAINT= $(PY) -m pip install -q --no-deps --ignore-requires-python --target $(MCORE019) -r requirements/megatron-0.19.txt
 	touch $(MCORE019_STAMP)
 
 $(AZURITE):
