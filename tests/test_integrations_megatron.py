@@ -103,6 +103,25 @@ def test_async_save_through_megatrons_queue(tmp_path):
                     assert ranks.keys() == {"0", "1"} and all(r["logical_bytes"] > 0 for r in ranks.values()), ranks
 
 
+def test_async_save_refuses_write_back_and_replicas_and_needs_a_step(tmp_path):
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+
+    from ckptstore.integrations import megatron as cmg
+
+    url = f"file://{tmp_path}/repo"
+    d = tmp_path / "iter_0000007"
+    d.mkdir()
+    for opt in ({"write_back": True, "cache_dir": str(tmp_path / "tier")}, {"replicas": 1}):
+        with pytest.raises(CheckpointingException, match=f"{next(iter(opt))}= is not supported by async saves"):
+            cmg.save_strategy(url, **opt).async_save({}, d, "mcore")
+    with pytest.raises(CheckpointingException, match="nvidia-resiliency-ext"):
+        cmg.save_strategy(url).async_save({}, d, "nvrx")
+    assert cmg.save_strategy(url).step_for(d) == 7 and cmg.save_strategy(url, step=3).step_for(d) == 3
+    with pytest.raises(ValueError, match=r"not named iter_<step>.*pass step="):
+        cmg.save_strategy(url).step_for(tmp_path / "release")
+    assert not (tmp_path / "repo").exists()  # refused before anything was written
+
+
 def _overlay() -> str | None:
     """The Megatron-Core 0.19 overlay: where ``make test`` put it, else a ``.mcore019`` in the checkout."""
     env = os.environ.get("CKPTSTORE_MCORE_OVERLAY")
