@@ -63,7 +63,7 @@ def sharded(ps, col, row, extra):
           "row": row.sharded_state_dict(prefix="row.", metadata=md)}
     tp_rank = ps.get_tensor_model_parallel_rank()
     # A ShardedObject replicated over TP: tensor-parallel rank 0 saves it, every rank loads it.
-    sd["rng"] = ShardedObject("rng", extra, (1,), (0,), replica_id=tp_rank)
+    sd["rng"] = ShardedObject("rng", extra, (1,), (0,), replica_id=tp_rank + 2 * ps.get_data_parallel_rank())
     sd["iteration"] = 5
     return sd
 
@@ -263,3 +263,222 @@ def tp_pp_worker(rank, world, port, url, tmp, targets):
             assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (numbering, tp, pp)
         ps.destroy_model_parallel()
     shutdown()
+
+
+# ------------------------------------------------------------------ async saves (Megatron's AsyncCallsQueue)
+def _cpu_cuda_calls():
+    # Megatron's async queue makes CUDA calls even for CPU state: flag tensors on
+    # torch.cuda.current_device(), torch.cuda.synchronize() before forking, and
+    # torch.cuda.set_device() in the persistent worker. On the CPU: the CPU, no-ops.
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.set_device = lambda *a, **k: None
+    torch.cuda.device_count = lambda: 1
+
+
+def cuda_shim():
+    """:func:`_cpu_cuda_calls` here and in Megatron's persistent worker (spawned: it starts through
+    :func:`_shimmed_async_loop`, which makes the same calls first)."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
+
+    _cpu_cuda_calls()
+    PersistentAsyncCaller.async_loop = staticmethod(_shimmed_async_loop)
+
+
+def _shimmed_async_loop(*args, **kwargs):
+    from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
+
+    _cpu_cuda_calls()
+    return PersistentAsyncCaller.async_loop(*args, **kwargs)  # a fresh process: Megatron's own loop
+
+
+def save_kwargs() -> dict:
+    """``dist_checkpointing.save`` arguments of an async save at this Megatron version (0.17+: async_strategy)."""
+    import inspect
+
+    from megatron.core import dist_checkpointing
+
+    kw = {"async_sharded_save": True}
+    if "async_strategy" in inspect.signature(dist_checkpointing.save).parameters:
+        kw["async_strategy"] = "mcore"
+    return kw
+
+
+def _files(root) -> set:
+    out = set()
+    for d, _, names in os.walk(root):
+        out.update(os.path.relpath(os.path.join(d, n), root) for n in names)
+    return {f for f in out if not f.startswith("leases")}
+
+
+def _load_check(ps, url, ckpt_dir, step, want):
+    from megatron.core import dist_checkpointing
+
+    from ckptstore.integrations import megatron as cmg
+
+    col, row = layers(seed=9)
+    loaded = dist_checkpointing.load(sharded(ps, col, row, None), ckpt_dir, sharded_strategy=cmg.load_strategy(url))
+    got = {"col.weight": loaded["col"]["col.weight"], "row.weight": loaded["row"]["row.weight"],
+           "col.bias": loaded["col"]["col.bias"], "row.bias": loaded["row"]["row.bias"]}
+    mine = local_weights(ps, want)
+    for k, v in mine.items():
+        assert torch.equal(got[k], v), (step, k)
+    assert loaded["iteration"] == 5 and loaded["rng"]["name"] == "run", loaded.keys()
+    # the folder holds Megatron's metadata.json and ckptstore's pointer (0.16: and Megatron's common.pt);
+    # 0.17+ reads its common state (iteration, ...) from the repository, through ckptstore's reader
+    assert set(os.listdir(ckpt_dir)) - {"common.pt"} == {"metadata.json", "ckptstore.json"}, os.listdir(ckpt_dir)
+
+
+def local_weights(ps, full: dict) -> dict:
+    """This TP rank's slices of :func:`full_weights`."""
+    tp, r = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    return {"col.weight": full["col.weight"].chunk(tp, 0)[r], "col.bias": full["col.bias"].chunk(tp, 0)[r],
+            "row.weight": full["row.weight"].chunk(tp, 1)[r], "row.bias": full["row.bias"]}
+
+
+def async_worker(rank, world, port, tmp, modes):
+    """:func:`_async_run` for each worker in ``modes`` ("persistent", "temporal"), each with its own
+    repository (``file://<tmp>/<mode>/repo``), in one pair of ranks."""
+    ps = init(rank, world, port, tp=world)
+    cuda_shim()
+    for mode in modes:
+        d = os.path.join(tmp, mode)
+        os.makedirs(d, exist_ok=True)
+        ps.destroy_model_parallel()
+        ps.initialize_model_parallel(tensor_model_parallel_size=world)
+        _async_run(ps, rank, f"file://{d}/repo", d, mode == "persistent")
+    shutdown()
+
+
+def _async_run(ps, rank, url, tmp, persistent):
+    """Async saves at TP=2 through Megatron's AsyncCallsQueue (temporal or persistent worker).
+
+    Step 10: training changes the weights right after scheduling; the step
+    holds the values at the call and is committed only by finalize. Step 20
+    (the same strategy, its step from the folder name) is in flight while a
+    synchronous save commits step 15; both load back. Temporal worker only
+    (patches reach a forked worker): step 30 fails on rank 1's worker, raises
+    on both ranks and leaves nothing; step 40's workers are killed mid-upload:
+    no step, the newest stays 20.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    import ckptstore
+    from ckptstore.integrations import megatron as cmg
+
+    q = AsyncCallsQueue(persistent=persistent)
+    col, row = layers(seed=0)
+    extra = {"offset": torch.tensor([3, 7]), "name": "run", "ids": (1, 2)}
+    strat = cmg.save_strategy(url, chunk_size=4096)  # one strategy for every save; steps from the folders
+
+    def folder(step):
+        d = os.path.join(tmp, f"iter_{step:07d}")
+        os.makedirs(d, exist_ok=True)
+        return d
+
+    def steps():
+        with ckptstore.open(url) as repo:
+            return repo.steps()
+
+    want10 = full_weights(ps, col, row)
+    req = dist_checkpointing.save(sharded(ps, col, row, extra), folder(10), sharded_strategy=strat, **save_kwargs())
+    q.schedule_async_request(req)
+    with torch.no_grad():  # training goes on while the upload runs
+        col.weight.add_(1.0)
+        row.weight.mul_(-1.0)
+    assert 10 not in steps()  # committed by finalize only
+    assert q.maybe_finalize_async_calls(blocking=True) == [0]
+    assert steps() == [10]
+    _load_check(ps, url, folder(10), 10, want10)
+
+    want20 = full_weights(ps, col, row)
+    req = dist_checkpointing.save(sharded(ps, col, row, extra), folder(20), sharded_strategy=strat, **save_kwargs())
+    q.schedule_async_request(req)
+    with torch.no_grad():
+        col.weight.add_(1.0)
+    want15 = full_weights(ps, col, row)
+    dist_checkpointing.save(sharded(ps, col, row, extra), folder(15), sharded_strategy=cmg.save_strategy(url))
+    q.maybe_finalize_async_calls(blocking=True)
+    assert steps() == [10, 15, 20]
+    _load_check(ps, url, folder(20), 20, want20)
+    _load_check(ps, url, folder(15), 15, want15)
+
+    if not persistent:
+        _async_failures(ps, rank, url, tmp, q, strat, col, row, extra, folder, steps)
+        _fully_parallel(ps, url, q, extra, folder)
+    q.close()
+
+
+def _fully_parallel(ps, url, q, extra, folder):
+    """TP=1 on 2 ranks (2 data-parallel replicas): Megatron's FullyParallelSaveStrategyWrapper splits
+    the writes between the replicas, synchronously (step 50) and async (step 60)."""
+    from megatron.core import dist_checkpointing
+
+    from ckptstore.integrations import megatron as cmg
+
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    col, row = layers(seed=4)
+    want = full_weights(ps, col, row)
+    strat = cmg.fully_parallel_save_strategy(url)
+    dist_checkpointing.save(sharded(ps, col, row, extra), folder(50), sharded_strategy=strat)
+    req = dist_checkpointing.save(sharded(ps, col, row, extra), folder(60), sharded_strategy=strat, **save_kwargs())
+    q.schedule_async_request(req)
+    q.maybe_finalize_async_calls(blocking=True)
+    for step in (50, 60):
+        _load_check(ps, url, folder(step), step, want)
+
+
+def _async_failures(ps, rank, url, tmp, q, strat, col, row, extra, folder, steps):
+    import time
+
+    import pytest
+    from megatron.core import dist_checkpointing
+
+    import ckptstore.dcp.writer as dcp_writer
+    from ckptstore.integrations import megatron as cmg
+
+    repo_dir = url[len("file://"):]
+    before = _files(repo_dir)
+    # step 30: rank 1's worker (forked: it inherits this patch) fails mid-upload
+    if rank == 1:
+        real_add = dcp_writer.ChunkWriter.add
+
+        def failing_add(self, t):
+            raise OSError("injected: the store refused a pack upload")
+
+        dcp_writer.ChunkWriter.add = failing_add
+    req = dist_checkpointing.save(sharded(ps, col, row, extra), folder(30), sharded_strategy=strat, **save_kwargs())
+    q.schedule_async_request(req)  # forks the worker, patched
+    if rank == 1:
+        dcp_writer.ChunkWriter.add = real_add
+    with pytest.raises(cmg.AsyncSaveError, match=r"rank 1: OSError: injected: the store refused"):
+        q.maybe_finalize_async_calls(blocking=True)
+    assert steps() == [10, 15, 20]
+    torch.distributed.barrier()
+    assert _files(repo_dir) == before, _files(repo_dir) ^ before  # rank 0's uploads removed too
+
+    # step 40: every worker killed mid-upload (after its packs, before its chunk table)
+    marker = os.path.join(tmp, f"blocked-{rank}")
+    real_segment = dcp_writer.write_segment
+
+    def blocking_segment(*a, **k):
+        open(marker, "w").close()
+        time.sleep(600)
+
+    dcp_writer.write_segment = blocking_segment
+    req = dist_checkpointing.save(sharded(ps, col, row, extra), folder(40), sharded_strategy=strat, **save_kwargs())
+    q.schedule_async_request(req)
+    dcp_writer.write_segment = real_segment
+    deadline = time.monotonic() + 120
+    while not os.path.exists(marker):
+        assert time.monotonic() < deadline, "the worker never reached its chunk table"
+        time.sleep(0.05)
+    q.async_calls[0].async_caller.process.kill()
+    with pytest.raises(cmg.AsyncSaveError, match="killed or died"):
+        q.maybe_finalize_async_calls(blocking=True)
+    assert steps() == [10, 15, 20]
+    col2, row2 = layers(seed=11)
+    state = dist_checkpointing.load(sharded(ps, col2, row2, None), folder(20), sharded_strategy=cmg.load_strategy(url))
+    assert state["iteration"] == 5

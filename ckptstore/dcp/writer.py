@@ -282,6 +282,8 @@ class CkptStoreWriter(StorageWriter):
         self._commit: StepCommit | None = None
         self._parts: list[dict] = []
         self.last_rank_stats: dict | None = None
+        #: the config and dedup base's root shared by the coordinator in the last write_data (packed bytes)
+        self.shared_blob: bytes | None = None
 
     # -- DCP protocol -------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -366,6 +368,7 @@ class CkptStoreWriter(StorageWriter):
         mine = self._shared if job.is_coordinator else None
         got = xg.share(mine, job.src, None, "the config and the dedup base's root manifest")
         self._shared = None
+        self.shared_blob = mine if job.is_coordinator else got  # what a background upload adopts
         if job.is_coordinator:
             return
         header, (base, cfg) = unpack(got, "config and dedup base")
@@ -418,100 +421,16 @@ class CkptStoreWriter(StorageWriter):
         rep.submit(self._require_step(), packs)
 
     def _write_items(self, plan: SavePlan, planner: SavePlanner, rank: int, base_step, parts) -> list[WriteResult]:
-        repo = self._get_repo()
-        repo.config()  # adopt the repository's chunk size (dedup needs the same cut)
-        # Dedup against this rank's share of the base: the base's shards that
-        # meet the boxes it writes (bytes items: any shard of the same key).
-        boxes = []
-        for item in plan.items:
-            if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
-                boxes.append((item.index.fqn, (0,), (1 << 62,)))
-            else:
-                boxes.append((item.index.fqn, tuple(item.tensor_data.chunk.offsets), tuple(item.tensor_data.chunk.sizes)))
-        wb = repo.write_back
-        share = sum(_write_bytes(item) for item in plan.items)
-        if wb is not None:
-            # at most write_back_steps pending on this node, and within its cache_size
-            wb.reserve(share, f"rank {rank}'s share of step {self.step}")
-        target = wb.store if wb is not None else None  # write-back: into this node's tier
-        if repo.tier is not None:
-            repo.tier.note_step(self.step, expect=share)  # a save under way: older steps' packs are evicted first
-        try:
-            writer = ChunkWriter(repo, dedup_share(repo, base_step, boxes), store=target)
-        except BaseException:
-            if wb is not None:
-                wb.unreserve()
-            raise
-        pending = []
-        handed_over = False
-        segments: list[str] = []  # the chunk table this rank wrote (deleted if the rank fails)
-        try:
-            for item in plan.items:
-                part = parts.get((item.index.fqn, tuple(item.index.offset))) if parts and item.index.offset else None
-                if part is not None:  # rows of a replicated item (balance_save_plans)
-                    whole, lo, hi = part
-                    data = planner.resolve_data(whole).narrow(0, lo, hi - lo)
-                else:
-                    data = planner.resolve_data(item)
-                if item.type == WriteItemType.BYTE_IO:
-                    buf = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
-                    t = torch.frombuffer(bytearray(buf), dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
-                    is_bytes = True
-                else:
-                    t = data
-                    is_bytes = False
-                refs = writer.add(t)
-                pending.append((item, is_bytes, t.numel() * t.element_size(), refs))
-            packs = writer.finish()
-            builder = TableBuilder()
-            runs = [builder.extend(refs) for _, _, _, refs in pending]
-            segment = write_segment(repo, builder, store=target, written=segments) if pending else None
-            if wb is not None and pending:
-                # This rank's local commit: uploaded, then marked done in the store, in the background.
-                wb.hand_over_rank(self.step, rank, packs, segment)
-                handed_over = True
-        except BaseException as e:
-            writer.abort()
-            # Nothing can reference what this rank uploaded for the step: no step is committed without it.
-            if not handed_over and (wb is None or wb.records.read(wb.records.name(self.step, rank)) is None):
-                discard_uncommitted(repo, self.step, e, writer.started(), segments, store=target)
-            raise
-        finally:
-            if wb is not None and not handed_over:
-                wb.unreserve()
+        def resolve(item):
+            part = parts.get((item.index.fqn, tuple(item.index.offset))) if parts and item.index.offset else None
+            if part is not None:  # rows of a replicated item (balance_save_plans)
+                whole, lo, hi = part
+                return planner.resolve_data(whole).narrow(0, lo, hi - lo)
+            return planner.resolve_data(item)
+
+        results, packs, stats = write_rank(self._get_repo(), self._require_step(), rank, base_step, plan.items, resolve)
         self._packs_written = dict(packs)
-        if repo.tier is not None:
-            repo.tier.note_step(self.step, packs)  # eviction takes the newest steps' packs last
-        stats = writer.stats(packs)
-        if segment is not None:
-            stats["segment_bytes"] = segment.size
-        self.last_rank_stats = dict(stats, rank=rank)
-        all_refs = [c for _, _, _, refs in pending for c in refs]
-        sizes = dict(packs)
-        base = repo.cached_manifest(base_step) if base_step is not None else None
-        for c in all_refs:
-            if c.pack not in sizes:
-                sizes[c.pack] = base.packs[c.pack] if base is not None and c.pack in base.packs else None
-        info = _RankInfo(rank, segment, sizes, pack_usage(all_refs, writer.packs.counts, base), stats)
-        results = []
-        for n, ((item, is_bytes, nbytes, refs), (first, count)) in enumerate(zip(pending, runs)):
-            results.append(
-                WriteResult(
-                    index=item.index,
-                    size_in_bytes=nbytes,
-                    storage_data=_ItemResult(
-                        rank=rank,
-                        bytes_item=is_bytes,
-                        nbytes=nbytes,
-                        first=first,
-                        count=count,
-                        stored=sum(c.stored_len for c in refs),
-                        info=info if n == 0 else None,
-                    ),
-                )
-            )
-        if not results and packs:
-            raise RankWriteError(f"rank {rank}: wrote packs but no items")
+        self.last_rank_stats = stats
         return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -658,3 +577,103 @@ def _write_back_handle(url: str, storage_options, options: dict) -> Repository:
             repo = _open(url, storage_options=storage_options, **options)
             _WRITE_BACK_HANDLES[key] = repo
         return repo
+
+
+def write_rank(repo: Repository, step: int, rank: int, base_step: int | None, items, resolve) -> tuple:
+    """Upload one rank's items of step ``step`` (its packs and chunk-table segment); no collective.
+
+    ``items``: DCP ``WriteItem``s; ``resolve(item)``: the item's data (a
+    tensor, or ``io.BytesIO``/bytes for a bytes item), asked for in order,
+    one at a time. Returns ``(results, packs, stats)``: the ``WriteResult``s
+    the coordinator's :meth:`CkptStoreWriter.finish` builds the manifest
+    from, ``{pack id: size}`` of the packs written, and this rank's byte
+    counts. On failure, what this rank uploaded for the step is deleted
+    before the error propagates (nothing can reference it).
+    """
+    repo.config()  # adopt the repository's chunk size (dedup needs the same cut)
+    # Dedup against this rank's share of the base: the base's shards that
+    # meet the boxes it writes (bytes items: any shard of the same key).
+    boxes = []
+    for item in items:
+        if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+            boxes.append((item.index.fqn, (0,), (1 << 62,)))
+        else:
+            boxes.append((item.index.fqn, tuple(item.tensor_data.chunk.offsets), tuple(item.tensor_data.chunk.sizes)))
+    wb = repo.write_back
+    share = sum(_write_bytes(item) for item in items)
+    if wb is not None:
+        # at most write_back_steps pending on this node, and within its cache_size
+        wb.reserve(share, f"rank {rank}'s share of step {step}")
+    target = wb.store if wb is not None else None  # write-back: into this node's tier
+    if repo.tier is not None:
+        repo.tier.note_step(step, expect=share)  # a save under way: older steps' packs are evicted first
+    try:
+        writer = ChunkWriter(repo, dedup_share(repo, base_step, boxes), store=target)
+    except BaseException:
+        if wb is not None:
+            wb.unreserve()
+        raise
+    pending = []
+    handed_over = False
+    segments: list[str] = []  # the chunk table this rank wrote (deleted if the rank fails)
+    try:
+        for item in items:
+            data = resolve(item)
+            if item.type == WriteItemType.BYTE_IO:
+                buf = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+                t = torch.frombuffer(bytearray(buf), dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
+                is_bytes = True
+            else:
+                t = data
+                is_bytes = False
+            refs = writer.add(t)
+            pending.append((item, is_bytes, t.numel() * t.element_size(), refs))
+        packs = writer.finish()
+        builder = TableBuilder()
+        runs = [builder.extend(refs) for _, _, _, refs in pending]
+        segment = write_segment(repo, builder, store=target, written=segments) if pending else None
+        if wb is not None and pending:
+            # This rank's local commit: uploaded, then marked done in the store, in the background.
+            wb.hand_over_rank(step, rank, packs, segment)
+            handed_over = True
+    except BaseException as e:
+        writer.abort()
+        # Nothing can reference what this rank uploaded for the step: no step is committed without it.
+        if not handed_over and (wb is None or wb.records.read(wb.records.name(step, rank)) is None):
+            discard_uncommitted(repo, step, e, writer.started(), segments, store=target)
+        raise
+    finally:
+        if wb is not None and not handed_over:
+            wb.unreserve()
+    if repo.tier is not None:
+        repo.tier.note_step(step, packs)  # eviction takes the newest steps' packs last
+    stats = writer.stats(packs)
+    if segment is not None:
+        stats["segment_bytes"] = segment.size
+    all_refs = [c for _, _, _, refs in pending for c in refs]
+    sizes = dict(packs)
+    base = repo.cached_manifest(base_step) if base_step is not None else None
+    for c in all_refs:
+        if c.pack not in sizes:
+            sizes[c.pack] = base.packs[c.pack] if base is not None and c.pack in base.packs else None
+    info = _RankInfo(rank, segment, sizes, pack_usage(all_refs, writer.packs.counts, base), stats)
+    results = []
+    for n, ((item, is_bytes, nbytes, refs), (first, count)) in enumerate(zip(pending, runs)):
+        results.append(
+            WriteResult(
+                index=item.index,
+                size_in_bytes=nbytes,
+                storage_data=_ItemResult(
+                    rank=rank,
+                    bytes_item=is_bytes,
+                    nbytes=nbytes,
+                    first=first,
+                    count=count,
+                    stored=sum(c.stored_len for c in refs),
+                    info=info if n == 0 else None,
+                ),
+            )
+        )
+    if not results and packs:
+        raise RankWriteError(f"rank {rank}: wrote packs but no items")
+    return results, packs, dict(stats, rank=rank)
