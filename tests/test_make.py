@@ -35,7 +35,8 @@ def test_make_demo_installs_the_core_and_the_demo_extra_only(tmp_path):
 
 def _every_install_is_locked(out: str) -> None:
     # Every pip install reads the lock through the environment (build environments included).
-    installs = [line for line in out.splitlines() if "pip install" in line]
+    # (the Megatron-Core 0.19 overlay excepted: its own exact pins, requirements/megatron-0.19.txt)
+    installs = [line for line in out.splitlines() if "pip install" in line and "megatron-0.19.txt" not in line]
     assert installs
     lock = str(ROOT / "requirements" / "lock.txt")
     for line in installs:
