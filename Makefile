@@ -59,7 +59,7 @@ setup: $(STAMP) $(AZURITE)
 
 # The benchmarks' extra (real weights, peers for benchmarks/run.py), torch kept at 2.13.0.
 setup-bench: setup
-	$(PY) -m pip install -q -e '.[bench]' torch==2.13.0 -c $(LOCK)
+	$(PIP_INSTALL) -e '.[bench]' torch==2.13.0
 	$(PY) -m pip check
 
 # Everything (CI's .ci/run runs this), then the 15 slowest tests.
