@@ -62,3 +62,16 @@ def test_make_test_fast_leaves_out_the_slow_tests(tmp_path):
 def test_make_lock_re_resolves_and_lock_check_only_reports(tmp_path):
     assert ".ci/lock.py\n" in _dry_run("lock", tmp_path)
     assert ".ci/lock.py --check" in _dry_run("lock-check", tmp_path)
+
+
+def test_nothing_tracked_is_a_symlink_or_a_set_up_output():
+    # A committed `.node -> /work/main/.node` pointed at itself in every fresh clone and broke
+    # `make test` before a test ran (npm: ELOOP). Set-up outputs are built, never committed.
+    r = subprocess.run(["git", "ls-files", "-s"], cwd=ROOT, capture_output=True, text=True, check=True)
+    if not r.stdout:
+        pytest.skip("not a git checkout")
+    links = [line.split("\t", 1)[1] for line in r.stdout.splitlines() if line.startswith("120000")]
+    assert links == [], f"symlinks are tracked: {links}"
+    outputs = (".venv", ".node", ".runai", ".mcore019")
+    tracked = [p for p in (line.split("\t", 1)[1] for line in r.stdout.splitlines()) if p.split("/")[0] in outputs]
+    assert tracked == [], f"set-up outputs are tracked: {tracked}"
