@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
+import sysconfig
 from importlib import metadata
 from pathlib import Path
 
@@ -25,9 +26,12 @@ _spec.loader.exec_module(lock)
 in_venv = pytest.mark.skipif(sys.prefix == sys.base_prefix, reason="the suite runs outside a venv: no set-up to compare")
 
 
-def _in_this_venv(dist) -> bool:
-    # Only what lies in this venv's site-packages: not a --target overlay on PYTHONPATH.
-    return str(Path(dist.locate_file("")).resolve()).startswith(str(Path(sys.prefix).resolve()))
+def _venv_distributions():
+    # What pip installed into this venv's site-packages, read from there: not a --target overlay on
+    # PYTHONPATH, and not the copies setuptools vendors (setuptools/_vendor, on sys.path once anything
+    # in the run has imported setuptools: their packaging, wheel, jaraco-* are no install of ours).
+    paths = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+    return metadata.distributions(path=paths)
 
 
 @in_venv
@@ -35,8 +39,8 @@ def test_every_installed_distribution_is_pinned_and_every_pin_installed():
     pins = lock.parse_lock(lock.LOCK.read_text())
     installed = {
         lock.normalize(d.metadata["Name"]): lock._LOCAL.sub("", d.version)
-        for d in metadata.distributions()
-        if _in_this_venv(d) and lock.normalize(d.metadata["Name"]) != "ckptstore"
+        for d in _venv_distributions()
+        if lock.normalize(d.metadata["Name"]) != "ckptstore"
     }
     unpinned = sorted(set(installed) - set(pins))
     missing = sorted(set(pins) - set(installed))
