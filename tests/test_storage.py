@@ -405,6 +405,56 @@ def test_classify_precondition_on_create():
     assert isinstance(err, ObjectExistsError)
 
 
+def test_a_reply_cut_inside_its_headers_is_transient_and_retried():
+    # A connection closed mid-header ends the header block without an error: botocore then fails to
+    # parse the cut header (seen in the seeded network soak: 'Invalid timestamp "Mon, 07 Dec 2026 1"').
+    # That is a transient failure, retried like the cut itself, not a ValueError out of a save.
+    import socket
+    import threading
+
+    from ckptstore.storage.retry import RetryPolicy, RetryStore
+    from ckptstore.storage.s3 import S3Store
+
+    full = (b"HTTP/1.1 200 OK\r\nContent-Length: 11\r\nLast-Modified: Mon, 07 Dec 2026 10:00:00 GMT\r\n"
+            b"ETag: \"e\"\r\nConnection: close\r\n\r\n")
+    replies = [full[: full.index(b"2026 1") + 6], full]  # the first cut inside Last-Modified
+    heads = []
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+
+    def serve():
+        for reply in replies:
+            conn, _ = srv.accept()
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += conn.recv(65536)
+                heads.append(data.split(b" ", 1)[0])
+                conn.sendall(reply)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    opts = {"endpoint_url": f"http://127.0.0.1:{port}", "key": "k", "secret": "s", "region_name": "us-east-1"}
+    bare = S3Store("b/p", opts)
+    try:
+        with pytest.raises(TransientStorageError, match="garbled"):
+            bare.head("obj")
+        info = RetryStore(S3Store("b/p", opts), RetryPolicy(base_delay=0), sleep=lambda s: None)
+        replies.append(full)
+        assert info.head("obj").size == 11
+    finally:
+        srv.close()
+        bare.close()
+    assert heads[:2] == [b"HEAD", b"HEAD"]
+
+
+def test_our_own_value_errors_are_not_classified_as_storage_failures():
+    from ckptstore.storage.s3 import classify_error
+
+    e = ValueError("a bug of ours")
+    assert classify_error(e, "s3://b", "GetObject") is e
+
+
 def test_classify_without_response():
     from botocore.exceptions import EndpointConnectionError, NoCredentialsError
 

@@ -257,7 +257,24 @@ def classify_error(exc: BaseException, where: str, op: str, exists_on_412: bool 
         return CredentialsRefusedError(f"{where}: S3 {op} failed: no credentials to sign it with")
     if _is_connection_error(exc):
         return TransientStorageError(f"{where}: S3 {op} failed: {detail}")
+    if isinstance(exc, ValueError):
+        if _garbled_reply(exc):
+            # A reply cut short inside its headers (a connection closed mid-header ends the header
+            # block without an error) leaves a header botocore cannot parse: as transient as the cut
+            return TransientStorageError(f"{where}: S3 {op} failed: the reply was garbled ({detail})")
+        return exc  # not botocore's parsing: ours, raised as it is
     return StorageError(f"{where}: S3 {op} failed: {detail}")
+
+
+def _garbled_reply(exc: BaseException) -> bool:
+    """``exc`` was raised while botocore parsed a reply (a header or body it could not read)."""
+    tb = exc.__traceback__
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename.replace(os.sep, "/")
+        if "/botocore/parsers.py" in name:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 # ------------------------------------------------------------------ options
@@ -477,7 +494,8 @@ class S3Store(ObjectStore):
         self._secrets = self._opts.secrets
         # (pid that made them, lock, {retries: client}): see _client.
         self._clients: tuple[int, threading.Lock, dict] = (os.getpid(), threading.Lock(), {})
-        self._catch = (OSError, BotoCoreError, ClientError)
+        # ValueError: botocore's reply parsing raises it for a garbled header (classify_error)
+        self._catch = (OSError, BotoCoreError, ClientError, ValueError)
         self._rate: AdaptiveRate | None = None
         self.set_throttle(None)
         self.min_part_size = self._opts.min_part_size
