@@ -92,7 +92,7 @@ def test_async_save_through_megatrons_queue(tmp_path):
     # temporal one (forked per save), each on a repository of its own; the state at the call is stored;
     # finalize commits; failures raise on every rank and leave nothing (bodies in tests/mg_workers.py)
     modes = ["persistent", "temporal"]
-    mp.spawn(W.async_worker, args=(2, free_port(), str(tmp_path), modes), nprocs=2, join=True)
+    spawn(W.async_worker, args=(2, free_port(), str(tmp_path), modes), nprocs=2)
     for mode in modes:
         with ckptstore.open(f"file://{tmp_path}/{mode}/repo") as repo:
             assert repo.steps() == ([10, 15, 20] if mode == "persistent" else [10, 15, 20, 50, 60]), mode
