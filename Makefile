@@ -28,7 +28,7 @@ AZURITE := $(NODE_DIR)/node_modules/.bin/azurite-blob
 MCORE019 := $(VENV)/mcore019
 MCORE019_STAMP := $(MCORE019)/.ckptstore-installed
 
-.PHONY: setup setup-bench test test-fast demo bench lock lock-check clean
+.PHONY: setup setup-bench test test-fast demo bench lock lock-check lock-add clean
 
 $(CORE_STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -62,16 +62,18 @@ setup-bench: setup
 	$(PIP_INSTALL) -e '.[bench]' torch==2.13.0
 	$(PY) -m pip check
 
-# Everything (CI's .ci/run runs this), then the 15 slowest tests.
+# Everything (CI's .ci/run runs this) on TEST_WORKERS pytest-xdist workers, each
+# test file whole on one of them (module fixtures set up once), then the 15 slowest tests.
+TEST_WORKERS ?= 2
 test: setup $(MCORE019_STAMP)
-	CKPTSTORE_MCORE_OVERLAY=$(abspath $(MCORE019)) $(PY) -m pytest -q --durations=15
+	CKPTSTORE_MCORE_OVERLAY=$(abspath $(MCORE019)) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 # For iterating, about two minutes: the tests not marked slow (soak, network
 # faults, crashes, multi-rank and 16-rank runs, emulators in their own
 # process, framework integrations, doc pages; tests/conftest.py says how
 # they are marked). CI runs everything.
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"
 
 # The core and the demo extra only: no test or integrations extras, no Azurite.
 demo: $(CORE_STAMP)
@@ -90,6 +92,11 @@ lock:
 # The same, reporting only: exit 1 when the newest versions fail pip check.
 lock-check:
 	$(PYTHON) .ci/lock.py --check
+
+# After adding a requirement to pyproject.toml: resolve under the current pins,
+# so that only what no pin covers gets its newest version; nothing else moves.
+lock-add:
+	$(PYTHON) .ci/lock.py --keep
 
 clean:
 	rm -rf $(VENV) $(NODE_DIR) .pytest_cache .hypothesis build *.egg-info

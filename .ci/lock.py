@@ -6,7 +6,9 @@ resolver call (torch held at the pinned CPU build), runs ``pip check``, and
 compares ``pip freeze`` with the checked-in lock. It prints which packages
 moved, were added or dropped, and whether ``pip check`` passes; with
 ``--check`` (``make lock-check``) it stops there, otherwise it rewrites the
-lock when ``pip check`` passes. Exit status: 0 when ``pip check`` passes with
+lock when ``pip check`` passes. ``--keep`` (``make lock-add``, after adding a
+requirement to ``pyproject.toml``) resolves under the current pins, so that
+only packages no pin covers get their newest versions and nothing else moves. Exit status: 0 when ``pip check`` passes with
 the newest versions, 1 when it does not (the next upstream break, seen before
 it lands), 2 on a set-up error.
 
@@ -63,16 +65,22 @@ def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, text=True, **kw)
 
 
-def resolve_newest(python: str, workdir: Path) -> tuple[dict[str, str], bool, str]:
-    """Install the newest allowed versions in a new venv: ``(pins, pip check passed, its output)``."""
+def resolve_newest(python: str, workdir: Path, keep: Path | None = None) -> tuple[dict[str, str], bool, str]:
+    """Install the newest allowed versions in a new venv: ``(pins, pip check passed, its output)``.
+
+    ``keep``: a lock whose pins hold (as pip constraints) wherever they still apply, so that only
+    what no pin covers (a requirement just added to pyproject.toml) gets its newest version.
+    """
     venv = workdir / "venv"
     _run([python, "-m", "venv", str(venv)], check=True)
     py = str(venv / "bin" / "python")
-    # The installers float too: the lock pins the pip, setuptools and wheel
-    # that `make` then installs first and hands to the sdists' build environments.
-    _run([py, "-m", "pip", "install", "-q", "-U", "pip", "setuptools", "wheel"], check=True)
     env = dict(os.environ, DS_BUILD_OPS="0")
     env.pop("PIP_CONSTRAINT", None)
+    if keep is not None:
+        env["PIP_CONSTRAINT"] = str(keep)
+    # The installers float too (unless kept): the lock pins the pip, setuptools and wheel
+    # that `make` then installs first and hands to the sdists' build environments.
+    _run([py, "-m", "pip", "install", "-q", "-U", "pip", "setuptools", "wheel"], env=env, check=True)
     _run([py, "-m", "pip", "install", "-q", "-e", f".[{EXTRAS}]", TORCH], cwd=ROOT, env=env, check=True)
     check = _run([py, "-m", "pip", "check"], capture_output=True)
     frozen = _run([py, "-m", "pip", "freeze", "--all", "--exclude-editable"], capture_output=True, check=True)
@@ -107,7 +115,8 @@ def render(pins: dict[str, str]) -> str:
         "# Written by `make lock` (.ci/lock.py): one resolver call over the extras\n"
         f"# {EXTRAS} with {TORCH} (the CPU build), `pip check` passing.\n"
         f"# Re-resolved {_dt.date.today().isoformat()} on Python {sys.version.split()[0]}. Do not edit by hand:\n"
-        "# run `make lock` and review its diff; `make lock-check` only reports drift.\n"
+        "# run `make lock` (or `make lock-add` after adding a requirement) and review its diff;\n"
+        "# `make lock-check` only reports drift.\n"
     )
     return head + "".join(f"{name}=={pins[name]}\n" for name in sorted(pins))
 
@@ -115,12 +124,16 @@ def render(pins: dict[str, str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="report drift only; leave the lock as it is")
+    ap.add_argument("--keep", action="store_true",
+                    help="keep every pin that still applies; pin only what is new (after adding a requirement)")
     ap.add_argument("--python", default=sys.executable, help="the interpreter the venv is made from")
     args = ap.parse_args(argv)
+    if args.keep and args.check:
+        ap.error("--keep and --check: --check reports the newest versions, --keep holds the pins")
     old = parse_lock(LOCK.read_text()) if LOCK.exists() else {}
     with tempfile.TemporaryDirectory(prefix="ckptstore-lock-") as tmp:
         try:
-            new, ok, report = resolve_newest(args.python, Path(tmp))
+            new, ok, report = resolve_newest(args.python, Path(tmp), LOCK if args.keep and LOCK.exists() else None)
         except subprocess.CalledProcessError as e:
             print(f"lock: set-up failed: {e}", file=sys.stderr)
             return 2

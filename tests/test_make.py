@@ -52,11 +52,12 @@ def test_make_test_installs_everything(tmp_path):
     assert "DS_BUILD_OPS=0" in together and "torch==2.13.0" in together
     _every_install_is_locked(out)
     assert "--durations=15" in out and "not slow" not in out  # everything, then the slowest tests
+    assert "-n 2 --dist loadfile" in out  # two workers, a file whole on one
 
 
 def test_make_test_fast_leaves_out_the_slow_tests(tmp_path):
     out = _dry_run("test-fast", tmp_path)
-    assert 'pytest -q -m "not slow"' in out
+    assert 'pytest -q -n 2 --dist loadfile -m "not slow"' in out
 
 
 def test_make_lock_re_resolves_and_lock_check_only_reports(tmp_path):
