@@ -217,6 +217,13 @@ def classify_error(exc: BaseException, where: str, op: str, exists_on_412: bool 
     """
     if isinstance(exc, CkptStoreError):
         return exc
+    if isinstance(exc, ValueError) and not type(exc).__module__.startswith("botocore"):
+        if _garbled_reply(exc):
+            # A reply cut short inside its headers (a connection closed mid-header ends the header
+            # block without an error) leaves a header botocore cannot parse: as transient as the cut
+            detail = f"{type(exc).__name__}: {str(exc)[:MAX_MESSAGE]}"
+            return TransientStorageError(f"{where}: S3 {op} failed: the reply was garbled ({detail})")
+        return exc  # not botocore's parsing: ours (RangeReplyError...), raised as it is
     dns = host_not_resolved(exc, where, f"S3 {op}")
     if dns is not None:
         return dns
@@ -257,12 +264,6 @@ def classify_error(exc: BaseException, where: str, op: str, exists_on_412: bool 
         return CredentialsRefusedError(f"{where}: S3 {op} failed: no credentials to sign it with")
     if _is_connection_error(exc):
         return TransientStorageError(f"{where}: S3 {op} failed: {detail}")
-    if isinstance(exc, ValueError):
-        if _garbled_reply(exc):
-            # A reply cut short inside its headers (a connection closed mid-header ends the header
-            # block without an error) leaves a header botocore cannot parse: as transient as the cut
-            return TransientStorageError(f"{where}: S3 {op} failed: the reply was garbled ({detail})")
-        return exc  # not botocore's parsing: ours, raised as it is
     return StorageError(f"{where}: S3 {op} failed: {detail}")
 
 
