@@ -33,7 +33,7 @@ from ..format.manifest import Manifest
 from ..repo.reader import Checkpoint
 from ..repo.repository import Repository
 from ..repo.repository import open as _open
-from ..tier.replicas import peer_fill
+from .replicas import peer_fill
 from ..pipeline.tensors import castable
 from ..format.tree import leaf_values
 from .exchanged import ExchangedRead, _box, _piece_box

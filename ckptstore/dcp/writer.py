@@ -26,7 +26,7 @@ from ..format.layout import check_step as _check_step
 from ..format.layout import pack_key, segment_key
 from ..repo.repository import Repository
 from ..repo.repository import open as _open
-from ..tier.replicas import ReplicaError, Replicator, replica_group
+from .replicas import ReplicaError, Replicator, replica_group
 from ..repo.save import ChunkWriter, StepCommit, dedup_share, discard_uncommitted, pack_usage, write_segment
 from .ids import _is_url, _pick_step, split_checkpoint_id
 from .metadata import _ItemResult, _RankInfo, build_manifest
@@ -563,7 +563,7 @@ class CkptStoreWriter(StorageWriter):
 
 #: Write-back handles of this process, shared by every CkptStoreWriter with the same
 #: repository and options: their background uploads and commits outlive each writer, and
-#: are finished at interpreter exit (``ckptstore.tier.writeback.finish_at_exit``, as every
+#: are finished at interpreter exit (``ckptstore.repo.writeback.finish_at_exit``, as every
 #: write-back handle's: bounded, or naming the steps left and the command that commits them).
 _WRITE_BACK_HANDLES: dict[str, Repository] = {}
 _WRITE_BACK_LOCK = threading.Lock()

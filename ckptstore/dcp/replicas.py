@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CkptStoreError
-from ..dcp.exchange import Exchanger
+from .exchange import Exchanger
 
 log = logging.getLogger(__name__)
 
