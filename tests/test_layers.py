@@ -246,3 +246,25 @@ def test_the_package_cycle_check_names_the_cycle():
     del graph["tier.writeback"]
     assert _cycle(_package_graph(graph)) is None
 
+
+#: The longest a function in ckptstore/ may be, in lines (def and decorators to its last
+#: line, docstring included): docs/architecture.md, "no function over ~100".
+MAX_FUNCTION_LINES = 100
+
+
+def _long_functions(limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    out = []
+    for path in sorted(PKG.rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                start = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                n = node.end_lineno - start + 1
+                if n > limit:
+                    out.append(f"{path.relative_to(PKG.parent)}:{node.lineno} {node.name}: {n} lines")
+    return out
+
+
+def test_no_function_is_over_100_lines():
+    long = _long_functions()
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines (split them along their steps):\n" + "\n".join(long)
