@@ -192,7 +192,7 @@ def _sample(samples: list, step: int, url: str, cache_dir: str, extra: dict | No
 
 # ---------------------------------------------------------------- one process
 def run_single(root: str, steps: int, *, keep_last: int = 3, gc_every: int = 5, sample_every: int = 10,
-               tensor_kib: int = 256, cache_packs: int = 24, grace: float = 5.0) -> dict:
+               tensor_kib: int = 256, cache_packs: int = 24, grace: float = 60.0) -> dict:
     """``steps`` write-back saves in this process with a concurrent GC; the figures (see the module docstring)."""
     import ckptstore
 
@@ -272,8 +272,10 @@ def _dcp_rank(rank: int, world: int, port: int, cfg: dict) -> None:
             w = CkptStoreWriter(url, step=s, replicas=1, **opts)
             try:
                 dcp.save(sd_of(s), storage_writer=w)
-            except Exception as e:  # noqa: BLE001 - counted and reported
-                errors.append(f"save {s}: {type(e).__name__}: {e}")
+            except BaseException as e:  # noqa: BLE001 - counted (DCP's CheckpointException is a BaseException)
+                if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                    raise
+                errors.append(f"save {s}: {type(e).__name__}: {str(e)[:500]}")
             if prev is not None:
                 prev.close()  # as torchtitan's integration releases the writers of earlier saves
             prev = w
@@ -285,8 +287,10 @@ def _dcp_rank(rank: int, world: int, port: int, cfg: dict) -> None:
                 _sample(samples, s, url, cache)
         prev.flush()  # a collective: every rank's uploads, commits and replicas
         prev.close()
-    except Exception as e:  # noqa: BLE001
-        errors.append(f"run: {type(e).__name__}: {e}\n{traceback.format_exc()}")
+    except BaseException as e:  # noqa: BLE001
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        errors.append(f"run: {type(e).__name__}: {str(e)[:500]}\n{traceback.format_exc()}")
     finally:
         if gc is not None:
             gc.stop()
@@ -308,8 +312,10 @@ def _dcp_rank(rank: int, world: int, port: int, cfg: dict) -> None:
         want = state(last, cfg["tensor_kib"], rank, world)
         out["last_step"] = last
         out["last_step_bad"] = bit_exact(want, {k: v.to_local() for k, v in got.items()})
-    except Exception as e:  # noqa: BLE001
-        errors.append(f"restore: {type(e).__name__}: {e}")
+    except BaseException as e:  # noqa: BLE001
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        errors.append(f"restore: {type(e).__name__}: {str(e)[:500]}")
         out["last_step_bad"] = ["restore failed"]
     out["samples"], out["errors"] = samples, errors
     with open(os.path.join(cfg["root"], f"rank{rank}.json"), "w") as f:
@@ -322,7 +328,7 @@ def _dcp_rank(rank: int, world: int, port: int, cfg: dict) -> None:
 
 
 def run_dcp(root: str, steps: int, *, keep_last: int = 3, gc_every: int = 5, sample_every: int = 10,
-            tensor_kib: int = 128, cache_packs: int = 24, grace: float = 5.0, start_method: str = "spawn") -> dict:
+            tensor_kib: int = 128, cache_packs: int = 24, grace: float = 60.0, start_method: str = "spawn") -> dict:
     """``steps`` DCP saves on 2 spawned gloo ranks (write-back, replicas=1, a new writer a save)."""
     import torch.multiprocessing as mp
 
@@ -398,7 +404,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gc-every", type=int, default=5, help="steps between GC runs (default 5)")
     ap.add_argument("--sample-every", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=None, help="steps before the flatness figures (default steps/10)")
-    ap.add_argument("--grace", type=float, default=5.0, help="the repository's GC grace period, seconds")
+    ap.add_argument("--grace", type=float, default=60.0, help="the repository's GC grace period, seconds (default 60)")
     ap.add_argument("--json", metavar="OUT.json")
     args = ap.parse_args(argv)
     if args.steps < 2:
