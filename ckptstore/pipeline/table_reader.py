@@ -98,6 +98,11 @@ class ChunkTables:
         self._headers.put(seg.id, h)
         return h
 
+    def forget(self, segment_ids: Iterable[str]) -> None:
+        """Drop what is cached of these segments (their step was deleted)."""
+        for sid in segment_ids:
+            self._headers.pop(sid)
+
     def _where(self, man: Manifest, seg: SegmentRef) -> str:
         return f"{self.store.url}: step {man.step}: chunk-table segment {seg.id}"
 
