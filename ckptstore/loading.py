@@ -510,72 +510,64 @@ def load_module(
     """Fill ``module``'s parameters and persistent buffers from a step (or a plain
     ``.safetensors`` object), each on its device, optionally only one tensor-parallel rank's slices.
 
-    The module may be built on the ``meta`` device (``with torch.device("meta"):``);
-    every tensor is materialized where ``device_map`` places it and read
-    straight there: a CPU tensor of the stored dtype receives the decoded
-    chunks in its own memory, any other destination (CUDA, another dtype)
-    gets them block by block through reusable staging buffers (pinned for
-    CUDA, copied with ``non_blocking``), so host memory beyond the tensors
-    kept on the CPU stays within the repository's read budget (half of
-    ``max_inflight_bytes``). Several tensors are read at once
-    (``tensor_workers``), their chunks fetched and decoded on the handle's
-    pools while earlier blocks are being copied to their devices.
+    The module may be built on the ``meta`` device (``with torch.device("meta"):``); every
+    tensor is materialized where ``device_map`` places it and read straight there: a CPU
+    tensor of the stored dtype receives the decoded chunks in its own memory, any other
+    destination (CUDA, another dtype) gets them block by block through reusable staging
+    buffers (pinned for CUDA, copied with ``non_blocking``), so host memory beyond the
+    tensors kept on the CPU stays within the repository's read budget (half of
+    ``max_inflight_bytes``). Several tensors are read at once (``tensor_workers``), their
+    chunks fetched and decoded on the handle's pools while earlier blocks are being copied
+    to their devices.
 
     Parameters
     ----------
     module:
         The module to fill.
     url:
-        Repository URL (as :func:`ckptstore.open`), or an open
-        :class:`~ckptstore.Repository` (used as is, not closed); or a URL
-        ending in ``.safetensors`` naming one plain safetensors object
-        (``s3://bucket/llama/model.safetensors``), or an open
-        :class:`~ckptstore.SafetensorsObject`: its header is read with one
-        ranged GET and each tensor (or slice) from its own byte range.
-        Those reads are **not hash-checked** (``ckptstore import`` gives the
-        checked format); ``**open_options`` then are
+        Repository URL (as :func:`ckptstore.open`), or an open :class:`~ckptstore.Repository`
+        (used as is, not closed); or a URL ending in ``.safetensors`` naming one plain
+        safetensors object (``s3://bucket/llama/model.safetensors``), or an open
+        :class:`~ckptstore.SafetensorsObject`: its header is read with one ranged GET and
+        each tensor (or slice) from its own byte range. Those reads are **not hash-checked**
+        (``ckptstore import`` gives the checked format); ``**open_options`` then are
         :class:`~ckptstore.SafetensorsObject`'s (``piece_bytes``, ``workers``).
     step:
         Step to read; default the newest committed step (None for a safetensors object).
     device_map:
-        Module-name prefixes to devices (``"cpu"``, ``"cuda:1"``, an int
-        for a CUDA index, a ``torch.device``), as accelerate's: the longest
-        prefix matching a tensor's name at a ``.`` boundary wins, ``""`` is
-        the default; a single device stands for ``{"": device}``. Without a
-        map a tensor stays where it is, and a ``meta`` one goes to the CPU.
-        Tied tensors (one object under several names) must map to one device.
+        Module-name prefixes to devices (``"cpu"``, ``"cuda:1"``, an int for a CUDA index, a
+        ``torch.device``), as accelerate's: the longest prefix matching a tensor's name at a
+        ``.`` boundary wins, ``""`` is the default; a single device stands for ``{"": device}``.
+        Without a map a tensor stays where it is, and a ``meta`` one goes to the CPU. Tied
+        tensors (one object under several names) must map to one device.
     prefix:
-        Stored keys are ``prefix + name`` (``"model."`` selects the model of
-        a step that also holds optimizer state).
+        Stored keys are ``prefix + name`` (``"model."`` selects the model of a step that also
+        holds optimizer state).
     strict:
-        As for ``Module.load_state_dict``: missing and unexpected keys raise
-        ``RuntimeError`` (in its format, naming every key) before anything is
-        read; with False they are returned and missing tensors are left as
-        they are (on ``meta`` if they were).
+        As for ``Module.load_state_dict``: missing and unexpected keys raise ``RuntimeError``
+        (in its format, naming every key) before anything is read; with False they are
+        returned and missing tensors are left as they are (on ``meta`` if they were).
     storage_options, **open_options:
         As for :func:`ckptstore.open` (when ``url`` is a URL).
     progress:
-        Show a ``tqdm`` bar of the bytes filled (in the units of
-        :mod:`ckptstore.progress`).
+        Show a ``tqdm`` bar of the bytes filled (in the units of :mod:`ckptstore.progress`).
     staging_bytes:
-        Total size of the staging buffers (default 64 MiB, at most a quarter
-        of the read budget). They are reserved in the read budget, as much of
-        them as leaves room for the largest range request; a larger size
-        given here is allocated all the same, the excess on top of the budget.
+        Total size of the staging buffers (default 64 MiB, at most a quarter of the read
+        budget). They are reserved in the read budget, as much of them as leaves room for the
+        largest range request; a larger size given here is allocated all the same, the excess
+        on top of the budget.
     tp_plan, tp_rank, tp_size:
-        Tensor-parallel loading: ``tp_plan`` maps parameter or module names
-        (``*`` for one name component, as Hugging Face's ``model.tp_plan``)
-        to a split dimension (int), None / ``"replicated"``, or a Hugging
-        Face style (``"colwise"``: weight and bias along dim 0; ``"rowwise"``:
-        weight along its last dim, bias replicated; see
-        :mod:`ckptstore.pipeline.tp_plan` for every name). Rank ``tp_rank``
-        of ``tp_size`` reads only its contiguous ``1/tp_size`` block of each
-        split tensor (tensors no entry names are read whole). The module's
-        tensor may have the slice's shape, or the stored shape on ``meta``
-        (it is then replaced by the slice). An entry that names nothing, a
+        Tensor-parallel loading: ``tp_plan`` maps parameter or module names (``*`` for one
+        name component, as Hugging Face's ``model.tp_plan``) to a split dimension (int), None /
+        ``"replicated"``, or a Hugging Face style (``"colwise"``: weight and bias along dim 0;
+        ``"rowwise"``: weight along its last dim, bias replicated; see
+        :mod:`ckptstore.pipeline.tp_plan` for every name). Rank ``tp_rank`` of ``tp_size``
+        reads only its contiguous ``1/tp_size`` block of each split tensor (tensors no entry
+        names are read whole). The module's tensor may have the slice's shape, or the stored
+        shape on ``meta`` (it is then replaced by the slice). An entry that names nothing, a
         dimension the tensor lacks or one ``tp_size`` does not divide raise
-        :class:`~ckptstore.pipeline.tp_plan.TPPlanError` (a ``ValueError``)
-        before anything is read.
+        :class:`~ckptstore.pipeline.tp_plan.TPPlanError` (a ``ValueError``) before anything
+        is read.
 
     Returns
     -------
@@ -583,17 +575,21 @@ def load_module(
 
     Notes
     -----
-    Tied weights (one ``Parameter`` object under several names) are read
-    once and stay one object. Values are cast between floating dtypes (and
-    between complex ones) like DCP's reader; other dtype mismatches, shape
-    mismatches and unknown devices raise before anything is read, as do
-    tied names stored with different values. Non-persistent buffers are
-    left alone. New tensors are assigned to the module only once every read
-    succeeded; tensors already on their device (not ``meta``) are filled in
-    place, so a read error part way leaves those partly written.
+    Tied weights (one ``Parameter`` object under several names) are read once and stay one
+    object. Values are cast between floating dtypes (and between complex ones) like DCP's
+    reader; other dtype mismatches, shape mismatches and unknown devices raise before
+    anything is read, as do tied names stored with different values. Non-persistent buffers
+    are left alone. New tensors are assigned to the module only once every read succeeded;
+    tensors already on their device (not ``meta``) are filled in place, so a read error part
+    way leaves those partly written.
     """
     kw = dict(device_map=device_map, prefix=prefix, strict=strict, progress=progress,
               staging_bytes=staging_bytes, tp_plan=tp_plan, tp_rank=tp_rank, tp_size=tp_size)
+    return _load_module(module, url, step, storage_options, open_options, kw)
+
+
+def _load_module(module, url, step, storage_options, open_options, kw) -> IncompatibleKeys:
+    """:func:`load_module` past its arguments: a plain safetensors source, else a repository's step."""
     if isinstance(url, PLAIN_SOURCES) or is_safetensors_url(url):
         if step is not None:
             raise TypeError(f"step={step}: a plain safetensors object has no steps")

@@ -91,7 +91,7 @@ def run_broken(rank: int, world: int, port: int, url: str, tmp: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     import ckptstore
     from ckptstore.dcp import CkptStoreWriter
-    from ckptstore.tier.replicas import Replicator
+    from ckptstore.dcp.replicas import Replicator
 
     if rank == 1:
         def broken(self, step, packs):

@@ -165,3 +165,48 @@ def test_merkle_proofs_fold_to_the_root_for_every_leaf_count():
             assert ct._fold(leaf, i, proofs[i]) == root, (n, i)
             if n > 1:
                 assert ct._fold(leaf, (i + 1) % n, proofs[i]) != root  # the same leaf elsewhere
+
+
+def test_segments_several_ranks_need_are_read_once_and_adopted_after_the_same_checks(tmp_path):
+    # issue 44 item 4: ChunkTables.read_shared reads a segment two "ranks" need once (whole, one
+    # request); a handle that adopts the bytes reads nothing more of it; damaged bytes are refused
+    import torch
+
+    import ckptstore
+    from ckptstore.storage.wrappers import CountingStore
+
+    url = str(tmp_path / "repo")
+    with ckptstore.open(url, chunk_size=4096) as repo:
+        repo.save({f"t{i}": torch.arange(i * 3000, (i + 1) * 3000, dtype=torch.float32) for i in range(40)}, step=1)
+    keys = [f"t{i}" for i in range(40)]
+    with ckptstore.open(url) as coord, ckptstore.open(url) as other:
+        man = coord.manifest(1)
+        assert not man.inline and len(man.segments) == 1
+        counting = CountingStore(coord.tables.store)
+        coord.tables.store = counting
+        needs = [{(k, 0) for k in keys[:30]}, {(k, 0) for k in keys[20:]}, {("t0", 0)}]
+        shared = coord.tables.read_shared(man, needs)
+        assert counting.calls["get_ranges"] == 1 and len(counting.reads) == 1  # the segment whole, once
+        assert all(len(s) == 1 for s in shared)
+        seg_id, head, blocks = shared[1][0]
+        assert seg_id == man.segments[0].id and blocks
+
+        # adopted: the other handle resolves rank 1's shards without reading the segment
+        theirs = CountingStore(other.tables.store)
+        other.tables.store = theirs
+        other.tables.adopt(man, shared[1])
+        got = other.tables.resolve(man, sorted(needs[1]))
+        assert theirs.calls["get_ranges"] == 0 and set(got) == needs[1]
+        with ckptstore.open(url) as fresh:
+            assert got == fresh.tables.resolve(man, sorted(needs[1]))  # the same records as a read
+
+        # a flipped byte in a block, or a header that is not the root's, is refused and not kept
+        with ckptstore.open(url) as third:
+            b, data = blocks[0]
+            bad = bytearray(data)
+            bad[7] ^= 1
+            with pytest.raises(FormatError):
+                third.tables.adopt(man, [(seg_id, head, [(b, bytes(bad))])])
+            with pytest.raises(FormatError):
+                third.tables.adopt(man, [(seg_id, head[:-1] + bytes([head[-1] ^ 1]), blocks)])
+            assert third.tables._blocks.get((seg_id, b)) is None

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import torch
 
 from ckptstore.dcp.exchange import Exchanger, RankReadError, Round
-from ckptstore.tier.replicas import Replicator, peer_fill
+from ckptstore.dcp.replicas import Replicator, peer_fill
 from ckptstore.tier.cache import Tier
 
 from .fake_comm import run_ranks

@@ -503,3 +503,20 @@ def test_executor_expire_bookkeeping_deletes_only_what_the_plan_named(tmp_path):
     repo.store.put("leases/" + "f" * 32 + ".json", b'{"step": 3}')  # a saver that started after planning
     _Executor(plan, repo, lambda *a: None).expire_bookkeeping()
     assert [o.key for o in repo.store.list("leases/")] == ["leases/" + "f" * 32 + ".json"]
+
+
+def test_a_handle_forgets_what_it_cached_of_steps_another_handle_s_gc_deleted(tmp_path):
+    # issue 44 item 3: a handle saving every step beside a keep_last GC kept every manifest it
+    # wrote (and their segments' headers) up to manifest_cache_bytes: RSS grew with the run
+    import ckptstore
+
+    url = str(tmp_path / "repo")
+    with ckptstore.open(url) as saver, ckptstore.open(url) as collector:
+        for s in range(1, 21):
+            saver.save({"w": torch.full((64,), float(s)), "b": torch.zeros(8)}, step=s)
+            if s % 5 == 0:
+                collector.plan_gc(keep_last=2).execute()
+                assert saver.latest() == s  # a listing: what the store no longer lists is forgotten
+                assert set(saver._manifests.keys()) <= {s - 1, s}, saver._manifests.keys()
+                assert set(collector._tombstones.keys()) <= set(collector.tombstone_keys())
+        assert torch.equal(saver.load(19)["w"], torch.full((64,), 19.0))

@@ -96,6 +96,48 @@ def test_one_listing_and_one_read_of_shared_metadata_per_job(s3, proxy, tmp_path
         assert _gets(proxy, key) <= 2 * len(ranks)  # a header and a block of records each
 
 
+def _segments_of(url_so, step: int, keys) -> set[str]:
+    """The keys (under ``run/``) of the chunk-table segments holding tensors ``keys`` of ``step``."""
+    import ckptstore
+    from ckptstore.format.layout import segment_key
+
+    with ckptstore.open(URL, storage_options=url_so) as repo:
+        m = repo.manifest(step)
+        out = set()
+        for k in keys:
+            for row in m.tensors[k].tables():
+                out.add("run/" + segment_key(m.segments[int(row[0])].id))
+        return out
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "every-rank-reads-its-own"])
+def test_a_restart_reads_every_object_several_ranks_need_once_per_job(s3, proxy, tmp_path, exchange):
+    # issue 44 item 4: what several ranks of a job need (the newest step, the root, the config,
+    # and the chunk-table segments their reads share) is read by one rank, once, and shared
+    so = _per_rank(s3, proxy)
+    _ok(run_job(WORLD, URL, [("save", 1), ("save", 2)], so, tmp_path))
+    proxy.clear()
+    options = {} if exchange else {"exchange_replicated": False}
+    _ok(run_job(WORLD, URL, [("load", None)], so, tmp_path, expect=2, options=options))
+    gets: dict[str, int] = {}
+    for r in proxy.requests(match(kind="GET")):
+        if not r.injected and not r.key.startswith("run/packs/"):
+            gets[r.key] = gets.get(r.key, 0) + 1
+    readers = _readers(proxy, "run/")
+    readers = {k: v for k, v in readers.items() if not k.startswith("run/packs/")}
+    assert proxy.counts()["LIST"] == 1
+    # every metadata object is read by one rank of the job, never by two
+    assert readers and all(len(ranks) == 1 for ranks in readers.values()), readers
+    # ... and once: the root and the config; a segment a single rank needs, as its header and a block
+    assert gets["run/manifests/00000000000000000002.json"] == 1 and gets["run/config.json"] == 1, gets
+    assert all(n <= 2 for n in gets.values()), gets
+    if not exchange:
+        # every rank loads the int and the replicated tensor itself: their segments are needed by
+        # all 4 ranks (each read 4 times before, a header and a block each), now read once, whole
+        everyone = _segments_of(s3.storage_options, 2, ["step", "replicated.weight"])
+        assert everyone and all(gets.get(k) == 1 for k in everyone), (everyone, gets)
+
+
 def test_under_a_request_rate_cap_save_and_restore_complete_with_at_most_half_throttled(s3, proxy, tmp_path):
     so = _per_rank(s3, proxy)
     bucket = proxy.rate_limit(6.0)  # requests a second, all ranks together; 503 SlowDown above it

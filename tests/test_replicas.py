@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from ckptstore.tier.replicas import Transfer, nodes_of, plan_peer_fill, replica_peers
+from ckptstore.dcp.replicas import Transfer, nodes_of, plan_peer_fill, replica_peers
 from ckptstore.testing import free_port
 
 from .helpers import spawn

@@ -19,7 +19,7 @@ from ckptstore.repo.repository import Repository
 from ckptstore.storage import open_store
 from ckptstore.storage.faults import FaultStore
 from ckptstore.testing import free_port
-from ckptstore.tier.writeback import WriteBackError
+from ckptstore.repo.writeback import WriteBackError
 
 from .crash_child import CHILD_OPTS, build_state
 from .helpers import SMALL, assert_tree_equal, spawn

@@ -21,7 +21,7 @@ from ckptstore.cli.main import main as cli
 from ckptstore.repo.repository import Repository
 from ckptstore.storage import open_store
 from ckptstore.storage.faults import FaultStore
-from ckptstore.tier.writeback import TierNotWritableError
+from ckptstore.repo.writeback import TierNotWritableError
 
 from .helpers import SMALL
 from .wb_exit_child import state
@@ -83,7 +83,7 @@ def test_steps_that_cannot_commit_at_exit_are_named_with_the_command_that_commit
 
 
 def test_a_closed_handle_and_a_handle_with_nothing_pending_say_nothing_at_exit(tmp_path):
-    from ckptstore.tier import writeback
+    from ckptstore.repo import writeback
 
     url = str(tmp_path / "repo")
     with ckptstore.open(url, cache_dir=tmp_path / "tier", write_back=True, **SMALL) as repo:

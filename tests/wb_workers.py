@@ -28,7 +28,7 @@ def state(rank: int, step: int) -> dict:
 
 
 def _gate(tmp: str):
-    from ckptstore.tier.writeback import WriteBack
+    from ckptstore.repo.writeback import WriteBack
 
     real = WriteBack._upload
 

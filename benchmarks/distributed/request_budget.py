@@ -22,7 +22,8 @@ per job, :mod:`ckptstore.dcp.shared`); each rank's grow with its own share
 only (its packs: a PUT, or a multipart upload of ``part_size`` parts, and a
 HEAD each; its chunk-table segment: a PUT and a HEAD; on restore a header
 and a block of its segment, and its boxes' chunks coalesced into ranges of
-at most ``max_request``). The model is printed beside the measurement at
+at most ``max_request``; a segment more than one rank needs is read once,
+whole, by the coordinator and handed to them, issue 44). The model is printed beside the measurement at
 ``ranks`` and must come within 10% of it for every kind; then it is evaluated at 1,000 ranks (1 GiB a
 rank, 64 tensors, a quarter changed a save), beside what the same job sent
 before issue 33 (every rank listing the store and reading the root and the
@@ -166,13 +167,19 @@ def model(ranks: int, rank_bytes: int, tensors: int, changed: float = 0.25, *, p
                               pack_size=pack_size, max_request=max_request)
     coord = Counter(LIST=1, HEAD=1, GET=2)
     every = Counter(GET=2 + data)  # a header and a block of its segment, then its boxes
-    # the int every rank loads and the replicated tensor: one rank each reads their records and chunks
-    owners = Counter(GET=(2 + 1) * (2 if extra_bytes else 1))
+    # the int every rank loads and the replicated tensor: one rank each (its owner in the exchange)
+    # reads their chunks; the segment holding each, which its writer reads too, is read once for the
+    # job by the coordinator, whole (issue 44: one GET, where the owner and the writer read a header
+    # and a block each)
+    n_own = 2 if extra_bytes else 1
+    owners = Counter(GET=n_own * (1 + 1))
     if before:
         coord = Counter()
         every = Counter(LIST=1, HEAD=1, GET=2 + 2 + tensors + 3)  # root, config, segment, a GET a box, the int
         owners = Counter(GET=3 * ranks) if extra_bytes else Counter()  # the replicated tensor: every rank
     out["restore"] = coord + owners + sum((every for _ in range(ranks)), Counter())
+    if not before:
+        out["restore"]["GET"] -= 2 * n_own  # the writers' own header and block of those segments
     return out
 
 

@@ -219,7 +219,7 @@ def budget_run(mode: str, seed: int, saves: int, tmp: str) -> dict:
 def refusal_check(seed: int, tmp: str) -> dict:
     """Write-back with a state dict whose raw size is over cache_size: refused before anything is written."""
     import ckptstore
-    from ckptstore.tier.writeback import WriteBackError
+    from ckptstore.repo.writeback import WriteBackError
 
     url, cache = os.path.join(tmp, "repo-refuse"), os.path.join(tmp, "tier-refuse")
     layout = dict(BUDGET, nbytes=1 * MiB)

@@ -39,8 +39,8 @@ from .ids import split_checkpoint_id
 from .metadata import build_manifest, metadata_from_manifest
 from .exchange import RankReadError
 
-#: Names of the writer and the reader, imported on first use: the node-local tier's replicas
-#: (:mod:`ckptstore.tier.replicas`) use :mod:`.exchange`, and the writer and reader use them.
+#: Names of the writer and the reader, imported on first use, so that importing
+#: ``ckptstore.dcp`` for its ids or metadata helpers stays cheap.
 _LAZY = {"CkptStoreReader": "reader", "ExchangeOptions": "reader", "CkptStoreWriter": "writer",
          "RankWriteError": "writer", "balance_save_plans": "writer"}
 

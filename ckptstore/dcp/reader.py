@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import io
+import logging
 import math
 import os
 import warnings
@@ -33,7 +34,7 @@ from ..format.manifest import Manifest
 from ..repo.reader import Checkpoint
 from ..repo.repository import Repository
 from ..repo.repository import open as _open
-from ..tier.replicas import peer_fill
+from .replicas import peer_fill
 from ..pipeline.tensors import castable
 from ..format.tree import leaf_values
 from .exchanged import ExchangedRead, _box, _piece_box
@@ -44,6 +45,7 @@ from .shared import dcp_job, pack, unpack
 
 
 MiB = 1 << 20
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +83,9 @@ class _ReadPlan:
     step: int
     exchange: Exchange | None  # None: every item is read directly (no collective in read_data)
     peer: bool = False  # every rank has a tier: fill each node's from the others' first (collective)
+    #: Chunk-table segments this rank shares with others, read once by the coordinator
+    #: (``ChunkTables.read_shared``): ``((segment id, header, ((block, bytes), ...)), ...)``.
+    tables: tuple = ()
 
 
 def _region_key(item) -> tuple:
@@ -383,10 +388,57 @@ class CkptStoreReader(StorageReader):
         offers = self._group_offers(plans)
         peer = offers is not None and all(o.tier for o in offers)
         exchanges = self._plan_exchange(plans) if offers is not None and all(o.exchange for o in offers) else None
+        tables = self._shared_tables(plans, exchanges)
         return [
-            dataclasses.replace(p, storage_data=_ReadPlan(i, step, None if exchanges is None else exchanges[i], peer))
+            dataclasses.replace(p, storage_data=_ReadPlan(i, step, None if exchanges is None else exchanges[i], peer,
+                                                          tables[i]))
             for i, p in enumerate(plans)
         ]
+
+    def _shared_tables(self, plans: list[LoadPlan], exchanges) -> list[tuple]:
+        """The chunk-table segments several ranks need, read once here and handed to each in its plan.
+
+        Without this, every rank reads the header and blocks of each segment it touches, and a
+        segment several ranks touch (the one holding what they all load, a box two ranks'
+        reshards share) is read by each (issue 44: 4 reads at an 8-rank restart). A failed read
+        here is not an error: each rank then reads for itself and reports what it finds.
+        """
+        none = [() for _ in plans]
+        if len(plans) < 2 or self._ckpt is None or self._ckpt.manifest.inline:
+            return none
+        try:
+            needs = [self._table_needs(p, None if exchanges is None else exchanges[i], i) for i, p in enumerate(plans)]
+            return self._get_repo().tables.read_shared(self._ckpt.manifest, needs)
+        except Exception as e:  # noqa: BLE001 - the ranks' own reads report it, naming the object
+            log.debug("%s: shared chunk-table read skipped: %s", self._get_repo().url, e)
+            return none
+
+    def _table_needs(self, plan: LoadPlan, ex: Exchange | None, rank: int) -> set[tuple[str, int]]:
+        """The shards whose chunk records rank ``rank``'s ``read_data`` resolves: its direct reads
+        and the exchanged regions it owns, as :meth:`_prepare` and :meth:`_read_exchanged` pick them."""
+        ckpt = self._ckpt
+        man = ckpt.manifest
+        bytes_keys = _bytes_keys(man)
+        exchanged = ex.keys() if ex is not None else set()
+        owned = {p.key for p in ex.owned(rank)} if ex is not None else set()
+        out: set[tuple[str, int]] = set()
+        for item in plan.items:
+            fqn = item.storage_index.fqn
+            entry = man.tensors.get(fqn)
+            if entry is None:
+                continue
+            if item.type == LoadItemType.BYTE_IO:
+                it = _exchangeable(item, man, bytes_keys) if exchanged else None
+                if it is not None and _region_key(it) in exchanged:
+                    if _region_key(it) in owned:
+                        out.add((fqn, ckpt.shard_at(fqn, None)))
+                elif fqn in bytes_keys:
+                    out.update((fqn, i) for i in range(entry.nshards))  # read whole
+                continue
+            key = _region_key(item)
+            if key not in exchanged or key in owned:
+                out.add((fqn, ckpt.shard_at(fqn, item.storage_index.offset)))
+        return out
 
     def _group_offers(self, plans: list[LoadPlan]) -> list[_Offer] | None:
         """Every rank's offer when all of them can take part in collectives over the reader's group."""
@@ -551,6 +603,12 @@ class CkptStoreReader(StorageReader):
         sd = plan.storage_data
         ex = sd.exchange if isinstance(sd, _ReadPlan) else None
         self.last_peer_stats = None
+        if isinstance(sd, _ReadPlan) and sd.tables:
+            try:
+                self._get_repo().tables.adopt(self._ckpt.manifest, sd.tables)
+            except CkptStoreError as e:  # checked like a read: refused bytes are read from the store instead
+                warnings.warn(f"{self._get_repo().url}: chunk-table records received from the coordinator "
+                              f"were refused, reading them from the store: {e}", stacklevel=2)
         if isinstance(sd, _ReadPlan) and sd.peer:
             self._peer_fill(plan, ex)
         if ex is None:

@@ -26,7 +26,7 @@ from ..format.layout import check_step as _check_step
 from ..format.layout import pack_key, segment_key
 from ..repo.repository import Repository
 from ..repo.repository import open as _open
-from ..tier.replicas import ReplicaError, Replicator, replica_group
+from .replicas import ReplicaError, Replicator, replica_group, replicator_for, retire_replica_group
 from ..repo.save import ChunkWriter, StepCommit, dedup_share, discard_uncommitted, pack_usage, write_segment
 from .ids import _is_url, _pick_step, split_checkpoint_id
 from .metadata import _ItemResult, _RankInfo, build_manifest
@@ -268,6 +268,7 @@ class CkptStoreWriter(StorageWriter):
         self.replica_timeout = replica_timeout
         self._replicator: Replicator | None = None
         self._replica_group = None
+        self._replica_error: BaseException | None = None  # of a replicator this writer had to replace
         self._packs_written: dict[str, int] = {}
         self._collective = False  # took part in a save with collectives: flush() is a collective
         self.balance_replicated = bool(balance_replicated)
@@ -405,6 +406,9 @@ class CkptStoreWriter(StorageWriter):
         if rep is not None and rep.tier.root != repo.tier.root:  # another repository: another replicator
             rep.close()
             rep = self._replicator = None
+        elif rep is not None and rep.closed:  # a later writer's replicator took the pooled group over
+            self._replica_error = self._replica_error or rep.flush()  # still reported by flush()
+            rep = self._replicator = None
         if rep is None:
             if not self._collective:
                 if not getattr(self, "_warned_replicas", False):
@@ -414,7 +418,7 @@ class CkptStoreWriter(StorageWriter):
                 return
             if self._replica_group is None:
                 self._replica_group = replica_group(self._group(), self.replica_timeout)
-            rep = self._replicator = Replicator(repo.tier, self._replica_group, repo.url, self.replica_timeout)
+            rep = self._replicator = replicator_for(repo.tier, self._replica_group, repo.url, self.replica_timeout)
             if rep.nodes < 2:
                 warnings.warn(f"{repo.url}: replicas=1, but every rank of the save shares one tier (one node): "
                               "no copies are made", stacklevel=3)
@@ -521,14 +525,23 @@ class CkptStoreWriter(StorageWriter):
                 repo.write_back.flush()
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             failure = e
-        if self._replicator is not None:
-            err = self._replicator.flush()
+        if self._replicator is not None or self._replica_error is not None:
+            err = self._replicator.flush() if self._replicator is not None else None
+            err, self._replica_error = err or self._replica_error, None
             if err is not None and failure is None:
                 failure = ReplicaError(f"{repo.url}: replicas stopped on rank {self.rank}: {err}")
         if self._collective:
             group = self._group()
             xg = Exchanger(group, dist.get_rank(group), None, repo.url, activity="flush", error=CkptStoreError)
-            xg.status(failure, "(CkptStoreWriter.flush)")
+            try:
+                xg.status(failure, "(CkptStoreWriter.flush)")
+            except CkptStoreError:
+                # reported on every rank: every rank stops reusing the replicas' group (a timed-out
+                # gloo group may be unusable), so the next writer makes a new one on all of them
+                if self._replica_group is not None:
+                    retire_replica_group(self._replica_group)
+                    self._replica_group = None
+                raise
         elif failure is not None:
             raise failure
 
@@ -563,7 +576,7 @@ class CkptStoreWriter(StorageWriter):
 
 #: Write-back handles of this process, shared by every CkptStoreWriter with the same
 #: repository and options: their background uploads and commits outlive each writer, and
-#: are finished at interpreter exit (``ckptstore.tier.writeback.finish_at_exit``, as every
+#: are finished at interpreter exit (``ckptstore.repo.writeback.finish_at_exit``, as every
 #: write-back handle's: bounded, or naming the steps left and the command that commits them).
 _WRITE_BACK_HANDLES: dict[str, Repository] = {}
 _WRITE_BACK_LOCK = threading.Lock()

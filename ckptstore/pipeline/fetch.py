@@ -70,7 +70,7 @@ class ChunkFetcher:
         self._lock = threading.Lock()
         #: Stored (compressed) chunk bytes delivered, by where they came from.
         self.read_bytes = {"tier": 0, "peer": 0, "store": 0}
-        #: Packs a peer node's tier sent into this node's tier for a load (:mod:`ckptstore.tier.replicas`):
+        #: Packs a peer node's tier sent into this node's tier for a load (:mod:`ckptstore.dcp.replicas`):
         #: their chunks count as read from a peer.
         self.peer_packs: set[str] = set()
 

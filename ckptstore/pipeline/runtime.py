@@ -119,6 +119,11 @@ class LRUCache(Generic[K, V]):
                 _, (_, ow) = self._items.popitem(last=False)
                 self._weight -= ow
 
+    def keys(self) -> list[K]:
+        """The keys held now, least recently used first."""
+        with self._lock:
+            return list(self._items)
+
     def pop(self, key: K) -> None:
         with self._lock:
             old = self._items.pop(key, None)

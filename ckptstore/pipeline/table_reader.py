@@ -8,6 +8,14 @@ concurrently across segments. Every reference is checked against the
 root: its pack is one the step lists, its bytes lie inside that pack, and
 a shard's records add up to exactly its box's bytes. 1.0 manifests carry
 their chunks inline and pass through untouched.
+
+Segments several ranks of a DCP job need (issue 44) are read once for the
+job: :meth:`ChunkTables.read_shared` reads each one (whole, in one ranged
+GET, when it is small) and returns the bytes of its header and of the
+blocks the ranks need; every rank takes them with :meth:`ChunkTables.adopt`,
+which checks the header against the root's digest and every block against
+the header exactly as a read from the store does, and keeps them for its
+reads, so a rank then reads only what it alone needs.
 """
 
 from __future__ import annotations
@@ -29,6 +37,10 @@ from ..storage.base import ObjectStore
 
 #: Segment headers a handle keeps (3.0: about 100 bytes and 16 a pack; 2.0: also 32 a block).
 HEADER_CACHE_BYTES = 64 << 20
+#: Record blocks another rank read for this one (:meth:`ChunkTables.adopt`) a handle keeps.
+ADOPTED_BLOCK_BYTES = 64 << 20
+#: A segment read for several ranks is read whole, in one request, up to this size.
+WHOLE_SEGMENT_BYTES = 4 << 20
 
 
 class ChunkTables:
@@ -39,6 +51,8 @@ class ChunkTables:
         self.runtime = runtime
         self.tier = tier
         self._headers: LRUCache[str, _ct.SegmentHeader] = LRUCache(HEADER_CACHE_BYTES, lambda h: h.cache_weight)
+        #: ``(segment id, block) -> records``, only blocks another rank read and sent (checked on arrival)
+        self._blocks: LRUCache[tuple[str, int], np.ndarray] = LRUCache(ADOPTED_BLOCK_BYTES, lambda a: a.nbytes + 64)
 
     def _sources(self, segment_id: str) -> list[ObjectStore]:
         """Where to read a segment, nearest first: the node-local tier's copies (a write-back
@@ -79,17 +93,130 @@ class ChunkTables:
         h = self._headers.get(seg.id)
         if h is not None:
             return h
-        where = f"{self.store.url}: step {man.step}: chunk-table segment {seg.id}"
-
-        def parse(datas) -> _ct.SegmentHeader:
-            h = _ct.parse_header(bytes(datas[0]), seg.digest, where)
-            if h.nrecords != seg.records:
-                raise FormatError(f"{where}: holds {h.nrecords} records, the manifest says {seg.records}")
-            return h
-
-        h = self._read_from(seg.id, [(0, seg.header)], parse, where)
+        where = self._where(man, seg)
+        h = self._read_from(seg.id, [(0, seg.header)], lambda datas: _parse_header(bytes(datas[0]), seg, where), where)
         self._headers.put(seg.id, h)
         return h
+
+    def forget(self, segment_ids: Iterable[str]) -> None:
+        """Drop what is cached of these segments (their step was deleted)."""
+        for sid in segment_ids:
+            self._headers.pop(sid)
+
+    def _where(self, man: Manifest, seg: SegmentRef) -> str:
+        return f"{self.store.url}: step {man.step}: chunk-table segment {seg.id}"
+
+    # ------------------------------------------------------------ segments several ranks need
+    def segments_of(self, man: Manifest, wanted: Iterable[tuple[str, int]]) -> dict[int, list[tuple[str, int, int, int]]]:
+        """The segments holding the records of shards ``wanted``: ``{segment: [(key, shard, first, count)]}``
+        (1.0 shards, and shards whose chunks the manifest carries, need none)."""
+        by_seg: dict[int, list[tuple[str, int, int, int]]] = defaultdict(list)
+        for key, i in wanted:
+            t = man.tensors[key]
+            if t.known_chunks(i) is not None:
+                continue
+            seg, first, count = (int(x) for x in t.tables()[i])
+            by_seg[seg].append((key, i, first, count))
+        return by_seg
+
+    def read_shared(self, man: Manifest, needs: list[set[tuple[str, int]]]) -> list[tuple]:
+        """Read once the segments more than one of ``needs`` (one set of shards a rank) touches.
+
+        Returns, per entry of ``needs``, ``((segment id, header bytes, ((block, bytes), ...)), ...)``:
+        the header and the record blocks that rank needs of each shared segment, for
+        :meth:`adopt`. A segment of at most :data:`WHOLE_SEGMENT_BYTES` is read whole in one
+        request; a larger one as its header, then the blocks any of the ranks needs.
+        """
+        if man.inline:
+            return [() for _ in needs]
+        per_rank = [self.segments_of(man, want) for want in needs]
+        readers: dict[int, int] = defaultdict(int)
+        for segs in per_rank:
+            for seg in segs:
+                readers[seg] += 1
+        shared = sorted(seg for seg, n in readers.items() if n > 1)
+        if not shared:
+            return [() for _ in needs]
+        items: dict[int, list] = defaultdict(list)
+        for segs in per_rank:
+            for seg in shared:
+                items[seg] += segs.get(seg, [])
+        got: dict[int, tuple[_ct.SegmentHeader, bytes, dict[int, bytes]]] = {}
+
+        def one(seg: int) -> None:
+            got[seg] = self._read_blocks_raw(man, seg, items[seg])
+
+        if len(shared) == 1:
+            one(shared[0])
+        else:
+            for _ in self.runtime.io.map(one, shared):
+                pass
+        out = []
+        for segs in per_rank:
+            mine = []
+            for seg in shared:
+                if seg not in segs:
+                    continue
+                header, head, blocks = got[seg]
+                want = sorted({b for _, _, f, c in segs[seg] for b in header.blocks_for(f, c)})
+                mine.append((man.segments[seg].id, head, tuple((b, blocks[b]) for b in want)))
+            out.append(tuple(mine))
+        return out
+
+    def _read_blocks_raw(self, man: Manifest, seg: int, items) -> tuple[_ct.SegmentHeader, bytes, dict[int, bytes]]:
+        """A segment's header (parsed, and its bytes) and the bytes of the blocks ``items`` need, from the
+        nearest source; every block checked against the header before it is sent anywhere."""
+        sref = man.segments[seg]
+        where = self._where(man, sref)
+        if sref.size <= WHOLE_SEGMENT_BYTES:
+            def parse_whole(datas):
+                data = bytes(datas[0])
+                return _parse_header(data[: sref.header], sref, where), data
+
+            header, data = self._read_from(sref.id, [(0, sref.size)], parse_whole, where)
+            head = data[: sref.header]
+            fetch = lambda blks: {b: data[slice(*header.block_range(b))] for b in blks}  # noqa: E731
+        else:
+            head, header = self._read_from(
+                sref.id, [(0, sref.header)], lambda datas: (bytes(datas[0]), _parse_header(bytes(datas[0]), sref, where)),
+                where)
+
+            def fetch(blks):
+                ranges = [header.block_range(b) for b in blks]
+                datas = self._read_from(sref.id, ranges, lambda d: [bytes(x) for x in d], where)
+                return dict(zip(blks, datas))
+
+        self._headers.put(sref.id, header)
+        blks = sorted({b for _, _, f, c in items for b in header.blocks_for(f, c)})
+        blocks = fetch(blks)
+        for b in blks:
+            _ct.parse_block(header, b, blocks[b], where)  # never send what this rank would refuse
+        return header, head, blocks
+
+    def adopt(self, man: Manifest, shared) -> None:
+        """Keep segment bytes another rank read (:meth:`read_shared`), after the same checks as a read.
+
+        The header must match the root's digest and every block its header; anything that
+        does not raises :class:`~ckptstore.errors.FormatError` and is not kept (the caller
+        then reads for itself).
+        """
+        by_id = {s.id: s for s in man.segments}
+        for seg_id, head, parts in shared:
+            sref = by_id.get(seg_id)
+            if sref is None:
+                raise FormatError(f"{self.store.url}: step {man.step}: segment {seg_id} received from another rank "
+                                  "is not one the step lists")
+            where = self._where(man, sref) + " (received from another rank)"
+            header = _parse_header(bytes(head), sref, where)
+            blocks = {}
+            for b, data in parts:
+                b = int(b)
+                if not 0 <= b < header.nblocks:
+                    raise FormatError(f"{where}: block {b} received, the segment has {header.nblocks}")
+                blocks[b] = _ct.parse_block(header, b, bytes(data), where)
+            self._headers.put(sref.id, header)
+            for b, recs in blocks.items():
+                self._blocks.put((sref.id, b), recs)
 
     # ------------------------------------------------------------ shards
     def resolve(self, man: Manifest, wanted: Iterable[tuple[str, int]]) -> dict[tuple[str, int], tuple[ChunkRef, ...]]:
@@ -172,6 +299,8 @@ class ChunkTables:
         header = self.header(man, sref)
         where = f"{self.store.url}: step {man.step}: chunk-table segment {sref.id}"
         blocks = sorted({b for _, _, f, c in items for b in header.blocks_for(f, c)})
+        kept = {b: r for b in blocks if (r := self._blocks.get((sref.id, b))) is not None}
+        blocks = [b for b in blocks if b not in kept]  # what another rank sent is not read again
         runs: list[list[int]] = []
         for b in blocks:
             if runs and runs[-1][1] == b - 1:
@@ -190,7 +319,8 @@ class ChunkTables:
                     recs[blk] = _ct.parse_block(header, blk, bytes(mv[lo - base : hi - base]), where)
             return recs
 
-        recs = self._read_from(sref.id, ranges, parse, where)
+        recs = self._read_from(sref.id, ranges, parse, where) if ranges else {}
+        recs.update(kept)
         br = header.block_records
         out = {}
         for key, i, first, count in items:
@@ -224,3 +354,10 @@ class ChunkTables:
                     f"{where}: tensor {key!r}: chunk at [{r.offset}, {r.offset + r.stored_len}) is past the end "
                     f"of pack {r.pack} ({size} bytes)"
                 )
+
+
+def _parse_header(data: bytes, seg: SegmentRef, where: str) -> _ct.SegmentHeader:
+    h = _ct.parse_header(data, seg.digest, where)
+    if h.nrecords != seg.records:
+        raise FormatError(f"{where}: holds {h.nrecords} records, the manifest says {seg.records}")
+    return h

@@ -10,10 +10,12 @@
 - :mod:`.transfer`: export, import, ``cp``, ``diff``;
 - :mod:`.zero`: how a DeepSpeed save is kept in a step (ZeRO consolidation and
   re-partitioning by range reads; torch only, never DeepSpeed);
+- :mod:`.writeback`: write-back saves (durable in the node-local tier first, committed in
+  the store in the background, through ``StepCommit``);
 - :mod:`.repository`: ``Repository``, the public facade, and ``open``.
 
 May import: ``errors``, ``units``, ``clock``, ``progress``, :mod:`ckptstore.storage`,
 :mod:`ckptstore.format`, :mod:`ckptstore.pipeline` and :mod:`ckptstore.tier` (the
-repository uses the tier's write-back); never DCP, the integrations, the testing helpers
+node-local cache, below the pipeline); never DCP, the integrations, the testing helpers
 or the CLI.
 """

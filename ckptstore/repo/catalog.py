@@ -232,9 +232,35 @@ class Catalog:
         """Committed steps, ascending; with ``pending``, also the steps saved with write-back that
         this node's tier holds and the store does not yet (:meth:`pending_steps`)."""
         out = {s for s in (step_of_manifest_key(o.key) for o in self.store.list(MANIFEST_PREFIX)) if s is not None}
+        self._drop_deleted(out)
         if pending:
             out.update(self.pending_steps())
         return sorted(out)
+
+    def _drop_deleted(self, listed: set[int]) -> None:
+        """Forget cached manifests of steps the store no longer lists (deleted, by this handle or
+        another's GC): a handle saving every step for weeks next to a ``keep_last`` GC would
+        otherwise keep every manifest it wrote, up to ``manifest_cache_bytes`` (issue 44).
+        Steps newer than the newest listed (committed since) and pending ones are kept."""
+        if not listed:
+            return
+        top = max(listed)
+        stale = [s for s in self._manifests.keys() if s not in listed and s < top]
+        if stale:
+            keep = set(self.pending_steps())
+            for s in stale:
+                if s not in keep:
+                    m = self._manifests.get(s)
+                    self._manifests.pop(s)
+                    if m is not None and not m.inline:
+                        self.tables.forget(seg.id for seg in m.segments)
+
+    def forget_tombstones(self, listed) -> None:
+        """Forget cached tombstones the store no longer lists (expired: GC removed them)."""
+        listed = set(listed)
+        for key in self._tombstones.keys():
+            if key not in listed:
+                self._tombstones.pop(key)
 
     def latest(self, pending: bool = False) -> int | None:
         """The newest committed step (with ``pending``, pending ones too), or None in an empty

@@ -322,6 +322,47 @@ def plan_gc(
         warnings.warn("plan_gc(now=) is deprecated: pass clock= (a Clock or a function returning "
                       "seconds since the epoch)", DeprecationWarning, stacklevel=2)
     now = gclock.time() if now is None else now
+    g = _check_grace(repo, grace)
+    policy = _policy(keep_last, keep_every, keep_within, keep_tags, keep_steps)
+    state = _read_state(repo, now, gclock)
+    tags = repo.tags()
+    keep = select_steps(state.steps, tags, policy, now)
+    delete = [s for s in sorted(state.steps) if s not in keep]
+    live_leases, stale_leases, stale_markers = _leases(repo, state, g)
+    garbage = _plan_garbage(repo, state, g, keep, delete, live_leases)
+    repack_list: tuple[PackUse, ...] = ()
+    if repack and garbage.stats["stored_bytes"] and garbage.stats["partial_dead_share"] > repack_threshold:
+        # Only packs old enough that no in-flight save is still writing or
+        # committing against them in a way GC cannot see.
+        repack_list = tuple(sorted((u for u in garbage.partial if state.age(u.mtime) > g), key=lambda u: u.pack))
+    uploads = _abandoned_uploads(repo, state, g, live_leases)
+    expired = tuple(k for k, t in state.tombstones.items() if state.age(t) > g)
+    return GCPlan(
+        url=repo.url,
+        created=now,
+        grace=g,
+        policy=policy,
+        keep_steps=keep,
+        delete_steps=tuple(delete),
+        delete_packs=tuple(garbage.delete_packs),
+        young_packs=tuple(garbage.young),
+        protected_packs=tuple(garbage.protected),
+        delete_segments=tuple(garbage.delete_segments),
+        repack=repack_list,
+        abort_uploads=tuple(uploads),
+        expired_tombstones=expired,
+        stale_leases=stale_leases,
+        stale_markers=stale_markers,
+        live_leases=live_leases,
+        stats=garbage.stats,
+        tags=dict(tags),
+        repo=repo,
+        clock=gclock,
+    )
+
+
+def _check_grace(repo: Catalog, grace: str | float | None) -> float:
+    """The grace period a plan uses: the repository's unless a longer one is asked for."""
     repo_grace = repo.grace()
     g = repo_grace if grace is None else parse_duration(grace)
     if g < repo_grace:
@@ -329,26 +370,46 @@ def plan_gc(
             f"grace {g:.0f} s is shorter than the repository's grace period ({repo_grace:.0f} s), "
             "which savers rely on; use at least that"
         )
+    return g
+
+
+def _policy(keep_last, keep_every, keep_within, keep_tags, keep_steps) -> RetentionPolicy:
     if isinstance(keep_tags, (list, tuple, set, frozenset)):
         keep_tags = tuple(sorted(keep_tags))
-    policy = RetentionPolicy(
+    return RetentionPolicy(
         keep_last=keep_last,
         keep_every=keep_every,
         keep_within=parse_duration(keep_within),
         keep_tags=keep_tags if isinstance(keep_tags, (bool, tuple)) else tuple(keep_tags),
         keep_steps=tuple(int(s) for s in keep_steps),
     )
-    state = _read_state(repo, now, gclock)
-    tags = repo.tags()
-    keep = select_steps(state.steps, tags, policy, now)
-    delete = [s for s in sorted(state.steps) if s not in keep]
 
-    # Live leases: savers in flight. Their fresh packs are protected by the
-    # age rule; keeping the newest step keeps their likely dedup base.
+
+def _leases(repo: Catalog, state: "_State", g: float) -> tuple[tuple, tuple, tuple]:
+    """Live leases (savers in flight), stale leases, and stale upload markers.
+
+    Live savers' fresh packs are protected by the age rule; keeping the newest
+    step keeps their likely dedup base.
+    """
     live_leases = tuple(k for k, t in state.leases.items() if state.age(t) <= g)
     stale_leases = tuple(k for k, t in state.leases.items() if state.age(t) > g)
     stale_markers = tuple(o.key for o in repo.store.list(UPLOAD_PREFIX) if state.age(o.mtime) > g)
+    return live_leases, stale_leases, stale_markers
 
+
+@dataclass
+class _Garbage:
+    """What no kept step references: the packs and segments to delete, and the space figures."""
+
+    delete_packs: list
+    young: list
+    protected: list
+    delete_segments: list
+    stats: dict
+    partial: list
+
+
+def _plan_garbage(repo: Catalog, state: "_State", g: float, keep, delete, live_leases) -> _Garbage:
     # Steps deleted by this run will be tombstoned; while live leases exist
     # their packs stay protected (execute re-checks).
     view = repo.relocations.view()
@@ -359,42 +420,13 @@ def plan_gc(
         itertools.chain(_protecting_tombstones(repo, state, g), _step_refs(repo, delete if live_leases else ())),
         state.packs, state.relocations,
     )
-
     delete_packs, young, protected = _classify_packs(state, live, prot, g)
     delete_segments = [
         (sid, size) for sid, (size, mtime) in sorted(state.segments.items())
         if sid not in live.segments and sid not in prot.segments and state.age(mtime) > g
     ]
     stats, partial = _space(state, live, kept_stats)
-    repack_list: tuple[PackUse, ...] = ()
-    if repack and stats["stored_bytes"] and stats["partial_dead_share"] > repack_threshold:
-        # Only packs old enough that no in-flight save is still writing or
-        # committing against them in a way GC cannot see.
-        repack_list = tuple(sorted((u for u in partial if state.age(u.mtime) > g), key=lambda u: u.pack))
-    uploads = _abandoned_uploads(repo, state, g, live_leases)
-    expired = tuple(k for k, t in state.tombstones.items() if state.age(t) > g)
-    return GCPlan(
-        url=repo.url,
-        created=now,
-        grace=g,
-        policy=policy,
-        keep_steps=keep,
-        delete_steps=tuple(delete),
-        delete_packs=tuple(delete_packs),
-        young_packs=tuple(young),
-        protected_packs=tuple(protected),
-        delete_segments=tuple(delete_segments),
-        repack=repack_list,
-        abort_uploads=tuple(uploads),
-        expired_tombstones=expired,
-        stale_leases=stale_leases,
-        stale_markers=stale_markers,
-        live_leases=live_leases,
-        stats=stats,
-        tags=dict(tags),
-        repo=repo,
-        clock=gclock,
-    )
+    return _Garbage(delete_packs, young, protected, delete_segments, stats, partial)
 
 
 def _classify_packs(state: "_State", live, prot, g: float):

@@ -75,6 +75,7 @@ def _step_refs(cat: Catalog, steps: Iterable[int], stats: dict | None = None) ->
 def _read_state(cat: Catalog, now: float, clock: Clock | None = None) -> _State:
     leases = cat.leases()
     tombstones = cat.tombstone_keys()
+    cat.forget_tombstones(tombstones)  # expired ones: a GC running for weeks keeps only the listed
     packs = {pid: (o.size, o.mtime) for pid, o in cat.packs().items()}
     segments = {sid: (o.size, o.mtime) for sid, o in cat.segments().items()}
     relocs = cat.relocated_packs()

@@ -29,7 +29,7 @@ from .reader import Checkpoint, TensorMeta, load_step, open_checkpoint
 from .async_save import AsyncSaver
 from .save import StepInfo, flatten_for_save, save_step
 from ..storage.base import ObjectStore
-from ..tier.writeback import EXIT_TIMEOUT, WRITE_BACK_STEPS, WriteBack, flush_on_signal
+from .writeback import EXIT_TIMEOUT, WRITE_BACK_STEPS, WriteBack, flush_on_signal
 
 __all__ = ["Repository", "Checkpoint", "StepInfo", "TensorMeta", "open"]
 
@@ -272,7 +272,7 @@ def open(url: str, storage_options: dict | None = None, **options) -> Repository
         always, False never (``docs/tier.md``); ``write_back=True`` (with a
         ``cache_dir``): a save returns once the step is durable in the tier
         and is committed in the store in the background, at most
-        ``write_back_steps`` (2) steps pending (:mod:`ckptstore.tier.writeback`); a
+        ``write_back_steps`` (2) steps pending (:mod:`ckptstore.repo.writeback`); a
         handle not closed when the interpreter exits commits its pending steps
         then, waiting at most ``write_back_exit_timeout`` seconds (600; None: no
         limit), or says which it left and the ``ckptstore flush`` command that

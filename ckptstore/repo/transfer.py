@@ -111,6 +111,22 @@ def export_safetensors(
     ckpt = open_checkpoint(repo, step)
     man = ckpt.manifest
     view = _consolidated_view(ckpt)
+    keys, all_keys, entries, readers = _export_selection(ckpt, view, step, keys_glob)
+    hbytes, total = _export_header(man, step, keys, all_keys, entries, consolidated=view is not None)
+    if view is None:
+        def blocks(k):
+            return (ckpt.read(k, b) for b in _row_blocks(man.tensors[k]))
+    else:
+        def blocks(k):
+            return [readers[k]()]
+    _write_export(Path(out_path), hbytes, keys, blocks, total, step, progress)
+    return {"path": str(out_path), "step": man.step, "tensors": len(keys), "bytes": total}
+
+
+def _export_selection(ckpt, view, step: int, keys_glob):
+    """The tensors an export writes: ``(keys, all_keys, {key: (dtype name, shape)}, {key: read})``."""
+    man = ckpt.manifest
+    readers: dict = {}
     if view is None:
         keys = all_keys = ckpt.keys()
         entries = {k: (man.tensors[k].dtype, man.tensors[k].shape) for k in keys}
@@ -123,6 +139,11 @@ def export_safetensors(
         keys = [k for k in keys if any(fnmatch.fnmatchcase(k, p) for p in pats)]
         if not keys:
             raise KeyError(f"step {step}: no tensor matches {', '.join(pats)}")
+    return keys, all_keys, entries, readers
+
+
+def _export_header(man, step: int, keys, all_keys, entries, consolidated: bool) -> tuple[bytes, int]:
+    """The safetensors header of an export (padded to 8 bytes) and its data bytes; refuses what it cannot hold."""
     names = _safetensors_dtypes()
     header: dict[str, Any] = {}
     pos = 0
@@ -139,10 +160,9 @@ def export_safetensors(
         nbytes = _m.itemsize(dtype_name) * math.prod(shape)
         header[k] = {"dtype": names[dt], "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
         pos += nbytes
-    total = pos
-    values = {k: v for k, (v, _) in leaf_values(man.tree).items()} if view is None else {}
+    values = {k: v for k, (v, _) in leaf_values(man.tree).items()} if not consolidated else {}
     meta = {"step": man.step, "metadata": man.metadata, "values": values}
-    if view is not None:
+    if consolidated:
         meta["consolidated"] = "deepspeed"
     elif len(keys) == len(all_keys):
         meta["tree"] = man.tree
@@ -155,8 +175,11 @@ def export_safetensors(
     }
     hbytes = json.dumps(header, separators=(",", ":")).encode("utf-8")
     hbytes += b" " * (-len(hbytes) % 8)
+    return hbytes, pos
 
-    out_path = Path(out_path)
+
+def _write_export(out_path: Path, hbytes: bytes, keys, blocks, total: int, step: int, progress) -> None:
+    """Stream the file to a temporary name, check it with ``safe_open``, rename it into place."""
     tmp = out_path.with_name(f".{out_path.name}.{uuid.uuid4().hex[:8]}.tmp")
     done = 0
     try:
@@ -165,8 +188,7 @@ def export_safetensors(
             f.write(hbytes)
             progress("export bytes", 0, total)
             for k in keys:
-                blocks = (ckpt.read(k, b) for b in _row_blocks(man.tensors[k])) if view is None else [readers[k]()]
-                for t in blocks:
+                for t in blocks(k):
                     if t.numel():
                         f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
                         done += t.numel() * t.element_size()
@@ -188,7 +210,6 @@ def export_safetensors(
         except OSError:
             pass
         raise
-    return {"path": str(out_path), "step": man.step, "tensors": len(keys), "bytes": total}
 
 
 def _consolidated_view(ckpt):

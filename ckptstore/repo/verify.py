@@ -87,7 +87,29 @@ def verify(cat: Catalog, step: int | None = None, read_data: bool = False, progr
         cat.config()
     except CkptStoreError as e:
         problems.append(Problem("config", str(e)))
+    steps = _steps_to_check(cat, step, problems)
+    manifests = {}
+    for s in steps:
+        try:
+            manifests[s] = cat.manifest(s)
+        except CkptStoreError as e:
+            problems.append(Problem("manifest", str(e), step=s))
+    users, packs_seen = _check_packs(cat, manifests, problems)
+    chunks_checked = 0
+    if read_data and users:
+        chunks_checked = _read_chunks(cat, users, problems, progress)
+    return VerifyReport(
+        url=cat.url,
+        steps=tuple(steps),
+        packs_checked=len(packs_seen),
+        chunks_checked=chunks_checked,
+        read_data=read_data,
+        problems=tuple(sorted(problems, key=lambda p: (p.step if p.step is not None else -1, p.kind, p.tensor or "", p.offset or 0))),
+    )
 
+
+def _steps_to_check(cat: Catalog, step: int | None, problems: list[Problem]) -> list[int]:
+    """The step asked for, or every step with a manifest (an unparsable manifest name is a problem)."""
     if step is None:
         steps = []
         for info in cat.manifest_objects():
@@ -99,17 +121,16 @@ def verify(cat: Catalog, step: int | None = None, read_data: bool = False, progr
     else:
         steps = [step]
     steps.sort()
+    return steps
 
-    manifests = {}
-    for s in steps:
-        try:
-            manifests[s] = cat.manifest(s)
-        except CkptStoreError as e:
-            problems.append(Problem("manifest", str(e), step=s))
 
+def _check_packs(cat: Catalog, manifests: dict, problems: list[Problem]) -> tuple[dict[ChunkRef, tuple[int, str]], set[str]]:
+    """Every referenced pack is there with its recorded size, or relocated.
+
+    Returns the unique chunks, each with the first ``(step, tensor)`` that uses it,
+    and the packs seen.
+    """
     stored = {pid: o.size for pid, o in cat.packs().items()}
-
-    # Unique chunks, with the first (step, tensor) that uses each.
     users: dict[ChunkRef, tuple[int, str]] = {}
     relocs = cat.relocations.view()
     packs_seen: set[str] = set()
@@ -143,40 +164,34 @@ def verify(cat: Catalog, step: int | None = None, read_data: bool = False, progr
                     reported.add(c.pack)
                 packs_seen.add(ref.pack)
                 users.setdefault(ref, (s, key))
+    return users, packs_seen
 
-    chunks_checked = 0
-    if read_data and users:
-        items = list(users)
-        total = len(items)
-        done = [0]
-        lock = threading.Lock()  # chunks are delivered from several threads
 
-        def count() -> None:
-            with lock:
-                done[0] += 1
-                progress("chunks", done[0], total)
+def _read_chunks(cat: Catalog, users: dict[ChunkRef, tuple[int, str]], problems: list[Problem], progress) -> int:
+    """Read every unique chunk from the store and check its hash; each failure is a problem. Returns the count."""
+    items = list(users)
+    total = len(items)
+    done = [0]
+    lock = threading.Lock()  # chunks are delivered from several threads
 
-        def deliver(i: int, raw, stored) -> None:
-            count()
+    def count() -> None:
+        with lock:
+            done[0] += 1
+            progress("chunks", done[0], total)
 
-        def on_error(i: int, err: Exception) -> None:
-            r = items[i]
-            s, key = users[r]
-            with lock:
-                problems.append(Problem("chunk", str(err), step=s, tensor=key, pack=r.pack, offset=r.offset))
-            count()
+    def deliver(i: int, raw, stored) -> None:
+        count()
 
-        fetcher = cat.fetcher
-        if fetcher.tier is not None:
-            # The object store is what is verified, not this node's copies of it.
-            fetcher = ChunkFetcher(cat.store, cat.runtime, cat.options, cat.relocations)
-        fetcher.fetch(items, deliver, lambda i: "", on_error=on_error)
-        chunks_checked = total
-    return VerifyReport(
-        url=cat.url,
-        steps=tuple(steps),
-        packs_checked=len(packs_seen),
-        chunks_checked=chunks_checked,
-        read_data=read_data,
-        problems=tuple(sorted(problems, key=lambda p: (p.step if p.step is not None else -1, p.kind, p.tensor or "", p.offset or 0))),
-    )
+    def on_error(i: int, err: Exception) -> None:
+        r = items[i]
+        s, key = users[r]
+        with lock:
+            problems.append(Problem("chunk", str(err), step=s, tensor=key, pack=r.pack, offset=r.offset))
+        count()
+
+    fetcher = cat.fetcher
+    if fetcher.tier is not None:
+        # The object store is what is verified, not this node's copies of it.
+        fetcher = ChunkFetcher(cat.store, cat.runtime, cat.options, cat.relocations)
+    fetcher.fetch(items, deliver, lambda i: "", on_error=on_error)
+    return total

@@ -5,7 +5,7 @@ shares one tier, concurrently and across restarts (``docs/tier.md``)::
 
     <cache_dir>/
       TIER                         "ckptstore.tier.cache 1": what this folder is
-      NODE                         a random id naming this tier to its peers (ckptstore.tier.replicas)
+      NODE                         a random id naming this tier to its peers (ckptstore.dcp.replicas)
       repos/<key>/                 one repository: key = BLAKE3 of its canonical URL (32 hex digits)
         repo.json                  {"url": ...} (for people and `ckptstore cache ls`)
         packs/<id[:2]>/<id>.pack   whole packs a save wrote (write-through), byte for byte the store's
@@ -468,7 +468,7 @@ RANK_RECORD_NAME = re.compile(r"^([0-9]{20})\.rank([0-9]{1,9})\.json$")
 
 
 class PendingSteps:
-    """The pending steps of one repository in a tier (``pending/``); see :mod:`ckptstore.tier.writeback`.
+    """The pending steps of one repository in a tier (``pending/``); see :mod:`ckptstore.repo.writeback`.
 
     A pending record is written last, fsynced and renamed into place, after
     the step's packs and segment are fsynced in the tier: it is the step's

@@ -42,11 +42,12 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CkptStoreError
-from ..dcp.exchange import Exchanger
+from .exchange import Exchanger
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ReplicaError", "Replicator", "peer_fill", "plan_peer_fill", "replica_peers", "nodes_of", "Transfer"]
+__all__ = ["ReplicaError", "Replicator", "peer_fill", "plan_peer_fill", "replica_peers", "nodes_of", "Transfer",
+           "replica_group", "replicator_for", "retire_replica_group"]
 
 _TAG_LEN, _TAG_HEADER, _TAG_WANTED, _TAG_DATA = 1, 2, 3, 16
 
@@ -273,6 +274,8 @@ class Replicator:
 
     def submit(self, step: int, packs: dict[str, int]) -> None:
         """Queue one save's replicas (``packs``: id -> bytes this rank wrote; may be empty)."""
+        if self._closed:
+            raise ReplicaError(f"{self.where}: this replicator was closed; make a new one")
         if not self.active:
             return
         with self._cond:
@@ -289,6 +292,21 @@ class Replicator:
                 self._cond.wait()
             err, self._error = self._error, None
         return err
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def retire(self) -> None:
+        """Send what was queued, then stop the thread (a newer replicator took the group over);
+        a failure stays to be reported by :meth:`flush`."""
+        with self._cond:
+            while self._jobs or self._busy:
+                self._cond.wait()
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
 
     def close(self) -> None:
         err = self.flush()
@@ -373,11 +391,62 @@ class Replicator:
         self.stats["steps"] += 1
 
 
+#: The replicas' gloo groups of this process, by (members, timeout): one per set of ranks, reused
+#: by every writer (torchtitan makes a writer a save: a group each made a new gloo group a save,
+#: and groups accumulated over a run; issue 44). Retired only when a failure was reported on
+#: every rank (:func:`retire_replica_group`, from the writer's collective ``flush``).
+_GROUPS: dict[tuple, object] = {}
+#: The replicator last built over each pooled group: a new writer's waits for it first, so that
+#: two replicators never send over one group at once.
+_LAST: dict[int, "Replicator"] = {}
+_GROUPS_LOCK = threading.Lock()
+
+
 def replica_group(group, timeout=None):
-    """A gloo group of ``group``'s members for the replicas' background transfers (collective on them)."""
+    """The gloo group of ``group``'s members for the replicas' background transfers.
+
+    Made once per set of members and timeout in a process (collective on the members the first
+    time: every rank of a save asks at the same save, so every rank makes it or finds it), then
+    reused by every later writer on the same ranks.
+    """
     import datetime
 
-    ranks = dist.get_process_group_ranks(group)
+    ranks = tuple(dist.get_process_group_ranks(group))
+    key = (ranks, timeout)
+    with _GROUPS_LOCK:
+        got = _GROUPS.get(key)
+    if got is not None:
+        return got
     kw = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
-    return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True, **kw)
+    made = dist.new_group(ranks=list(ranks), backend="gloo", use_local_synchronization=True, **kw)
+    with _GROUPS_LOCK:
+        _GROUPS[key] = made
+    return made
 
+
+def replicator_for(tier, group, where: str, timeout: float | None = None) -> "Replicator":
+    """A new :class:`Replicator` over a pooled ``group``, once the previous one over it has sent
+    everything it was given and stopped (every rank waits for its own: their transfers pair up)."""
+    with _GROUPS_LOCK:
+        prev = _LAST.get(id(group))
+    if prev is not None:
+        prev.retire()  # its thread ends: one replicator thread per group, however many writers
+    rep = Replicator(tier, group, where, timeout)
+    with _GROUPS_LOCK:
+        _LAST[id(group)] = rep
+    return rep
+
+
+def retire_replica_group(group) -> None:
+    """Stop reusing ``group`` (a failure on it was reported on every rank): the next writer makes a new one."""
+    with _GROUPS_LOCK:
+        for key, g in list(_GROUPS.items()):
+            if g is group:
+                del _GROUPS[key]
+        _LAST.pop(id(group), None)
+
+
+def pooled_groups() -> int:
+    """How many replica groups this process holds (for soak checks)."""
+    with _GROUPS_LOCK:
+        return len(_GROUPS)

@@ -45,13 +45,13 @@ import weakref
 from dataclasses import dataclass
 
 from ..format import manifest as _m
-from ..repo.catalog import Catalog
+from .catalog import Catalog
 from ..errors import CkptStoreError, ObjectNotFoundError, PackVanishedError, StorageError
 from ..format.layout import UPLOAD_FORMAT, manifest_key, pack_key, segment_key, upload_key, upload_of_key, upload_prefix
 from ..format.manifest import Manifest, SegmentRef
-from ..repo.save import StepCommit
+from .save import StepCommit
 from ..storage.upload import ParallelUploader
-from .cache import PendingSteps, is_pending_file, tier_files
+from ..tier.cache import PendingSteps, is_pending_file, tier_files
 from ..units import human_bytes as _human
 
 log = logging.getLogger(__name__)
