@@ -27,7 +27,7 @@ from ..format.layout import pack_key, segment_key
 from ..repo.repository import Repository
 from ..repo.repository import open as _open
 from ..tier.replicas import ReplicaError, Replicator, replica_group
-from ..repo.save import ChunkWriter, StepCommit, dedup_share, discard_uncommitted, pack_usage, write_segment
+from ..repo.save import ChunkWriter, StepCommit, dedup_share, discard_uncommitted, pack_usage, tile_for, write_segment
 from .ids import _is_url, _pick_step, split_checkpoint_id
 from .metadata import _ItemResult, _RankInfo, build_manifest
 from .shared import Job, dcp_job, pack, unpack
@@ -616,9 +616,11 @@ def write_rank(repo: Repository, step: int, rank: int, base_step: int | None, it
     pending = []
     handed_over = False
     segments: list[str] = []  # the chunk table this rank wrote (deleted if the rank fails)
+    base_man = repo.manifest(base_step) if base_step is not None else None
     try:
         for item in items:
             data = resolve(item)
+            tile = None
             if item.type == WriteItemType.BYTE_IO:
                 buf = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
                 t = torch.frombuffer(bytearray(buf), dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
@@ -626,11 +628,15 @@ def write_rank(repo: Repository, step: int, rank: int, base_step: int | None, it
             else:
                 t = data
                 is_bytes = False
-            refs = writer.add(t)
-            pending.append((item, is_bytes, t.numel() * t.element_size(), refs))
+                # Tiles from the global shape, anchored at this item's box: every rank cuts its shard
+                # of a tensor with the same grid, aligned to its shard (DTensor placements).
+                if item.tensor_data is not None and tuple(t.shape) == tuple(item.tensor_data.chunk.sizes):
+                    tile = tile_for(repo.options, item.index.fqn, item.tensor_data.size, t.dtype, base_man)
+            refs = writer.add(t, tile=tile)
+            pending.append((item, is_bytes, t.numel() * t.element_size(), refs, tile))
         packs = writer.finish()
         builder = TableBuilder()
-        runs = [builder.extend(refs) for _, _, _, refs in pending]
+        runs = [builder.extend(refs) for _, _, _, refs, _ in pending]
         segment = write_segment(repo, builder, store=target, written=segments) if pending else None
         if wb is not None and pending:
             # This rank's local commit: uploaded, then marked done in the store, in the background.
@@ -650,7 +656,7 @@ def write_rank(repo: Repository, step: int, rank: int, base_step: int | None, it
     stats = writer.stats(packs)
     if segment is not None:
         stats["segment_bytes"] = segment.size
-    all_refs = [c for _, _, _, refs in pending for c in refs]
+    all_refs = [c for _, _, _, refs, _ in pending for c in refs]
     sizes = dict(packs)
     base = repo.cached_manifest(base_step) if base_step is not None else None
     for c in all_refs:
@@ -658,7 +664,7 @@ def write_rank(repo: Repository, step: int, rank: int, base_step: int | None, it
             sizes[c.pack] = base.packs[c.pack] if base is not None and c.pack in base.packs else None
     info = _RankInfo(rank, segment, sizes, pack_usage(all_refs, writer.packs.counts, base), stats)
     results = []
-    for n, ((item, is_bytes, nbytes, refs), (first, count)) in enumerate(zip(pending, runs)):
+    for n, ((item, is_bytes, nbytes, refs, tile), (first, count)) in enumerate(zip(pending, runs)):
         results.append(
             WriteResult(
                 index=item.index,
@@ -671,6 +677,7 @@ def write_rank(repo: Repository, step: int, rank: int, base_step: int | None, it
                     count=count,
                     stored=sum(c.stored_len for c in refs),
                     info=info if n == 0 else None,
+                    tile=tile,
                 ),
             )
         )

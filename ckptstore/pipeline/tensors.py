@@ -10,6 +10,23 @@ MiB = 1 << 20
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """A byte view of a tensor's data, copying only when it must."""
+    t = host_tensor(t)
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def tile_bytes(t: torch.Tensor, offsets, sizes) -> memoryview:
+    """The C-order bytes of the box of a host tensor (from :func:`host_tensor`) at ``offsets`` of
+    ``sizes``: a view where the box is contiguous in ``t``, else one strided copy."""
+    sub = t[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))]
+    if sub.numel() == 0:
+        return memoryview(b"")
+    return memoryview(sub.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def host_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor with ``t``'s values (conj/neg bits resolved), copying only when it must."""
     t = t.detach()
     if t.device.type != "cpu":
         t = to_host(t)
@@ -19,9 +36,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
         t = t.resolve_neg()
     if not t.is_contiguous():
         t = t.contiguous()
-    if t.numel() == 0:
-        return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return t
 
 
 def to_host(t: torch.Tensor, slice_bytes: int = 64 * MiB) -> torch.Tensor:

@@ -65,6 +65,7 @@ from ..format.layout import (
     safety_margin,
     segment_key,
 )
+from ..format import tiles as _tiles
 from ..format.manifest import (
     MAX_PACK_RANGES,
     ChunkRef,
@@ -80,7 +81,7 @@ from ..pipeline.pack_writer import PackWriter, part_window
 from ..progress import Counter
 from ..progress import callback as progress_callback
 from ..storage.upload import ParallelUploader
-from ..pipeline.tensors import tensor_bytes
+from ..pipeline.tensors import host_tensor, tensor_bytes, tile_bytes
 from ..format.tree import flatten, tree_keys
 
 log = logging.getLogger(__name__)
@@ -158,6 +159,25 @@ def dedup_share(cat: Catalog, base_step: int | None, boxes) -> dict[str, ChunkRe
         for c in chunks:
             refs.setdefault(c.hash, c)
     return refs
+
+
+def tile_for(options, key: str, shape, dtype: torch.dtype, base: Manifest | None) -> tuple[int, ...] | None:
+    """The tile shape tensor ``key`` is saved with (None: row-major runs).
+
+    A tensor the dedup base holds with the same shape and dtype keeps the base's layout, tiles or
+    runs, so that its unchanged chunks are the base's (an unchanged tensor stores no new bytes,
+    also in a repository written before tiles); any other is tiled by
+    :func:`~ckptstore.format.tiles.choose_tile` when ``options.tiles`` allows.
+    """
+    shape = tuple(int(n) for n in shape)
+    name = _m.dtype_name(dtype)
+    if base is not None:
+        b = base.tensors.get(key)
+        if b is not None and b.shape == shape and b.dtype == name:
+            return b.tile
+    if not options.tiles:
+        return None
+    return _tiles.choose_tile(shape, dtype.itemsize, options.chunk_size)
 
 
 def pack_usage(refs, counts: dict[str, int], base: Manifest | None = None) -> dict[str, PackUsage]:
@@ -469,16 +489,26 @@ class ChunkWriter:
             "pack_bytes": sum(packs.values()),
         }
 
-    def add(self, t: torch.Tensor, known: list | None = None) -> list:
+    def add(self, t: torch.Tensor, known: list | None = None, tile: tuple[int, ...] | None = None) -> list:
         """Queue a tensor's chunks; ``known[j]``, where given, is the reference of chunk ``j`` found
-        unchanged (byte for byte) since the dedup base: taken without hashing if the base holds it."""
-        mv = tensor_bytes(t)
+        unchanged (byte for byte) since the dedup base: taken without hashing if the base holds it.
+
+        With ``tile`` (format 4.0), the chunks are the tensor's tiles of that shape, in C order of
+        the grid (:mod:`ckptstore.format.tiles`), each copied out of the tensor as it is queued;
+        ``known`` (row-major blocks) does not apply to them."""
+        if tile is not None:
+            host = host_tensor(t)
+            shape = tuple(host.shape)
+            pieces = (tile_bytes(host, *_tiles.tile_extent(shape, tile, pos)) for pos in _tiles.positions(shape, tile))
+            known = None
+        else:
+            mv = tensor_bytes(t)
+            cs = self.o.chunk_size
+            pieces = (mv[off : off + cs] for off in range(0, len(mv), cs))
         dtype = str(t.dtype).removeprefix("torch.")
-        self.logical += len(mv)
         refs: list = []
-        cs = self.o.chunk_size
-        for j, off in enumerate(range(0, len(mv), cs)):
-            piece = mv[off : off + cs]
+        for j, piece in enumerate(pieces):
+            self.logical += len(piece)
             ref = known[j] if known is not None and j < len(known) else None
             if ref is not None and ref.raw_len == len(piece) and self.base.get(ref.hash) is not None:
                 fut = cf.Future()
@@ -656,21 +686,24 @@ def _save_step(cat: Catalog, tree, tensors, step: int, metadata: dict, base, rep
             on_bytes = Counter(report, "save bytes", sum(t.numel() * t.element_size() for t in tensors.values())).add
         writer = ChunkWriter(cat, dedup_index(cat, base_step), on_bytes, store=target)
         same = known.for_base(base_step, cat.options.chunk_size) if known is not None else {}
-        entries: dict[str, tuple[torch.Tensor, list]] = {}
+        entries: dict[str, tuple[torch.Tensor, list, tuple | None]] = {}
+        base_man = cat.manifest(base_step) if base_step is not None else None
         try:
             for key in tree_keys(tree):
                 t = tensors[key]
-                entries[key] = (t, writer.add(t, same.get(key)))
+                tile = tile_for(cat.options, key, t.shape, t.dtype, base_man)
+                entries[key] = (t, writer.add(t, same.get(key), tile), tile)
             writer.drain()
             # The chunk table goes out while the last pack is completed; the
             # manifest naming both is created only once both are verified.
             builder = TableBuilder()
             te = {}
-            for key, (t, refs) in entries.items():
+            for key, (t, refs, tile) in entries.items():
                 shape = tuple(t.shape)
                 first, count = builder.extend(refs)
                 te[key] = TensorEntry(key, _m.dtype_name(t.dtype), shape,
-                                      (Shard((0,) * len(shape), shape, tuple(refs), TableRef(0, first, count)),))
+                                      (Shard((0,) * len(shape), shape, tuple(refs), TableRef(0, first, count)),),
+                                      tile=tile)
             seg = write_segment(cat, builder, store=target, written=segments)
             packs = writer.finish()
         except PackVanishedError as e:
@@ -692,7 +725,7 @@ def _save_step(cat: Catalog, tree, tensors, step: int, metadata: dict, base, rep
             base_step=base_step,
             stats=stats,
             segments=(seg,),
-            pack_use=pack_usage((c for _, refs in entries.values() for c in refs), writer.packs.counts,
+            pack_use=pack_usage((c for _, refs, _ in entries.values() for c in refs), writer.packs.counts,
                                 cat.cached_manifest(base_step) if base_step is not None else None),
         )
         if wb is not None:
@@ -703,7 +736,7 @@ def _save_step(cat: Catalog, tree, tensors, step: int, metadata: dict, base, rep
         if cat.tier is not None:
             cat.tier.note_step(commit.step, packs)  # eviction takes the newest steps' packs last
         if refs_out is not None:
-            refs_out.update((key, refs) for key, (_, refs) in entries.items())
+            refs_out.update((key, refs) for key, (_, refs, _) in entries.items())
     except BaseException as e:
         # Not committed here (and, write-back, not recorded as pending): what it uploaded goes now.
         if (writer is not None and not handed_over and commit.uncommitted(e)
