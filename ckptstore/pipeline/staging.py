@@ -25,6 +25,7 @@ through its methods (``entry``, ``read_box``, ``largest_chunks``, ``meeting``,
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 from dataclasses import dataclass
@@ -132,8 +133,21 @@ def plan_tile_blocks(tile: Sequence[int], itemsize: int, box: _plan.Box, limit: 
         start, _, step = b
         return (start + a * step, start + (z - 1) * step + 1, step)
 
+    def pieces(lead: tuple, lead_out: tuple) -> Iterator[Block]:
+        # One tile larger than a block: element rows of it, the last dimension in pieces.
+        per = max(1, limit // itemsize)
+        for js in itertools.product(*(range(_plan.box_len(b)) for b in lead[:-1])):
+            fixed = tuple(sub(b, j, j + 1) for b, j in zip(lead[:-1], js))
+            fixed_out = tuple(slice(o.start + j, o.start + j + 1) for o, j in zip(lead_out[:-1], js))
+            n = _plan.box_len(lead[-1])
+            for c in range(0, n, per):
+                e = min(n, c + per)
+                yield Block(fixed + (sub(lead[-1], c, e),),
+                            fixed_out + (slice(lead_out[-1].start + c, lead_out[-1].start + e),))
+
     def rec(d: int, lead: tuple, lead_out: tuple) -> Iterator[Block]:
-        rest = itemsize * math.prod(_plan.box_len(b) for b in box[d + 1 :])
+        thick = math.prod(_plan.box_len(b) for b in lead)  # the dims before d, a tile thick each
+        rest = itemsize * thick * math.prod(_plan.box_len(b) for b in box[d + 1 :])
         groups = _tile_groups(box[d], int(tile[d]))
         i = 0
         while i < len(groups):
@@ -141,10 +155,7 @@ def plan_tile_blocks(tile: Sequence[int], itemsize: int, box: _plan.Box, limit: 
             if (z - a) * rest > limit:
                 here = lead + (sub(box[d], a, z),)
                 out = lead_out + (slice(a, z),)
-                if d + 1 < nd:
-                    yield from rec(d + 1, here, out)
-                else:
-                    yield Block(here, out)
+                yield from rec(d + 1, here, out) if d + 1 < nd else pieces(here, out)
                 i += 1
                 continue
             j = i + 1

@@ -185,7 +185,7 @@ class Checkpoint:
         ``on_bytes(n)`` is called (from several threads) as ``n`` more bytes
         of the destinations are filled.
         """
-        keys, refs, targets, rest, tiled = [], [], [], [], []
+        keys, refs, targets, rest, whole = [], [], [], [], []
         checked = {key: self._check_dest(key, dest) for key, dest in dests.items()}
         self.prefetch(checked)
         for key, dest in dests.items():
@@ -200,11 +200,9 @@ class Checkpoint:
                 continue
             if dest.numel() == 0:
                 continue
-            if e.tile is not None:  # its tiles, each decoded in place or copied into place
-                tiled.append((e, self.shards(key, [0])[0], tuple((0, n, 1) for n in e.shape), dest.detach()))
-                continue
-            view = byte_view(dest.detach())
             (shard,) = self.shards(key, [0])
+            whole.append((e, shard, tuple((0, n, 1) for n in e.shape), dest.detach()))
+            view = byte_view(dest.detach())
             for start, c in zip(shard.chunk_starts(), shard.chunks):
                 keys.append(key)
                 refs.append(c)
@@ -218,10 +216,13 @@ class Checkpoint:
             into(i)[:] = np.frombuffer(raw, dtype=np.uint8, count=len(raw))
 
         done = None if on_bytes is None else (lambda i: on_bytes(refs[i].raw_len))
-        self.repo.fetcher.fetch(refs, deliver, lambda i: f"{self.repo.url}: step {self.step}: tensor {keys[i]!r}: ",
-                                into=into, done=done)
-        if tiled:
-            self.read_shards(tiled, on_bytes)
+        if any(job[0].tile is not None for job in whole):
+            # Tiles among them: every tensor as a job of one fetch (a tile lands by its own rule, and
+            # no range is read twice by two fetches whose gaps overlap).
+            self.read_shards(whole, on_bytes)
+        else:
+            self.repo.fetcher.fetch(refs, deliver, lambda i: f"{self.repo.url}: step {self.step}: tensor {keys[i]!r}: ",
+                                    into=into, done=done)
         if rest:
             self._read_staged(rest, dests, on_bytes)
 
@@ -315,7 +316,11 @@ class Checkpoint:
         small tensors) cost a few range requests, not one or more each. A tiled shard's job reads
         only the tiles its box meets (:class:`~ckptstore.repo.tile_read.TileRead`). ``on_bytes(n)``:
         as in :meth:`read_many_into`, ``n`` raw bytes of chunks were read (from several threads)."""
-        plans = [TileRead(*job) if job[0].tile is not None else _ShardRead(self, *job) for job in jobs]
+        pool = None
+        if any(job[0].tile is not None for job in jobs):
+            o = self.repo.options
+            pool = self.repo.runtime.buffers("tiles", o.chunk_size, keep=o.workers + 2, zeroed=False)
+        plans = [TileRead(*job, pool) if job[0].tile is not None else _ShardRead(self, *job) for job in jobs]
         refs, owner = [], []
         for j, plan in enumerate(plans):
             refs += plan.refs
@@ -335,10 +340,14 @@ class Checkpoint:
             if on_bytes is not None:
                 on_bytes(refs[i].raw_len)
 
-        self.repo.fetcher.fetch(
-            refs, deliver, lambda i: f"{self.repo.url}: step {self.step}: tensor {plans[owner[i][0]].e.key!r}: ",
-            into=into, done=done,
-        )
+        try:
+            self.repo.fetcher.fetch(
+                refs, deliver, lambda i: f"{self.repo.url}: step {self.step}: tensor {plans[owner[i][0]].e.key!r}: ",
+                into=into, done=done,
+            )
+        finally:
+            for plan in plans:
+                plan.release()
         for plan in plans:
             plan.finish()
 
@@ -391,6 +400,9 @@ class _ShardRead:
         self.span = (span_lo, span_hi)
 
     def done(self, k: int) -> None:
+        pass
+
+    def release(self) -> None:
         pass
 
     def into(self, k: int):

@@ -42,7 +42,7 @@ class TileRead:
     ``refs`` (the tiles it meets), ``into(k)`` (where tile ``k`` decodes), ``done(k)`` (its copy
     into place, once verified) and ``finish()``."""
 
-    def __init__(self, e: TensorEntry, shard: Shard, local, target: torch.Tensor):
+    def __init__(self, e: TensorEntry, shard: Shard, local, target: torch.Tensor, pool=None):
         self.e, self.shard, self.local, self.target = e, shard, local, target
         stored = _m.DTYPES[e.dtype]
         self.stored_dtype = stored
@@ -60,7 +60,8 @@ class TileRead:
                     and not target.is_neg())
         self.staged = not in_place
         self.dest = target.detach() if in_place else torch.empty(tuple(target.shape), dtype=stored)
-        self.scratch: dict[int, torch.Tensor] = {}
+        self.pool = pool  # reusable tile-sized buffers (a BufferPool), or None
+        self.scratch: dict[int, tuple] = {}
         self._lock = threading.Lock()
 
     def into(self, k: int):
@@ -71,17 +72,39 @@ class TileRead:
             sub = self.dest[out_sl]
             if sub.is_contiguous():
                 return byte_view(sub)
-        buf = torch.empty(tsz, dtype=self.stored_dtype)
+        # A reused buffer (no fresh memory per tile), given back once the tile is in place.
+        n = self.refs[k].raw_len
+        pooled = self.pool is not None and n <= self.pool.size
+        raw = self.pool.get() if pooled else bytearray(n)
         with self._lock:
-            self.scratch[k] = buf
-        return byte_view(buf)
+            old = self.scratch.pop(k, None)  # a first try (the node-local tier) that missed
+            self.scratch[k] = (raw, pooled)
+        if old is not None and old[1]:
+            self.pool.put(old[0])
+        return memoryview(raw)[:n]
 
     def done(self, k: int) -> None:
         with self._lock:
-            buf = self.scratch.pop(k, None)
-        if buf is not None:
-            _, tile_sl, out_sl = self.parts[k]
-            self.dest[out_sl].copy_(buf[tile_sl])
+            got = self.scratch.pop(k, None)
+        if got is None:
+            return
+        raw, pooled = got
+        try:
+            tsz, tile_sl, out_sl = self.parts[k]
+            n = self.refs[k].raw_len
+            tile = torch.frombuffer(raw, dtype=torch.uint8, count=n).view(self.stored_dtype).view(tsz)
+            self.dest[out_sl].copy_(tile[tile_sl])
+        finally:
+            if pooled:
+                self.pool.put(raw)
+
+    def release(self) -> None:
+        """Give back the buffers of tiles that never completed (a failed read)."""
+        with self._lock:
+            left, self.scratch = list(self.scratch.values()), {}
+        for raw, pooled in left:
+            if pooled:
+                self.pool.put(raw)
 
     def deliver(self, k: int, raw) -> None:  # pragma: no cover - every tile has a destination
         raise AssertionError("a tile read decodes every tile into a destination")
