@@ -23,14 +23,15 @@ def _write(out_dir: str, rank: int, doc: dict) -> None:
         json.dump(doc, f)
 
 
-def reshard_load_worker(rank, world, port, url, so, step, tensors, dim, out_dir):
+def reshard_load_worker(rank, world, port, url, so, step, tensors, dim, out_dir, opts=None):
     """Load ``tensors`` (name -> path of the full value, a ``torch.save`` file of the test) into
-    DTensors ``Shard(dim)``; report whether each local shard is bit-exact and the pack bytes read."""
+    DTensors ``Shard(dim)``; report whether each local shard is bit-exact and the pack bytes read.
+    ``opts``: the reader's repository options (``coalesce_gap=0``: the bytes read are those asked for)."""
     mesh = _init(rank, world, port)
     try:
         full = {k: torch.load(p, weights_only=True) for k, p in tensors.items()}
         sd = {k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(dim)]) for k, v in full.items()}
-        reader = _CountingReader(url, step=step, storage_options=so)
+        reader = _CountingReader(url, step=step, storage_options=so, **(opts or {}))
         dcp.load(sd, storage_reader=reader)
         bad = [k for k, v in sd.items() if not torch.equal(v.to_local(), full[k].chunk(world, dim)[rank])]
         store = reader._repo.store
