@@ -5,8 +5,10 @@ vocab 32000: about 440 MiB at 2 layers, values from a seeded ``torch.randn``) is
 fresh local repository with ``tiles=False`` (row-major runs, the layout before format 4.0) and
 with the default (tiles), alternately, ``--rounds`` times. Reported per layout (medians): save
 wall and CPU seconds, ``repo.load`` wall and CPU seconds (and ``load(into=...)`` of contiguous
-tensors), the compression ratio of the save, and the pack bytes read (``coalesce_gap=0``) by a
-1/8 column slice and a 1/8 row slice of every 2-D tensor, as a fraction of their stored bytes.
+tensors), the compression ratio of the save, the pack bytes read (``coalesce_gap=0``) by a
+1/8 column slice and a 1/8 row slice of every 2-D tensor, as a fraction of their stored bytes,
+and by rank 0 of TP=2 and TP=8 under Llama's plan (``o_proj``/``down_proj`` along dim 1, the
+other matrices along dim 0, norms whole), as a fraction of the step's stored bytes.
 Ratios (tiles / runs) come from the same run on the same machine.
 
     nice -n 10 python -m benchmarks.micro.tiles [--layers 2] [--rounds 3] [--dir DIR] [--json OUT]
@@ -82,6 +84,17 @@ def one_round(sd: dict, root: Path, tiles: bool) -> dict:
                 ix = index(sd[k].shape)
                 assert torch.equal(ck.read(k, ix), sd[k][ix])
             out[name] = sum(e - s for key, s, e in store.reads if key.startswith("packs/")) / stored
+        # A tensor-parallel rank under Llama's plan (o_proj, down_proj split along dim 1, every other
+        # matrix along dim 0, norms whole): its pack bytes, as a fraction of the step's stored bytes.
+        everything = sum(ck.tensor_meta(k).stored_bytes for k in sd)
+        for tp in (2, 8):
+            store.reset()
+            for k, v in sd.items():
+                dim = None if v.dim() == 1 else (1 if ("o_proj" in k or "down_proj" in k) else 0)
+                ix = None if dim is None else tuple(
+                    slice(0, v.shape[d] // tp) if d == dim else slice(None) for d in range(v.dim()))
+                assert torch.equal(ck.read(k, ix), v if ix is None else v[ix])
+            out[f"tp{tp}_rank0"] = sum(e - s for key, s, e in store.reads if key.startswith("packs/")) / everything
     return out
 
 
@@ -107,7 +120,7 @@ def main(argv=None) -> dict:
     print(f"{total / MiB:.0f} MiB bf16, {a.rounds} rounds, medians (runs = tiles=False, as before format 4.0)")
     print(f"{'':16}{'runs':>12}{'tiles':>12}{'tiles/runs':>12}")
     for k in ("save_s", "save_cpu_s", "load_s", "load_cpu_s", "load_into_s", "load_into_cpu_s", "ratio",
-              "chunks", "col_1_8", "row_1_8"):
+              "chunks", "col_1_8", "row_1_8", "tp2_rank0", "tp8_rank0"):
         r, t = med[False][k], med[True][k]
         print(f"{k:16}{r:12.4g}{t:12.4g}{(t / r if r else float('nan')):12.3f}")
     result = {"bytes": total, "rounds": a.rounds, "median": {str(k): v for k, v in med.items()},
