@@ -300,3 +300,20 @@ def test_dcp_reshard_between_dims_on_2_ranks_reads_each_ranks_share(tmp_path, sa
         assert doc["bad"] == []
         # its half of each tensor, read from the halves the other split stored: ~ half the step
         assert doc["packs"] <= 1.25 * 0.5 * stored + 2 * 2 * CHUNK * ratio, (r, doc["packs"], stored)
+
+
+def test_an_async_save_reuses_the_tiles_its_snapshot_found_unchanged(tmp_path):
+    w = _tensor((256, 384))
+    with ckptstore.Repository(open_store(str(tmp_path / "r")), chunk_size=CHUNK) as repo:
+        first = repo.save({"w": w}, step=1, blocking=False).result(timeout=120)
+        tile = repo.manifest(1).tensors["w"].tile
+        assert tile is not None and first.unchanged_chunks == 0
+        ntiles = T.count(w.shape, tile)
+        again = repo.save({"w": w}, step=2, blocking=False).result(timeout=120)
+        assert again.unchanged_chunks == ntiles and again.new_bytes == 0  # none hashed, none stored
+        w[200, 10] += 1.0  # one element: its tile, and the tiles whose byte span shares its block
+        third = repo.save({"w": w}, step=3, blocking=False).result(timeout=120)
+        assert 0 < third.unchanged_chunks < ntiles
+        assert third.new_bytes == math.prod(tile) * 4  # only the edited tile is new
+        for step, want in ((2, _tensor((256, 384))), (3, w)):
+            assert torch.equal(repo.load(step)["w"], want)

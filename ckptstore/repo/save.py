@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import dataclasses
 import errno
 import json
 import logging
@@ -434,6 +435,18 @@ class StepCommit:
 
 
 # ==================================================================== chunk pipeline
+class _Length:
+    """Stands for the bytes of a chunk found unchanged (never read): only its length is used."""
+
+    __slots__ = ("n",)
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+
 def _in_buffer(piece, buf: bytearray) -> bool:
     """Whether ``piece`` (a buffer) points into ``buf``'s memory."""
     if not isinstance(piece, (memoryview, np.ndarray)):
@@ -494,29 +507,33 @@ class ChunkWriter:
         unchanged (byte for byte) since the dedup base: taken without hashing if the base holds it.
 
         With ``tile`` (format 4.0), the chunks are the tensor's tiles of that shape, in C order of
-        the grid (:mod:`ckptstore.format.tiles`), each copied out of the tensor as it is queued;
-        ``known`` (row-major blocks) does not apply to them."""
+        the grid (:mod:`ckptstore.format.tiles`), each copied out of the tensor as it is queued
+        (a tile ``known`` unchanged is not copied); ``known[j]`` is then tile ``j``'s reference."""
         if tile is not None:
             host = host_tensor(t)
             shape = tuple(host.shape)
-            pieces = (tile_bytes(host, *_tiles.tile_extent(shape, tile, pos)) for pos in _tiles.positions(shape, tile))
-            known = None
+            isz = host.element_size()
+            lengths = _tiles.tile_lengths(shape, tile, isz).tolist()
+            extents = (_tiles.tile_extent(shape, tile, pos) for pos in _tiles.positions(shape, tile))
+            pieces = (lambda ext=ext: tile_bytes(host, *ext) for ext in extents)
         else:
             mv = tensor_bytes(t)
             cs = self.o.chunk_size
-            pieces = (mv[off : off + cs] for off in range(0, len(mv), cs))
+            lengths = [min(cs, len(mv) - off) for off in range(0, len(mv), cs)]
+            pieces = (lambda off=off: mv[off : off + cs] for off in range(0, len(mv), cs))
         dtype = str(t.dtype).removeprefix("torch.")
         refs: list = []
-        for j, piece in enumerate(pieces):
-            self.logical += len(piece)
+        for j, (n, make) in enumerate(zip(lengths, pieces)):
+            self.logical += n
             ref = known[j] if known is not None and j < len(known) else None
-            if ref is not None and ref.raw_len == len(piece) and self.base.get(ref.hash) is not None:
+            if ref is not None and ref.raw_len == n and self.base.get(ref.hash) is not None:
                 fut = cf.Future()
                 fut.set_result((ref.hash, None, None, None))
                 self.unchanged_chunks += 1
-                self.pending.append((piece, fut, refs, dtype))
-                self.pending_bytes += len(piece)
+                self.pending.append((_Length(n), fut, refs, dtype))
+                self.pending_bytes += n
                 continue
+            piece = make()
             while self.pending and self.pending_bytes + len(piece) > self.lookahead:
                 self._drain_one()
             fut = self.cpu.submit(self._prepare, piece, dtype)
@@ -627,7 +644,7 @@ def save_step(cat: Catalog, tree, tensors: dict[str, torch.Tensor], step: int, m
 
     ``known``: chunks an async save found unchanged since its previous step
     (:class:`KnownChunks`), used only if that step is this save's dedup base.
-    ``refs_out``: filled with each tensor's chunk references once saved.
+    ``refs_out``: filled with each tensor's ``(chunk references, tile shape or None)`` once saved.
     """
     report, close = progress_callback(progress)
     report = report if progress not in (None, False) else None
@@ -654,15 +671,21 @@ def save_step(cat: Catalog, tree, tensors: dict[str, torch.Tensor], step: int, m
 class KnownChunks:
     """Chunks of an async save's tensors whose bytes equal those of step ``step``'s chunks
     (:mod:`ckptstore.pipeline.snapshot`): ``refs[key][j]`` is chunk ``j``'s reference there, or None
-    (changed, or not compared). Valid only for ``chunk_size`` chunks and for a save whose dedup base is
-    ``step``: :meth:`for_base` says."""
+    (changed, or not compared), ``tiles[key]`` the tile shape those chunks were cut in (None: runs).
+    Valid only for ``chunk_size`` chunks, for a save whose dedup base is ``step`` (:meth:`for_base`
+    says) and for a tensor cut the same way again (:meth:`of`)."""
 
     step: int
     chunk_size: int
     refs: dict
+    tiles: dict = dataclasses.field(default_factory=dict)
 
-    def for_base(self, base_step: int | None, chunk_size: int) -> dict:
-        return self.refs if base_step == self.step and chunk_size == self.chunk_size else {}
+    def for_base(self, base_step: int | None, chunk_size: int) -> "KnownChunks | None":
+        return self if base_step == self.step and chunk_size == self.chunk_size else None
+
+    def of(self, key: str, tile) -> list | None:
+        """``refs[key]`` if the tensor is cut in ``tile`` again, else None."""
+        return self.refs.get(key) if self.tiles.get(key) == tile else None
 
 
 def _save_step(cat: Catalog, tree, tensors, step: int, metadata: dict, base, report, wb,
@@ -685,14 +708,14 @@ def _save_step(cat: Catalog, tree, tensors, step: int, metadata: dict, base, rep
         if report is not None:
             on_bytes = Counter(report, "save bytes", sum(t.numel() * t.element_size() for t in tensors.values())).add
         writer = ChunkWriter(cat, dedup_index(cat, base_step), on_bytes, store=target)
-        same = known.for_base(base_step, cat.options.chunk_size) if known is not None else {}
+        same = known.for_base(base_step, cat.options.chunk_size) if known is not None else None
         entries: dict[str, tuple[torch.Tensor, list, tuple | None]] = {}
         base_man = cat.manifest(base_step) if base_step is not None else None
         try:
             for key in tree_keys(tree):
                 t = tensors[key]
                 tile = tile_for(cat.options, key, t.shape, t.dtype, base_man)
-                entries[key] = (t, writer.add(t, same.get(key), tile), tile)
+                entries[key] = (t, writer.add(t, same.of(key, tile) if same is not None else None, tile), tile)
             writer.drain()
             # The chunk table goes out while the last pack is completed; the
             # manifest naming both is created only once both are verified.
@@ -736,7 +759,7 @@ def _save_step(cat: Catalog, tree, tensors, step: int, metadata: dict, base, rep
         if cat.tier is not None:
             cat.tier.note_step(commit.step, packs)  # eviction takes the newest steps' packs last
         if refs_out is not None:
-            refs_out.update((key, refs) for key, (_, refs, _) in entries.items())
+            refs_out.update((key, (refs, tile)) for key, (_, refs, tile) in entries.items())
     except BaseException as e:
         # Not committed here (and, write-back, not recorded as pending): what it uploaded goes now.
         if (writer is not None and not handed_over and commit.uncommitted(e)
