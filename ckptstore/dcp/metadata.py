@@ -164,8 +164,8 @@ def _tensor_entry(step: int, fqn: str, md, hints: dict, by_offset: dict, ranks: 
         nchunks += sd.count
         tiles.add(tuple(sd.tile) if getattr(sd, "tile", None) is not None else None)
     if len(tiles) > 1:
-        raise FormatError(f"step {step}: tensor {fqn!r}: ranks cut its shards in different tiles {sorted(map(str, tiles))} "
-                          "(ranks with different chunk_size or tiles options?)")
+        raise FormatError(f"step {step}: tensor {fqn!r}: ranks cut its shards in different tiles "
+                          f"{sorted(map(str, tiles))} (ranks with different chunk_size or tiles options?)")
     tile = tiles.pop() if tiles else None
     return TensorEntry(fqn, dtype, shape, offsets=offs, sizes=sizes, tables=tabs, stored_bytes=stored, nchunks=nchunks,
                        tile=tile)

@@ -84,7 +84,8 @@ def count(sizes: Sequence[int], tile: Sequence[int]) -> int:
     return math.prod(grid(sizes, tile))
 
 
-def tile_extent(sizes: Sequence[int], tile: Sequence[int], pos: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def tile_extent(sizes: Sequence[int], tile: Sequence[int],
+                pos: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``(offsets, sizes)`` in the shard of the tile at grid position ``pos``."""
     offs = tuple(int(p) * int(t) for p, t in zip(pos, tile))
     return offs, tuple(min(int(t), int(n) - o) for t, n, o in zip(tile, sizes, offs))
