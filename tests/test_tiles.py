@@ -67,6 +67,8 @@ def test_choose_tile_meets_the_slice_bound_in_every_dimension(shape, itemsize):
     nbytes = math.prod(shape) * itemsize
     assert tile is not None and len(tile) == len(shape)
     assert math.prod(tile) * itemsize <= chunk
+    # a tensor-parallel slice at the eighths of a dimension meets whole tiles
+    assert all(n % 8 or (n // 8) % t == 0 or t % (n // 8) == 0 for n, t in zip(shape, tile)), tile
     for n, t in zip(shape, tile):
         share = max(1, n // 8) / n
         assert T.worst_fraction(n, t) * nbytes <= 1.25 * share * nbytes + 2 * chunk, (shape, tile, n, t)
@@ -74,8 +76,11 @@ def test_choose_tile_meets_the_slice_bound_in_every_dimension(shape, itemsize):
 
 def test_small_and_one_dimensional_tensors_keep_row_major_runs():
     assert T.choose_tile((1 << 24,), 4, 4 << 20) is None  # 64 MiB, 1-D
-    assert T.choose_tile((1024, 2048), 4, 4 << 20) is None  # 8 MiB: two chunks
-    assert T.choose_tile((1024, 2049), 4, 4 << 20) is not None
+    assert T.choose_tile((1024, 2047), 4, 4 << 20) is None  # under 8 MiB (two chunks)
+    assert T.choose_tile((1024, 2048), 4, 4 << 20) == (128, 256)  # 8 MiB: eighths of each dimension
+    assert T.choose_tile((1024, 2048), 4, 16 << 20) == (128, 256)  # from 8 MiB, whatever the chunk size
+    assert T.choose_tile((32, 32), 4, 4096) is None and T.choose_tile((32, 64), 4, 4096) is not None  # 2 chunks
+    assert T.choose_tile((1024, 2048), 4, 1 << 20) == (128, 256)
     assert T.choose_tile((), 4, 4 << 20) is None
 
 

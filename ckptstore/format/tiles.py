@@ -11,8 +11,8 @@ slice along a dimension other than the first.
 :func:`choose_tile` picks the grid from a tensor's shape so that a slice of
 1/8 of any dimension, wherever it starts, reads at most 1.25 times its share
 of the tensor plus two chunks (:func:`worst_fraction` is the bound checked).
-Tensors of fewer than two dimensions or at most :data:`MIN_TILED_CHUNKS` chunks
-keep row-major runs (``None``).
+Tensors of fewer than two dimensions or under :func:`min_tiled_bytes` keep row-major runs
+(``None``).
 
 Pure: shapes in, shapes and indices out.
 """
@@ -24,9 +24,13 @@ from typing import Sequence
 
 import numpy as np
 
-#: A tensor of at most this many chunks keeps row-major runs (any slice of it reads at most
-#: this many chunks, within the bound).
+#: A tensor under this many chunks (or under :data:`TILED_FROM` bytes) keeps row-major runs.
 MIN_TILED_CHUNKS = 2
+#: Tensors from this size are tiled whatever the chunk size (a Llama's 8 MiB q_proj in 4 MiB chunks).
+TILED_FROM = 8 << 20
+#: Tiles are not made smaller than this to align them to a tensor's eighths (nor than 1/32 of a
+#: chunk): smaller ones compress worse and cost more per byte to fetch and decode.
+MIN_TILE_BYTES = 128 << 10
 #: The slice fraction the grid is sized for, and the slack the bound allows.
 SLICE_PARTS = 8
 SHARE_SLACK = 1.25
@@ -43,18 +47,25 @@ def worst_fraction(n: int, t: int, parts: int = SLICE_PARTS) -> float:
     return min(n, touched * t) / n
 
 
+def min_tiled_bytes(chunk_size: int) -> int:
+    """The smallest tensor that is tiled: two chunks, or :data:`TILED_FROM` where chunks are larger."""
+    return min(MIN_TILED_CHUNKS * chunk_size, TILED_FROM)
+
+
 def choose_tile(shape: Sequence[int], itemsize: int, chunk_size: int) -> tuple[int, ...] | None:
     """The tile shape for a tensor of ``shape`` (None: row-major runs, as before format 4.0).
 
     Each dimension gets the largest tile ``ceil(n / 2**k)`` (so that slices at
-    ``n / 2**j`` boundaries meet whole tiles) for which a 1/8 slice of it reads
-    at most :data:`SHARE_SLACK` times its share plus :data:`SLACK_CHUNKS` chunks;
-    then, while a tile holds more than ``chunk_size`` bytes, its largest
-    dimension (the first of equals, so rows stay long) is halved.
+    ``n / 2**j`` boundaries meet whole tiles) for which a 1/8 slice of it, wherever it starts,
+    reads at most :data:`SHARE_SLACK` times its share plus :data:`SLACK_CHUNKS` chunks, and at most
+    ``ceil(n / 8)`` (a slice at the 1/8 boundaries a tensor-parallel plan cuts reads exactly its
+    share) while the tile stays at least :data:`MIN_TILE_BYTES`; then, while a tile holds more
+    than ``chunk_size`` bytes, its largest dimension (the first of equals, so rows stay long) is
+    halved. Tensors of fewer than two dimensions or under :func:`min_tiled_bytes` keep runs.
     """
     shape = tuple(int(n) for n in shape)
     nbytes = math.prod(shape) * itemsize
-    if len(shape) < 2 or chunk_size <= 0 or nbytes <= MIN_TILED_CHUNKS * chunk_size:
+    if len(shape) < 2 or chunk_size <= 0 or nbytes < min_tiled_bytes(chunk_size):
         return None
     allowed_extra = SLACK_CHUNKS * chunk_size / nbytes
     tile = []
@@ -66,6 +77,11 @@ def choose_tile(shape: Sequence[int], itemsize: int, chunk_size: int) -> tuple[i
             k += 1
             t = -(-n // (1 << k))
         tile.append(max(1, t))
+    floor = min(MIN_TILE_BYTES, chunk_size // 32)
+    for d, n in enumerate(shape):  # aligned to the eighths, where tiles stay large enough
+        cap = -(-n // SLICE_PARTS)
+        if cap < tile[d] and math.prod(tile[:d] + [cap] + tile[d + 1 :]) * itemsize >= floor:
+            tile[d] = cap
     while math.prod(tile) * itemsize > chunk_size:
         d = max(range(len(tile)), key=lambda i: (tile[i], -i))
         if tile[d] == 1:
@@ -127,5 +143,5 @@ def meeting(sizes: Sequence[int], tile: Sequence[int], box) -> list[tuple[int, t
     return out
 
 
-__all__ = ["MIN_TILED_CHUNKS", "choose_tile", "count", "grid", "meeting", "positions", "tile_extent",
+__all__ = ["MIN_TILE_BYTES", "MIN_TILED_CHUNKS", "TILED_FROM", "choose_tile", "min_tiled_bytes", "count", "grid", "meeting", "positions", "tile_extent",
            "tile_lengths", "worst_fraction"]

@@ -34,6 +34,7 @@ import dataclasses
 import errno
 import json
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -82,7 +83,7 @@ from ..pipeline.pack_writer import PackWriter, part_window
 from ..progress import Counter
 from ..progress import callback as progress_callback
 from ..storage.upload import ParallelUploader
-from ..pipeline.tensors import host_tensor, tensor_bytes, tile_bytes
+from ..pipeline.tensors import frombuffer_as, host_tensor, int_view, tensor_bytes, tile_bytes
 from ..format.tree import flatten, tree_keys
 
 log = logging.getLogger(__name__)
@@ -447,6 +448,36 @@ class _Length:
         return self.n
 
 
+class _Tile:
+    """One tile of a tensor being saved: its bytes are copied out by :meth:`fill` (on a CPU
+    worker), into a buffer of ``pool`` where there is one (given back by :meth:`release`)."""
+
+    __slots__ = ("host", "a", "isz", "offsets", "sizes", "pool", "n", "piece", "buf")
+
+    def __init__(self, host, a, isz: int, offsets, sizes, pool):
+        self.host, self.a, self.isz, self.offsets, self.sizes, self.pool = host, a, isz, offsets, sizes, pool
+        self.n = math.prod(sizes) * isz
+        self.piece = self.buf = None
+
+    def __len__(self) -> int:
+        return self.n
+
+    def fill(self) -> memoryview:
+        if self.pool is None or not 0 < self.n <= self.pool.size:
+            self.piece = tile_bytes(self.host, self.offsets, self.sizes)
+            return self.piece
+        self.buf = self.pool.get()
+        box = tuple(slice(b, b + k) for b, k in zip(self.offsets, self.sizes))
+        np.copyto(frombuffer_as(self.buf, self.isz, self.sizes), self.a[box])
+        self.piece = memoryview(self.buf)[: self.n]
+        return self.piece
+
+    def release(self) -> None:
+        buf, self.buf, self.piece = self.buf, None, None
+        if buf is not None:
+            self.pool.put(buf)
+
+
 def _in_buffer(piece, buf: bytearray) -> bool:
     """Whether ``piece`` (a buffer) points into ``buf``'s memory."""
     if not isinstance(piece, (memoryview, np.ndarray)):
@@ -489,6 +520,7 @@ class ChunkWriter:
         self.raw_writes: list[cf.Future] = []  # decoded copies being written (they read the caller's memory)
         self._raw_lock = threading.Lock()
         self.scratch = cat.runtime.buffers("scratch", o.chunk_size, self.lookahead // o.chunk_size + o.workers + 1)
+
         self.logical = self.reused = self.new_raw = self.new_stored = 0
         self.new_chunks = self.reused_chunks = self.unchanged_chunks = 0
 
@@ -512,10 +544,9 @@ class ChunkWriter:
         if tile is not None:
             host = host_tensor(t)
             shape = tuple(host.shape)
-            isz = host.element_size()
-            lengths = _tiles.tile_lengths(shape, tile, isz).tolist()
+            lengths = _tiles.tile_lengths(shape, tile, host.element_size()).tolist()
             extents = (_tiles.tile_extent(shape, tile, pos) for pos in _tiles.positions(shape, tile))
-            pieces = (lambda ext=ext: tile_bytes(host, *ext) for ext in extents)
+            pieces = self._tile_pieces(host, tile, extents)
         else:
             mv = tensor_bytes(t)
             cs = self.o.chunk_size
@@ -533,20 +564,37 @@ class ChunkWriter:
                 self.pending.append((_Length(n), fut, refs, dtype))
                 self.pending_bytes += n
                 continue
-            piece = make()
-            while self.pending and self.pending_bytes + len(piece) > self.lookahead:
+            while self.pending and self.pending_bytes + n > self.lookahead:
                 self._drain_one()
+            piece = make()
             fut = self.cpu.submit(self._prepare, piece, dtype)
             self.pending.append((piece, fut, refs, dtype))
             self.pending_bytes += len(piece)
         return refs
 
+    def _tile_pieces(self, host: torch.Tensor, tile, extents):
+        """``make()`` per tile: a :class:`_Tile` whose bytes a CPU worker copies out of the tensor
+        (with NumPy, into a reused buffer of the tile's size where it can: :meth:`_drain_one` gives
+        it back once the pack writer has its bytes)."""
+        a = int_view(host)
+        isz = host.element_size()
+        pool = None
+        if a is not None and self.raw_tier is None:  # a decoded copy in the tier would hold the buffer
+            size = math.prod(min(t, n) for t, n in zip(tile, host.shape)) * isz
+            if size:
+                pool = self.cat.runtime.buffers("tile-copies", size, self.lookahead // size + self.o.workers + 1,
+                                                zeroed=False)
+        for offs, sizes in extents:
+            yield lambda o=offs, z=sizes: _Tile(host, a, isz, o, z, pool)
+
     def _prepare(self, piece, dtype):
-        """Hash and encode one chunk (on a CPU worker).
+        """Hash and encode one chunk (on a CPU worker; a tile is copied out of its tensor first).
 
         Returns ``(hash, codec, pieces, scratch)``; ``scratch`` (or None)
         backs ``pieces`` and goes back to the pool once they are copied out.
         """
+        if isinstance(piece, _Tile):
+            piece = piece.fill()
         h = _codec.hash_bytes(piece)
         if h in self.base or h in self.written:
             return h, None, None, None
@@ -566,7 +614,16 @@ class ChunkWriter:
     def _drain_one(self) -> None:
         piece, fut, refs, dtype = self.pending.popleft()
         self.pending_bytes -= len(piece)
+        try:
+            self._append(piece, fut, refs, dtype)
+        finally:
+            if isinstance(piece, _Tile):  # its bytes are in the pack (or the chunk was a duplicate)
+                piece.release()
+
+    def _append(self, piece, fut, refs, dtype) -> None:
         h, codec, stored, scratch = fut.result()
+        if isinstance(piece, _Tile):
+            piece = piece.piece
         try:
             ref = self.written.get(h) or self.base.get(h)
             if ref is not None:

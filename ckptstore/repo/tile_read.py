@@ -18,7 +18,7 @@ import torch
 from ..format import manifest as _m
 from ..format import tiles as _tiles
 from ..format.manifest import Shard, TensorEntry
-from ..pipeline.tensors import byte_view
+from ..pipeline.tensors import byte_view, frombuffer_as, int_view
 
 
 def _part(box, toff, tsz):
@@ -61,6 +61,7 @@ class TileRead:
         self.staged = not in_place
         self.dest = target.detach() if in_place else torch.empty(tuple(target.shape), dtype=stored)
         self.pool = pool  # reusable tile-sized buffers (a BufferPool), or None
+        self.dest_np = int_view(self.dest)  # the copies into place go through NumPy (None: torch)
         self.scratch: dict[int, tuple] = {}
         self._lock = threading.Lock()
 
@@ -92,8 +93,12 @@ class TileRead:
         try:
             tsz, tile_sl, out_sl = self.parts[k]
             n = self.refs[k].raw_len
-            tile = torch.frombuffer(raw, dtype=torch.uint8, count=n).view(self.stored_dtype).view(tsz)
-            self.dest[out_sl].copy_(tile[tile_sl])
+            src = frombuffer_as(raw, self.stored_dtype.itemsize, tsz) if self.dest_np is not None else None
+            if src is not None:  # NumPy: a memcpy per row, on this (decoding) thread
+                self.dest_np[out_sl] = src[tile_sl]
+            else:
+                tile = torch.frombuffer(raw, dtype=torch.uint8, count=n).view(self.stored_dtype).view(tsz)
+                self.dest[out_sl].copy_(tile[tile_sl])
         finally:
             if pooled:
                 self.pool.put(raw)
