@@ -340,10 +340,12 @@ class Checkpoint:
             if on_bytes is not None:
                 on_bytes(refs[i].raw_len)
 
+        # A slice of tiles fills no gaps: the tiles between those it needs are what it saves.
+        partial = any(isinstance(p, TileRead) and len(p.refs) < len(p.shard.chunks) for p in plans)
         try:
             self.repo.fetcher.fetch(
                 refs, deliver, lambda i: f"{self.repo.url}: step {self.step}: tensor {plans[owner[i][0]].e.key!r}: ",
-                into=into, done=done,
+                into=into, done=done, max_gap=0 if partial else None,
             )
         finally:
             for plan in plans:
