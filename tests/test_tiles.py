@@ -67,6 +67,8 @@ def test_choose_tile_meets_the_slice_bound_in_every_dimension(shape, itemsize):
     nbytes = math.prod(shape) * itemsize
     assert tile is not None and len(tile) == len(shape)
     assert math.prod(tile) * itemsize <= chunk
+    # a few rows read at most two slabs of tiles of two chunks each (or single rows, if larger)
+    assert tile[0] == 1 or tile[0] * nbytes // shape[0] <= 2 * chunk
     # a tensor-parallel slice at the eighths of a dimension meets whole tiles
     assert all(n % 8 or (n // 8) % t == 0 or t % (n // 8) == 0 for n, t in zip(shape, tile)), tile
     for n, t in zip(shape, tile):

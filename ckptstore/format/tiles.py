@@ -57,7 +57,9 @@ def choose_tile(shape: Sequence[int], itemsize: int, chunk_size: int) -> tuple[i
 
     Each dimension gets the largest tile ``ceil(n / 2**k)`` (so that slices at
     ``n / 2**j`` boundaries meet whole tiles) for which a 1/8 slice of it, wherever it starts,
-    reads at most :data:`SHARE_SLACK` times its share plus :data:`SLACK_CHUNKS` chunks, and at most
+    reads at most :data:`SHARE_SLACK` times its share plus :data:`SLACK_CHUNKS` chunks (along the first
+    dimension one tile's rows of the whole tensor also hold at most two chunks, so a slice of a
+    few rows reads at most about twice what runs read), and at most
     ``ceil(n / 8)`` (a slice at the 1/8 boundaries a tensor-parallel plan cuts reads exactly its
     share) while the tile stays at least :data:`MIN_TILE_BYTES`; then, while a tile holds more
     than ``chunk_size`` bytes, its largest dimension (the first of equals, so rows stay long) is
@@ -68,12 +70,15 @@ def choose_tile(shape: Sequence[int], itemsize: int, chunk_size: int) -> tuple[i
     if len(shape) < 2 or chunk_size <= 0 or nbytes < min_tiled_bytes(chunk_size):
         return None
     allowed_extra = SLACK_CHUNKS * chunk_size / nbytes
+    row = nbytes // shape[0] if shape[0] else nbytes  # bytes of one index of the first dimension
     tile = []
-    for n in shape:
+    for d, n in enumerate(shape):
         length = max(1, n // SLICE_PARTS)
         limit = SHARE_SLACK * length / n + allowed_extra
         k, t = 0, n
-        while t > 1 and worst_fraction(n, t) > limit:
+        # the first dimension: a slab of one tile's rows holds at most two chunks, so a few rows
+        # read at most twice what they read as row-major runs
+        while t > 1 and (worst_fraction(n, t) > limit or (d == 0 and t * row > SLACK_CHUNKS * chunk_size)):
             k += 1
             t = -(-n // (1 << k))
         tile.append(max(1, t))

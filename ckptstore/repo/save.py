@@ -745,6 +745,16 @@ class KnownChunks:
         return self.refs.get(key) if self.tiles.get(key) == tile else None
 
 
+def _queue_tensors(cat: Catalog, writer: ChunkWriter, tree, tensors, base_step, same: KnownChunks | None,
+                   entries: dict) -> None:
+    """Queue every tensor's chunks in state-dict order: ``entries[key] = (tensor, refs, tile)``."""
+    base_man = cat.manifest(base_step) if base_step is not None else None
+    for key in tree_keys(tree):
+        t = tensors[key]
+        tile = tile_for(cat.options, key, t.shape, t.dtype, base_man)
+        entries[key] = (t, writer.add(t, same.of(key, tile) if same is not None else None, tile), tile)
+
+
 def _save_step(cat: Catalog, tree, tensors, step: int, metadata: dict, base, report, wb,
                known: KnownChunks | None = None, refs_out: dict | None = None) -> StepInfo:
     t0 = time.perf_counter()
@@ -767,12 +777,8 @@ def _save_step(cat: Catalog, tree, tensors, step: int, metadata: dict, base, rep
         writer = ChunkWriter(cat, dedup_index(cat, base_step), on_bytes, store=target)
         same = known.for_base(base_step, cat.options.chunk_size) if known is not None else None
         entries: dict[str, tuple[torch.Tensor, list, tuple | None]] = {}
-        base_man = cat.manifest(base_step) if base_step is not None else None
         try:
-            for key in tree_keys(tree):
-                t = tensors[key]
-                tile = tile_for(cat.options, key, t.shape, t.dtype, base_man)
-                entries[key] = (t, writer.add(t, same.of(key, tile) if same is not None else None, tile), tile)
+            _queue_tensors(cat, writer, tree, tensors, base_step, same, entries)
             writer.drain()
             # The chunk table goes out while the last pack is completed; the
             # manifest naming both is created only once both are verified.
