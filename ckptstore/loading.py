@@ -179,7 +179,7 @@ class _DeviceMap:
 
 
 def _same_stored(a, b) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and [
+    return a.dtype == b.dtype and a.shape == b.shape and a.tile == b.tile and [
         (s.offsets, s.sizes, [c.hash for c in s.chunks]) for s in a.shards
     ] == [(s.offsets, s.sizes, [c.hash for c in s.chunks]) for s in b.shards]
 

@@ -24,8 +24,8 @@ LAYERS: list[list[str]] = [
     ["storage.memory", "storage.local", "storage.retry", "storage.faults", "storage.s3", "storage.gcs", "storage.azure"],
     ["storage"],
     # format/ (pure) and the pure parts of pipeline/
-    ["format.codec", "format.tree", "format.unpickle", "pipeline.planner", "pipeline.tensors", "pipeline.snapshot",
-     "pipeline.tp_plan"],
+    ["format.codec", "format.tree", "format.unpickle", "format.tiles", "pipeline.planner", "pipeline.tensors",
+     "pipeline.snapshot", "pipeline.tp_plan"],
     ["format.pack", "format.model", "format.strict_json", "format.manifest_v1", "format.manifest_v2", "format.refs",
      "format.manifest", "format.safetensors"],
     ["format.layout", "format.chunk_table", "format"],
@@ -36,7 +36,7 @@ LAYERS: list[list[str]] = [
     ["pipeline.fetch", "pipeline.pack_writer", "pipeline.table_reader"],
     # repo/ (pipeline.staging reads through a Checkpoint's methods)
     ["repo.catalog", "pipeline.staging"],
-    ["repo.save", "repo.reader", "repo.plain"],
+    ["repo.save", "repo.reader", "repo.tile_read", "repo.plain"],
     ["repo.verify", "repo.zero", "repo.writeback", "repo.gc_refs", "repo.async_save"],
     ["repo.gc", "repo.transfer"],
     ["repo.repository"],

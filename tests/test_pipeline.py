@@ -272,8 +272,8 @@ class _GatedStore(CountingStore):
 
 def test_chunks_are_decoded_while_their_range_is_still_arriving():
     mem = MemoryStore()
-    w = torch.randn(256, 1024)  # 1 MiB: 16 chunks of 64 KiB in one pack
-    Repository(mem, **SMALL).save({"w": w}, step=1)
+    w = torch.randn(256, 1024)  # 1 MiB: 16 chunks of 64 KiB in one pack (row-major runs: tiles=False)
+    Repository(mem, tiles=False, **SMALL).save({"w": w}, step=1)
     gated = _GatedStore(mem)
     repo = Repository(gated, **SMALL)
     refs = list(repo.chunks(1))

@@ -19,6 +19,7 @@ from ckptstore.errors import (
     UnsupportedVersionError,
 )
 from ckptstore.format.layout import manifest_key, pack_key
+from ckptstore.pipeline import planner as _plan
 from ckptstore.repo.repository import Repository
 from ckptstore.storage.memory import MemoryStore
 from ckptstore.storage.faults import FaultStore
@@ -324,7 +325,7 @@ def test_slice_reads_fetch_only_covering_chunks(repo_url):
     from ckptstore.storage import open_store
 
     store = CountingStore(open_store(url, so))
-    repo = Repository(store, **SMALL)
+    repo = Repository(store, tiles=False, **SMALL)  # row-major runs; tiles below
     w = torch.randn(1024, 1024)  # 4 MiB = 64 chunks of 64 KiB
     repo.save({"w": w, "other": torch.randn(100_000)}, step=1)
     ck = repo.checkpoint(1)
@@ -345,6 +346,26 @@ def test_slice_reads_fetch_only_covering_chunks(repo_url):
         ck.read("w", 5000)
     with pytest.raises(IndexError):
         ck.read("w", (1, 2, 3))
+    # Tiled (format 4.0, the default): a row or a column slice fetches exactly the tiles it meets.
+    tiled = Repository(store, **SMALL, coalesce_gap=0)
+    tiled.save({"w": w.clone()}, step=2, base=None)
+    ck = tiled.checkpoint(2)
+    e = ck.entry("w")
+    assert e.tile is not None
+    (shard,) = ck.shards("w", [0])
+    for index in [(slice(128, 160), slice(None)), (slice(None), slice(128, 160)), (slice(None), 5),
+                  (slice(10, 900, 7), slice(3, 1000, 11))]:
+        store.reset()
+        assert torch.equal(ck.read("w", index), w[index]), index
+        box, _ = _plan.normalize_index(index, e.shape)
+        covering = ck.box_refs(e, shard, box)
+        assert store.bytes_read == sum(c.stored_len for c in covering), index
+    store.reset()
+    ck.read("w", (slice(None), slice(128, 160)))  # 1/32 of the columns
+    assert store.bytes_read < ck.tensor_meta("w").stored_bytes / 10
+    for index in [5, -1, (3, 4), (..., slice(0, 2)), (slice(1000, 2000),), (slice(5, 5),)]:
+        assert torch.equal(ck.read("w", index), w[index]), index
+    tiled.close()
     repo.close()
 
 
@@ -458,12 +479,12 @@ def test_corrupted_manifest_is_a_clear_error():
 def test_future_major_version_is_refused():
     store, repo = _corrupt_setup()
     doc = json.loads(store.get(manifest_key(1)))
-    doc["version"] = [4, 0]
+    doc["version"] = [5, 0]
     store.put(manifest_key(1), json.dumps(doc).encode())
-    with pytest.raises(UnsupportedVersionError, match="4.0.*upgrade"):
+    with pytest.raises(UnsupportedVersionError, match="5.0.*upgrade"):
         Repository(store).checkpoint(1)
     # a newer minor version is read
-    doc["version"] = [3, 9]
+    doc["version"] = [4, 9]
     store.put(manifest_key(1), json.dumps(doc).encode())
     Repository(store).load(1)
 

@@ -106,7 +106,6 @@ def test_dim0_splits_read_at_most_1_1_over_tp_of_their_stored_bytes(saved, tp_si
                 assert torch.equal(model.state_dict()[name], torch.chunk(ref[name], tp_size, 0)[rank])
 
 
-@pytest.mark.xfail(strict=True, reason="needs the N-d chunk grid of issue 43a")
 @pytest.mark.parametrize("tp_size", [2, 8])
 def test_whole_model_under_the_hf_plan_reads_at_most_1_1_over_tp_of_the_stored_bytes(saved, tp_size):
     path, ref, plan = saved

@@ -303,11 +303,12 @@ def test_copy_follows_relocated_source_packs(tmp_path):
 
 
 # ---------------------------------------------------------------- diff
-def test_diff_from_manifests_only(tmp_path):
+@pytest.mark.parametrize("tiles", [False, True])
+def test_diff_from_manifests_only(tmp_path, tiles):
     url = f"memory://diff-{uuid.uuid4().hex}"
     try:
-        repo = _counting_repo(url, **SMALL)
-        w = random_tensor(torch.float32, (64, 1024), 1)  # 256 KiB = 4 chunks
+        repo = _counting_repo(url, tiles=tiles, **SMALL)
+        w = random_tensor(torch.float32, (64, 1024), 1)  # 256 KiB = 4 chunks (tiles=False)
         repo.save({"w": w, "keep": torch.ones(10), "gone": torch.zeros(3), "shape": torch.ones(4), "epoch": 1},
                   step=1)
         w2 = w.clone()
@@ -321,7 +322,13 @@ def test_diff_from_manifests_only(tmp_path):
         assert d["unchanged"] == ["keep"]
         changed = {t["key"]: t for t in d["changed"]}
         assert changed["w"]["reason"] == "data" and changed["w"]["changed_chunks"] == 1
-        assert changed["w"]["changed_bytes"] == 64 << 10 and changed["w"]["chunks"] == 4
+        tile = repo.manifest(2).tensors["w"].tile
+        assert (tile is not None) == tiles
+        if tile is None:
+            assert changed["w"]["changed_bytes"] == 64 << 10 and changed["w"]["chunks"] == 4
+        else:  # the one tile holding w[20, 0]
+            assert changed["w"]["changed_bytes"] == tile[0] * tile[1] * 4
+            assert changed["w"]["chunks"] == -(-64 // tile[0]) * -(-1024 // tile[1])
         assert changed["shape"]["reason"] == "shape"
         assert d["values"]["changed"] == {"epoch": {"from": 1, "to": 2}}
         # from manifests and chunk tables alone: no tensor data is read

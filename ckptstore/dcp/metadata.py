@@ -52,6 +52,7 @@ class _ItemResult:
     count: int
     stored: int
     info: _RankInfo | None = None  # on the first result of a rank
+    tile: tuple[int, ...] | None = None  # the tile shape the item was cut in (format 4.0), None: runs
 
 
 @dataclass
@@ -142,6 +143,7 @@ def _tensor_entry(step: int, fqn: str, md, hints: dict, by_offset: dict, ranks: 
     sizes = np.array([tuple(c.sizes) for c in chunks], dtype=np.int64).reshape(n, nd)
     tabs = np.empty((n, 3), dtype=np.int64)
     stored = nchunks = 0
+    tiles = set()
     for i, c in enumerate(chunks):
         hint = hints.get(i)
         sd = hint[1] if hint is not None and tuple(hint[0]) == tuple(c.offsets) else None
@@ -160,7 +162,13 @@ def _tensor_entry(step: int, fqn: str, md, hints: dict, by_offset: dict, ranks: 
         tabs[i] = (ranks.segment(step, sd, fqn), sd.first, sd.count)
         stored += sd.stored
         nchunks += sd.count
-    return TensorEntry(fqn, dtype, shape, offsets=offs, sizes=sizes, tables=tabs, stored_bytes=stored, nchunks=nchunks)
+        tiles.add(tuple(sd.tile) if getattr(sd, "tile", None) is not None else None)
+    if len(tiles) > 1:
+        raise FormatError(f"step {step}: tensor {fqn!r}: ranks cut its shards in different tiles "
+                          f"{sorted(map(str, tiles))} (ranks with different chunk_size or tiles options?)")
+    tile = tiles.pop() if tiles else None
+    return TensorEntry(fqn, dtype, shape, offsets=offs, sizes=sizes, tables=tabs, stored_bytes=stored, nchunks=nchunks,
+                       tile=tile)
 
 
 def _dcp_section(metadata: Metadata, bytes_keys: list[str]) -> dict:

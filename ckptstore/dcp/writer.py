@@ -27,7 +27,7 @@ from ..format.layout import pack_key, segment_key
 from ..repo.repository import Repository
 from ..repo.repository import open as _open
 from .replicas import ReplicaError, Replicator, replica_group, replicator_for, retire_replica_group
-from ..repo.save import ChunkWriter, StepCommit, dedup_share, discard_uncommitted, pack_usage, write_segment
+from ..repo.save import ChunkWriter, StepCommit, dedup_share, discard_uncommitted, pack_usage, tile_for, write_segment
 from .ids import _is_url, _pick_step, split_checkpoint_id
 from .metadata import _ItemResult, _RankInfo, build_manifest
 from .shared import Job, dcp_job, pack, unpack
@@ -592,6 +592,31 @@ def _write_back_handle(url: str, storage_options, options: dict) -> Repository:
         return repo
 
 
+def _share_boxes(items) -> list:
+    """The boxes a rank writes, ``(key, offsets, sizes)`` (a bytes item: the whole key)."""
+    boxes = []
+    for item in items:
+        if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+            boxes.append((item.index.fqn, (0,), (1 << 62,)))
+        else:
+            boxes.append((item.index.fqn, tuple(item.tensor_data.chunk.offsets), tuple(item.tensor_data.chunk.sizes)))
+    return boxes
+
+
+def _item_tensor(repo: Repository, item, data, base_man) -> tuple:
+    """``(tensor, is_bytes, tile)`` of a write item's data (bytes items as uint8 tensors)."""
+    if item.type == WriteItemType.BYTE_IO:
+        buf = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+        t = torch.frombuffer(bytearray(buf), dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
+        return t, True, None
+    tile = None
+    # Tiles from the global shape, anchored at this item's box: every rank cuts its shard
+    # of a tensor with the same grid, aligned to its shard (DTensor placements).
+    if item.tensor_data is not None and tuple(data.shape) == tuple(item.tensor_data.chunk.sizes):
+        tile = tile_for(repo.options, item.index.fqn, item.tensor_data.size, data.dtype, base_man)
+    return data, False, tile
+
+
 def write_rank(repo: Repository, step: int, rank: int, base_step: int | None, items, resolve) -> tuple:
     """Upload one rank's items of step ``step`` (its packs and chunk-table segment); no collective.
 
@@ -606,12 +631,7 @@ def write_rank(repo: Repository, step: int, rank: int, base_step: int | None, it
     repo.config()  # adopt the repository's chunk size (dedup needs the same cut)
     # Dedup against this rank's share of the base: the base's shards that
     # meet the boxes it writes (bytes items: any shard of the same key).
-    boxes = []
-    for item in items:
-        if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
-            boxes.append((item.index.fqn, (0,), (1 << 62,)))
-        else:
-            boxes.append((item.index.fqn, tuple(item.tensor_data.chunk.offsets), tuple(item.tensor_data.chunk.sizes)))
+    boxes = _share_boxes(items)
     wb = repo.write_back
     share = sum(_write_bytes(item) for item in items)
     if wb is not None:
@@ -629,21 +649,15 @@ def write_rank(repo: Repository, step: int, rank: int, base_step: int | None, it
     pending = []
     handed_over = False
     segments: list[str] = []  # the chunk table this rank wrote (deleted if the rank fails)
+    base_man = repo.manifest(base_step) if base_step is not None else None
     try:
         for item in items:
-            data = resolve(item)
-            if item.type == WriteItemType.BYTE_IO:
-                buf = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
-                t = torch.frombuffer(bytearray(buf), dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
-                is_bytes = True
-            else:
-                t = data
-                is_bytes = False
-            refs = writer.add(t)
-            pending.append((item, is_bytes, t.numel() * t.element_size(), refs))
+            t, is_bytes, tile = _item_tensor(repo, item, resolve(item), base_man)
+            refs = writer.add(t, tile=tile)
+            pending.append((item, is_bytes, t.numel() * t.element_size(), refs, tile))
         packs = writer.finish()
         builder = TableBuilder()
-        runs = [builder.extend(refs) for _, _, _, refs in pending]
+        runs = [builder.extend(refs) for _, _, _, refs, _ in pending]
         segment = write_segment(repo, builder, store=target, written=segments) if pending else None
         if wb is not None and pending:
             # This rank's local commit: uploaded, then marked done in the store, in the background.
@@ -663,7 +677,7 @@ def write_rank(repo: Repository, step: int, rank: int, base_step: int | None, it
     stats = writer.stats(packs)
     if segment is not None:
         stats["segment_bytes"] = segment.size
-    all_refs = [c for _, _, _, refs in pending for c in refs]
+    all_refs = [c for _, _, _, refs, _ in pending for c in refs]
     sizes = dict(packs)
     base = repo.cached_manifest(base_step) if base_step is not None else None
     for c in all_refs:
@@ -671,7 +685,7 @@ def write_rank(repo: Repository, step: int, rank: int, base_step: int | None, it
             sizes[c.pack] = base.packs[c.pack] if base is not None and c.pack in base.packs else None
     info = _RankInfo(rank, segment, sizes, pack_usage(all_refs, writer.packs.counts, base), stats)
     results = []
-    for n, ((item, is_bytes, nbytes, refs), (first, count)) in enumerate(zip(pending, runs)):
+    for n, ((item, is_bytes, nbytes, refs, tile), (first, count)) in enumerate(zip(pending, runs)):
         results.append(
             WriteResult(
                 index=item.index,
@@ -684,6 +698,7 @@ def write_rank(repo: Repository, step: int, rank: int, base_step: int | None, it
                     count=count,
                     stored=sum(c.stored_len for c in refs),
                     info=info if n == 0 else None,
+                    tile=tile,
                 ),
             )
         )

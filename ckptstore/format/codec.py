@@ -426,7 +426,13 @@ def _bytegroup_encode(data, k: int, transform: int, level: int, scratch=None) ->
     for i, plane in enumerate(_planes(arr, k, transform, scratch)):
         raw = plane.data
         mode, body = 0, raw
-        if judged[i] if judged[i] is not None else _compresses(c, raw[:PLANE_SAMPLE]):
+        if judged[i] is None and len(raw) <= PLANE_SAMPLE:
+            # The sample is the whole plane (a small chunk: a tile): compressed once, the same
+            # bytes and the same decision as judging the sample, then compressing the plane.
+            z = c.compress(raw)
+            if len(z) * PLANE_MIN_RATIO < len(raw) and len(z) < len(raw):
+                mode, body = 1, z
+        elif judged[i] if judged[i] is not None else _compresses(c, raw[:PLANE_SAMPLE]):
             z = c.compress(raw)
             if len(z) < len(raw):
                 mode, body = 1, z

@@ -1,4 +1,5 @@
-"""Manifest 2.0 and 3.0 roots (the same JSON; a 3.0 root names 3.0 chunk-table segments): shard
+"""Manifest 2.0, 3.0 and 4.0 roots (the same JSON; a 3.0 root names 3.0 chunk-table segments, a 4.0
+root may also give a tensor a ``tile`` shape, :mod:`ckptstore.format.tiles`): shard
 boxes (a compact form for even splits, binary columns otherwise), per shard a run of records in a
 chunk-table segment, and every pack with the bytes the step uses there."""
 
@@ -152,6 +153,10 @@ def _to_json_v2(m: Manifest) -> bytes:
             raise ValueError(f"tensor {t.key!r}: every shard needs its chunk-table run to write a 2.0 or 3.0 manifest")
         entry = {"key": t.key, "dtype": t.dtype, "shape": list(t.shape), "shards": int(len(offs)),
                  "stored": int(t.stored_bytes or 0), "chunks": int(t.nchunks or 0)}
+        if t.tile is not None:
+            if m.version[0] < 4:
+                raise ValueError(f"tensor {t.key!r} is tiled: a step with tiles is written as version 4")
+            entry["tile"] = list(t.tile)
         split = even_split(t.shape, offs, sizes)
         if split is not None:
             entry["split"] = list(split)
@@ -179,6 +184,18 @@ def _to_json_v2(m: Manifest) -> bytes:
         "dcp": m.dcp,
     }
     return _encode(doc)
+
+
+def _tile(tile, shape: tuple[int, ...], where: str) -> tuple[int, ...] | None:
+    """A 4.0 tensor's tile shape: one positive size per dimension, none past the tensor's."""
+    if tile is None:
+        return None
+    if type(tile) is not list or len(tile) != len(shape) or not shape:
+        _fail(where + " tile", "expected one tile size per dimension of the tensor")
+    for t, n in zip(tile, shape):
+        if type(t) is not int or not 1 <= t <= max(1, n):
+            _fail(where + " tile", f"tile size {t!r:.20} does not fit the shape {list(shape)}")
+    return tuple(tile)
 
 
 def _from_doc_v2(doc: dict, version: tuple[int, int], expect_step: int | None) -> Manifest:
@@ -224,10 +241,12 @@ def _from_doc_v2(doc: dict, version: tuple[int, int], expect_step: int | None) -
     total_box = 0
     for i, t in enumerate(_list(doc["tensors"], "tensors")):
         w = f"tensors[{i}]"
-        t = _obj(t, w, {"key", "dtype", "shape", "shards", "stored", "chunks"}, {"split"})
+        t = _obj(t, w, {"key", "dtype", "shape", "shards", "stored", "chunks"},
+                 {"split", "tile"} if version[0] >= 4 else {"split"})
         key = _str(t["key"], w + ".key")
         w = f"tensor {key!r}"
         dtype, shape = _dtype_and_shape(t, w)
+        tile = _tile(t.get("tile"), shape, w)
         n = _int(t["shards"], w + " shards", 0, MAX_SHARDS)
         split = t.get("split")
         if split is not None:
@@ -242,7 +261,7 @@ def _from_doc_v2(doc: dict, version: tuple[int, int], expect_step: int | None) -
         if total_shards > MAX_SHARDS:
             _fail("tensors", "too many shards")
         specs.append((key, dtype, shape, n, split, _int(t["stored"], w + " stored", 0, MAX_TENSOR_BYTES),
-                      _int(t["chunks"], w + " chunks", 0, 1 << 40)))
+                      _int(t["chunks"], w + " chunks", 0, 1 << 40), tile))
 
     cols = _obj(doc["columns"], "columns", {"boxes", "tables"})
     boxes = _unpack_column(cols["boxes"], total_box, "columns.boxes")
@@ -256,7 +275,7 @@ def _from_doc_v2(doc: dict, version: tuple[int, int], expect_step: int | None) -
 
     tensors: dict[str, TensorEntry] = {}
     bpos = tpos = 0
-    for key, dtype, shape, n, split, stored, nchunks in specs:
+    for key, dtype, shape, n, split, stored, nchunks, tile in specs:
         if key in tensors:
             _fail(f"tensor {key!r}", "duplicate tensor key")
         nd = len(shape)
@@ -270,8 +289,12 @@ def _from_doc_v2(doc: dict, version: tuple[int, int], expect_step: int | None) -
                 _fail(f"tensor {key!r}", "a shard box reaches outside the tensor's shape")
         tabs = tables[tpos : tpos + n]
         tpos += n
+        if tile is not None and n:
+            grid = -(-sizes // np.array(tile, dtype=np.int64))
+            if np.any(np.prod(grid, axis=1) != tabs[:, 2]):
+                _fail(f"tensor {key!r}", "a shard's record count is not the number of tiles of its box")
         tensors[key] = TensorEntry(key, dtype, shape, offsets=offs, sizes=sizes, tables=tabs,
-                                   stored_bytes=stored, nchunks=nchunks)
+                                   stored_bytes=stored, nchunks=nchunks, tile=tile)
 
     return _manifest(doc, version, (step, created, base_step, metadata, stats), packs, tensors,
                      segments=tuple(segments), pack_use=use)

@@ -14,9 +14,12 @@ import torch
 from ..errors import FormatError
 
 FORMAT = "ckptstore.manifest"
-#: The manifest version this ckptstore writes; it reads 1.x, 2.x and 3.x (3.0 is 2.0's root
-#: naming 3.0 chunk-table segments; see docs/format.md, "Versions").
-VERSION = (3, 0)
+#: The newest manifest version this ckptstore reads and writes: 4.0, a 3.0 root whose tensors may
+#: be stored as N-dimensional tiles (:mod:`ckptstore.format.tiles`). It reads 1.x to 4.x and writes
+#: 4.0 for a step with a tiled tensor, 3.0 (:data:`V3`) for any other (see docs/format.md, "Versions").
+VERSION = (4, 0)
+#: What a step without tiled tensors is written as (3.0: a 2.0 root naming 3.0 chunk-table segments).
+V3 = (3, 0)
 V1 = (1, 0)
 #: A manifest larger than this is refused before it is downloaded.
 MAX_MANIFEST_BYTES = 1 << 30
@@ -191,14 +194,19 @@ class TensorEntry:
     them, without a Python object per shard).
     """
 
-    __slots__ = ("key", "dtype", "shape", "_shards", "_offsets", "_sizes", "_tables", "stored_bytes", "nchunks")
+    __slots__ = ("key", "dtype", "shape", "_shards", "_offsets", "_sizes", "_tables", "stored_bytes", "nchunks",
+                 "tile")
 
     def __init__(self, key: str, dtype: str, shape: tuple[int, ...], shards=None, *,
                  offsets: np.ndarray | None = None, sizes: np.ndarray | None = None,
-                 tables: np.ndarray | None = None, stored_bytes: int | None = None, nchunks: int | None = None):
+                 tables: np.ndarray | None = None, stored_bytes: int | None = None, nchunks: int | None = None,
+                 tile: tuple[int, ...] | None = None):
         self.key = key
         self.dtype = dtype
         self.shape = tuple(shape)
+        #: The tile shape (format 4.0): each shard's chunks are the tiles of this grid anchored at the
+        #: shard's origin, in C order (:mod:`ckptstore.format.tiles`); None: row-major runs.
+        self.tile = tuple(int(x) for x in tile) if tile is not None else None
         self._shards = tuple(shards) if shards is not None else None
         self._offsets, self._sizes, self._tables = offsets, sizes, tables
         if self._shards is not None and all(s.chunks is not None for s in self._shards):
@@ -208,12 +216,14 @@ class TensorEntry:
         self.nchunks = nchunks
 
     def __repr__(self) -> str:
-        return f"TensorEntry({self.key!r}, {self.dtype}, {list(self.shape)}, {self.nshards} shard(s))"
+        tiles = f", tiles {list(self.tile)}" if self.tile is not None else ""
+        return f"TensorEntry({self.key!r}, {self.dtype}, {list(self.shape)}, {self.nshards} shard(s){tiles})"
 
     def __eq__(self, other) -> bool:
         if not isinstance(other, TensorEntry):
             return NotImplemented
-        return (self.key, self.dtype, self.shape, self.shards) == (other.key, other.dtype, other.shape, other.shards)
+        return ((self.key, self.dtype, self.shape, self.tile, self.shards)
+                == (other.key, other.dtype, other.shape, other.tile, other.shards))
 
     __hash__ = None
 
@@ -287,7 +297,7 @@ class TensorEntry:
     def with_shards(self, shards) -> "TensorEntry":
         """The same tensor with other (e.g. resolved) shards."""
         return TensorEntry(self.key, self.dtype, self.shape, shards,
-                           stored_bytes=self.stored_bytes, nchunks=self.nchunks)
+                           stored_bytes=self.stored_bytes, nchunks=self.nchunks, tile=self.tile)
 
 
 @dataclass(frozen=True)
@@ -301,10 +311,15 @@ class Manifest:
     base_step: int | None = None
     stats: dict = field(default_factory=dict)
     dcp: Any = None
-    version: tuple[int, int] = VERSION
+    version: tuple[int, int] = V3
     #: 2.0: the chunk-table segments, and which bytes of each pack the step uses.
     segments: tuple[SegmentRef, ...] = ()
     pack_use: dict = field(default_factory=dict)  # pack id -> PackUsage
+
+    def __post_init__(self):
+        # A step with a tiled tensor is a 4.0 step (a 3.x reader would take its tiles for runs).
+        if self.version == V3 and self.tiled:
+            object.__setattr__(self, "version", VERSION)
 
     def chunk_refs(self):
         """Every chunk reference, for a manifest whose shards are all resolved (1.0, or built by a writer)."""
@@ -313,9 +328,19 @@ class Manifest:
                 yield from s._chunks()
 
     @property
+    def tiled(self) -> bool:
+        """Whether a tensor of this step is stored as tiles (the step must then be written as 4.0)."""
+        return any(t.tile is not None for t in self.tensors.values())
+
+    @property
     def inline(self) -> bool:
         """Whether every shard's chunks are in the manifest itself (1.0)."""
         return self.version[0] < 2
+
+
+def version_for(tensors) -> tuple[int, int]:
+    """The version a new step holding ``tensors`` (:class:`TensorEntry` values) is written as."""
+    return VERSION if any(t.tile is not None for t in tensors) else V3
 
 
 _PACK_ID = re.compile(r"[0-9a-f]{32}")

@@ -213,7 +213,8 @@ def result_to_json(wr: WriteResult) -> dict:
     sd: _ItemResult = wr.storage_data
     doc = {"fqn": wr.index.fqn, "offset": None if wr.index.offset is None else list(wr.index.offset),
            "index": wr.index.index, "size": wr.size_in_bytes,
-           "item": [sd.rank, sd.bytes_item, sd.nbytes, sd.first, sd.count, sd.stored]}
+           "item": [sd.rank, sd.bytes_item, sd.nbytes, sd.first, sd.count, sd.stored],
+           "tile": None if sd.tile is None else list(sd.tile)}
     if sd.info is not None:
         i = sd.info
         doc["info"] = {"rank": i.rank, "segment": None if i.segment is None else dataclasses.asdict(i.segment),
@@ -231,9 +232,11 @@ def result_from_json(doc: dict) -> WriteResult:
         info = _RankInfo(int(i["rank"]), seg, dict(i["packs"]), use, dict(i["stats"]))
     rank, bytes_item, nbytes, first, count, stored = doc["item"]
     offset = None if doc["offset"] is None else torch.Size(doc["offset"])
+    tile = doc.get("tile")
     return WriteResult(index=MetadataIndex(doc["fqn"], offset, doc["index"]), size_in_bytes=int(doc["size"]),
                        storage_data=_ItemResult(int(rank), bool(bytes_item), int(nbytes), int(first), int(count),
-                                                int(stored), info))
+                                                int(stored), info,
+                                                None if tile is None else tuple(int(x) for x in tile)))
 
 
 # ------------------------------------------------------------------ every rank: finalize

@@ -86,8 +86,13 @@ class ChunkFetcher:
         on_error: OnError | None = None,
         into: Into | None = None,
         done: Callable[[int], None] | None = None,
+        max_gap: int | None = None,
     ) -> None:
         """Fetch, verify and decode ``refs``; call ``deliver`` once per chunk.
+
+        ``max_gap``: the largest gap between two chunks of a pack one request spans (default the
+        handle's ``coalesce_gap``; a slice of tiles passes 0: the tiles between the ones it
+        needs are the bytes it exists not to read).
 
         With ``into``, a chunk for which ``into(i)`` names a destination is
         decoded into it and verified there instead of being delivered; if it
@@ -107,7 +112,7 @@ class ChunkFetcher:
         """
         if not refs:
             return
-        job = _Job(self, list(refs), deliver, where, on_error, into, done)
+        job = _Job(self, list(refs), deliver, where, on_error, into, done, max_gap)
         with self._lock:
             self._active += 1
         try:
@@ -144,8 +149,9 @@ def _collector(out: list[int]) -> Callable[[list[int]], None]:
 
 
 class _Job:
-    def __init__(self, fetcher: ChunkFetcher, refs, deliver, where, on_error, into=None, done=None):
+    def __init__(self, fetcher: ChunkFetcher, refs, deliver, where, on_error, into=None, done=None, max_gap=None):
         self.f = fetcher
+        self.max_gap = max_gap
         self.refs = refs
         self.deliver = deliver
         self.where = where
@@ -162,7 +168,7 @@ class _Job:
         o = self.f.options
         reqs = _plan.coalesce(
             [(self.refs[i].pack, self.refs[i].offset, self.refs[i].offset + self.refs[i].stored_len) for i in items],
-            o.coalesce_gap,
+            o.coalesce_gap if self.max_gap is None else min(self.max_gap, o.coalesce_gap),
             o.max_request,
         )
         # coalesce numbers items 0..n-1 of what it was given: map back

@@ -46,6 +46,12 @@ class RepoOptions:
         repository (the repository's recorded value wins otherwise).
     manifest_cache_bytes: parsed manifests kept in memory by a handle, by
         their estimated size (least recently used ones are dropped).
+    tiles: store tensors of two or more dimensions and more than two chunks as
+        N-dimensional tiles (format 4.0, :mod:`ckptstore.format.tiles`), so that a
+        slice along any dimension reads about its share; False writes row-major
+        runs only (3.0 steps, readable by ckptstore before tiles). A tensor whose
+        dedup base holds it with the same shape and dtype keeps the base's
+        layout either way (its unchanged chunks are then referenced again).
     async_wait: seconds ``save(blocking=False)`` waits for the handle's
         previous async save, still writing, before it refuses
         (:class:`~ckptstore.repo.async_save.SaveBacklogError`).
@@ -69,6 +75,7 @@ class RepoOptions:
     grace: float = DEFAULT_GRACE
     manifest_cache_bytes: int = 256 * MiB
     async_wait: float = 600.0
+    tiles: bool = True
     explicit: frozenset = field(default=frozenset(), repr=False, compare=False)
 
     @classmethod

@@ -25,11 +25,13 @@ through its methods (``entry``, ``read_box``, ``largest_chunks``, ``meeting``,
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
+import numpy as np
 import torch
 
 from ..format import manifest as _m
@@ -98,6 +100,73 @@ def plan_blocks(shape: Sequence[int], itemsize: int, box: _plan.Box, limit: int)
             j1 = min(n, j0 + k)
             sub = (start + j0 * step, start + (j1 - 1) * step + 1, step)
             yield Block(lead + (sub,) + tuple(box[d + 1 :]), lead_out + (slice(j0, j1),) + (slice(None),) * (nd - d - 1))
+
+
+def _tile_groups(b: tuple[int, int, int], t: int) -> list[tuple[int, int]]:
+    """The selected indices of one box dimension (``(start, stop, step)``) grouped by the tile of
+    size ``t`` holding them: ``(first, end)`` positions among the selected indices."""
+    n = _plan.box_len(b)
+    start, _, step = b
+    if step == 1:
+        cuts = list(range(((start // t) + 1) * t - start, n, t)) if n else []
+    else:
+        ids = (start + np.arange(n, dtype=np.int64) * step) // t
+        cuts = (np.nonzero(np.diff(ids))[0] + 1).tolist()
+    bounds = [0] + cuts + [n]
+    return [(a, z) for a, z in zip(bounds, bounds[1:]) if z > a]
+
+
+def plan_tile_blocks(tile: Sequence[int], itemsize: int, box: _plan.Box, limit: int) -> Iterator[Block]:
+    """Cut ``box`` of a tiled tensor into blocks of at most ``limit`` bytes that end on tile
+    boundaries (of a grid anchored at the origin), so that no tile is fetched for two blocks.
+
+    Along the first dimension, whole slabs of tiles go together while they fit; a slab that does
+    not fit is cut the same way along the next dimension (one tile thick in this one). A block of
+    a single tile larger than ``limit`` is cut into rows by :func:`plan_blocks`' rule.
+    """
+    nd = len(box)
+    if nd == 0 or any(_plan.box_len(b) == 0 for b in box):
+        yield Block(tuple(box), tuple(slice(None) for _ in box))
+        return
+
+    def sub(b, a, z):
+        start, _, step = b
+        return (start + a * step, start + (z - 1) * step + 1, step)
+
+    def pieces(lead: tuple, lead_out: tuple) -> Iterator[Block]:
+        # One tile larger than a block: element rows of it, the last dimension in pieces.
+        per = max(1, limit // itemsize)
+        for js in itertools.product(*(range(_plan.box_len(b)) for b in lead[:-1])):
+            fixed = tuple(sub(b, j, j + 1) for b, j in zip(lead[:-1], js))
+            fixed_out = tuple(slice(o.start + j, o.start + j + 1) for o, j in zip(lead_out[:-1], js))
+            n = _plan.box_len(lead[-1])
+            for c in range(0, n, per):
+                e = min(n, c + per)
+                yield Block(fixed + (sub(lead[-1], c, e),),
+                            fixed_out + (slice(lead_out[-1].start + c, lead_out[-1].start + e),))
+
+    def rec(d: int, lead: tuple, lead_out: tuple) -> Iterator[Block]:
+        thick = math.prod(_plan.box_len(b) for b in lead)  # the dims before d, a tile thick each
+        rest = itemsize * thick * math.prod(_plan.box_len(b) for b in box[d + 1 :])
+        groups = _tile_groups(box[d], int(tile[d]))
+        i = 0
+        while i < len(groups):
+            a, z = groups[i]
+            if (z - a) * rest > limit:
+                here = lead + (sub(box[d], a, z),)
+                out = lead_out + (slice(a, z),)
+                yield from rec(d + 1, here, out) if d + 1 < nd else pieces(here, out)
+                i += 1
+                continue
+            j = i + 1
+            while j < len(groups) and (groups[j][1] - a) * rest <= limit:
+                j += 1
+            z = groups[j - 1][1]
+            yield Block(lead + (sub(box[d], a, z),) + tuple(box[d + 1 :]),
+                        lead_out + (slice(a, z),) + (slice(None),) * (nd - d - 1))
+            i = j
+
+    yield from rec(0, (), ())
 
 
 # ---------------------------------------------------------------- staging
@@ -361,7 +430,9 @@ class TensorReader:
         try:
             stored = _m.DTYPES[e.dtype]
             per = target.element_size()
-            for blk in plan_blocks(e.shape, stored.itemsize, box, staging.slot_bytes):
+            blocks = (plan_blocks(e.shape, stored.itemsize, box, staging.slot_bytes) if e.tile is None
+                      else plan_tile_blocks(e.tile, stored.itemsize, box, staging.slot_bytes))
+            for blk in blocks:
                 slot = staging.acquire()
                 try:
                     view = slot.view(stored, blk.shape)

@@ -29,6 +29,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from ..format import chunk_table as _ct
+from ..format import tiles as _tiles
 from ..errors import FormatError, MissingDataError, ObjectNotFoundError
 from ..format.layout import segment_key
 from ..format.manifest import ChunkRef, Manifest, SegmentRef, Shard, TensorEntry, itemsize
@@ -345,6 +346,11 @@ class ChunkTables:
         got = sum(r.raw_len for r in refs)
         if got != want:
             raise FormatError(f"{where}: tensor {key!r} shard {i}: records hold {got} bytes, the box needs {want}")
+        if t.tile is not None:
+            lengths = _tiles.tile_lengths([int(x) for x in sizes[i]], t.tile, itemsize(t.dtype))
+            if len(lengths) != len(refs) or any(int(a) != r.raw_len for a, r in zip(lengths, refs)):
+                raise FormatError(f"{where}: tensor {key!r} shard {i}: its records are not the tiles "
+                                  f"{list(t.tile)} of its box")
         for r in refs:
             size = man.packs.get(r.pack)
             if size is None:

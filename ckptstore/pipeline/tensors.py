@@ -10,6 +10,53 @@ MiB = 1 << 20
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """A byte view of a tensor's data, copying only when it must."""
+    t = host_tensor(t)
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+_SAME_SIZE_INT = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
+_TORCH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def int_view(t: torch.Tensor) -> np.ndarray | None:
+    """A NumPy view of a CPU tensor's elements as integers of the same size (any strides), for
+    strided copies: NumPy copies rows with ``memcpy`` on the calling thread, where ``Tensor.copy_``
+    of a strided box ran 100x slower here while other threads were busy (its intra-op threads).
+    None for elements of 16 bytes (complex128) or a tensor NumPy cannot view."""
+    isz = t.element_size()
+    if t.device.type != "cpu" or isz not in _TORCH_INT or t.is_conj() or t.is_neg():
+        return None
+    try:
+        return t.detach().view(_TORCH_INT[isz]).numpy()
+    except (RuntimeError, TypeError):
+        return None
+
+
+def frombuffer_as(buf, itemsize: int, shape) -> np.ndarray | None:
+    """``buf``'s bytes as a C-order array of ``shape`` of same-size integers (None: 16-byte elements)."""
+    dt = _SAME_SIZE_INT.get(itemsize)
+    if dt is None:
+        return None
+    n = int(np.prod(shape)) if len(shape) else 1
+    return np.frombuffer(buf, dtype=dt, count=n).reshape(tuple(shape))
+
+
+def tile_bytes(t: torch.Tensor, offsets, sizes) -> memoryview:
+    """The C-order bytes of the box of a host tensor (from :func:`host_tensor`) at ``offsets`` of
+    ``sizes``: a view where the box is contiguous in ``t``, else one strided copy."""
+    index = tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
+    if any(n == 0 for n in sizes):
+        return memoryview(b"")
+    a = int_view(t)
+    if a is not None:
+        return memoryview(np.ascontiguousarray(a[index]).reshape(-1).view(np.uint8))
+    return memoryview(t[index].contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def host_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor with ``t``'s values (conj/neg bits resolved), copying only when it must."""
     t = t.detach()
     if t.device.type != "cpu":
         t = to_host(t)
@@ -19,9 +66,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
         t = t.resolve_neg()
     if not t.is_contiguous():
         t = t.contiguous()
-    if t.numel() == 0:
-        return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return t
 
 
 def to_host(t: torch.Tensor, slice_bytes: int = 64 * MiB) -> torch.Tensor:

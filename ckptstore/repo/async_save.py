@@ -27,9 +27,13 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import logging
+import math
 import time
 
+import numpy as np
+
 from ..errors import SaveBacklogError
+from ..format import tiles as _tiles
 from ..pipeline.snapshot import Snapshot, Snapshots
 from .catalog import Catalog
 from .save import KnownChunks, StepInfo, save_step
@@ -93,19 +97,46 @@ class AsyncSaver:
 
 
 def _known(prev: tuple[int, int, dict] | None, snap: Snapshot) -> KnownChunks | None:
-    """The previous step's references of the blocks this snapshot found unchanged."""
+    """The previous step's references of the chunks this snapshot found unchanged: of each block
+    compared, or, for a tensor saved as tiles, of each tile every block of whose byte span is
+    unchanged."""
     if prev is None:
         return None
     step, chunk_size, refs = prev
     if chunk_size != snap.chunk_size:
         return None
-    out = {}
+    out, tiles = {}, {}
     for key, flags in snap.unchanged.items():
-        old = refs.get(key)
-        if flags is None or old is None or len(old) != len(flags) or not any(flags):
+        old, tile = refs.get(key, (None, None))
+        tiles[key] = tile
+        if flags is None or old is None or not any(flags):
             continue
-        out[key] = [r if same else None for r, same in zip(old, flags)]
-    return KnownChunks(step, chunk_size, out) if out else None
+        if tile is not None:
+            same = _tiles_unchanged(snap.tensors[key], tile, flags, chunk_size)
+            if same is not None and len(same) == len(old):
+                out[key] = [r if s else None for r, s in zip(old, same)]
+        elif len(old) == len(flags):
+            out[key] = [r if same else None for r, same in zip(old, flags)]
+    return KnownChunks(step, chunk_size, out, {k: tiles[k] for k in out}) if out else None
+
+
+def _tiles_unchanged(t, tile, flags: list[bool], chunk_size: int) -> list[bool] | None:
+    """Per tile of ``t`` (a host snapshot, C-contiguous), whether every ``chunk_size`` block its
+    bytes lie in was found unchanged (None when the tile shape does not fit the tensor)."""
+    shape = tuple(t.shape)
+    if len(tile) != len(shape):
+        return None
+    isz = t.element_size()
+    strides = [isz * math.prod(shape[d + 1 :]) for d in range(len(shape))]
+    changed = np.concatenate([[0], np.cumsum(~np.asarray(flags, dtype=bool))])
+    out = []
+    for pos in _tiles.positions(shape, tile):
+        offs, sizes = _tiles.tile_extent(shape, tile, pos)
+        lo = sum(o * s for o, s in zip(offs, strides))
+        hi = sum((o + n - 1) * s for o, n, s in zip(offs, sizes, strides)) + isz
+        a, b = lo // chunk_size, (hi - 1) // chunk_size
+        out.append(b < len(flags) and changed[b + 1] == changed[a])
+    return out
 
 
 __all__ = ["AsyncSaver", "SaveBacklogError"]

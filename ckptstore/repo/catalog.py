@@ -109,7 +109,7 @@ class Catalog:
         self.tier = Tier(cache_dir, store.url, cache_size, decoded=cache_decoded) if cache_dir is not None else None
         self.fetcher = ChunkFetcher(store, self.runtime, self.options, self.relocations, self.tier)
         self.tables = ChunkTables(store, self.runtime, self.tier)
-        #: The write-back queue (:mod:`ckptstore.tier.writeback`) of a handle opened with ``write_back=True``.
+        #: The write-back queue (:mod:`ckptstore.repo.writeback`) of a handle opened with ``write_back=True``.
         self.write_back = None
         self._config: dict | None = None
         self._config_raw: bytes | None = None

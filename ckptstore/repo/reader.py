@@ -29,6 +29,8 @@ from ..pipeline.staging import TensorReader, make_staging
 from ..pipeline.tensors import byte_view, castable, writable_in_place
 from ..format.tree import decode_value, flatten, tensor_paths, tree_keys, unflatten
 from ..format.unpickle import load_safe
+from .tile_read import TileRead
+from .tile_read import box_refs as tile_box_refs
 
 
 @dataclass(frozen=True)
@@ -183,7 +185,7 @@ class Checkpoint:
         ``on_bytes(n)`` is called (from several threads) as ``n`` more bytes
         of the destinations are filled.
         """
-        keys, refs, targets, rest = [], [], [], []
+        keys, refs, targets, rest, whole = [], [], [], [], []
         checked = {key: self._check_dest(key, dest) for key, dest in dests.items()}
         self.prefetch(checked)
         for key, dest in dests.items():
@@ -198,8 +200,9 @@ class Checkpoint:
                 continue
             if dest.numel() == 0:
                 continue
-            view = byte_view(dest.detach())
             (shard,) = self.shards(key, [0])
+            whole.append((e, shard, tuple((0, n, 1) for n in e.shape), dest.detach()))
+            view = byte_view(dest.detach())
             for start, c in zip(shard.chunk_starts(), shard.chunks):
                 keys.append(key)
                 refs.append(c)
@@ -213,8 +216,13 @@ class Checkpoint:
             into(i)[:] = np.frombuffer(raw, dtype=np.uint8, count=len(raw))
 
         done = None if on_bytes is None else (lambda i: on_bytes(refs[i].raw_len))
-        self.repo.fetcher.fetch(refs, deliver, lambda i: f"{self.repo.url}: step {self.step}: tensor {keys[i]!r}: ",
-                                into=into, done=done)
+        if any(job[0].tile is not None for job in whole):
+            # Tiles among them: every tensor as a job of one fetch (a tile lands by its own rule, and
+            # no range is read twice by two fetches whose gaps overlap).
+            self.read_shards(whole, on_bytes)
+        else:
+            self.repo.fetcher.fetch(refs, deliver, lambda i: f"{self.repo.url}: step {self.step}: tensor {keys[i]!r}: ",
+                                    into=into, done=done)
         if rest:
             self._read_staged(rest, dests, on_bytes)
 
@@ -286,6 +294,8 @@ class Checkpoint:
 
     def box_refs(self, e: TensorEntry, shard: Shard, local) -> list:
         """The chunks a read of box ``local`` of one shard fetches (what :meth:`read_shard` reads)."""
+        if e.tile is not None:
+            return tile_box_refs(e, shard, local)
         runs = _plan.byte_runs(shard.sizes, _m.itemsize(e.dtype), local)
         return [shard.chunks[i] for i in _plan.chunks_for_runs(shard.chunk_starts(), shard.nbytes, runs)]
 
@@ -300,11 +310,17 @@ class Checkpoint:
         """
         self.read_shards([(e, shard, local, target)])
 
-    def read_shards(self, jobs) -> None:
+    def read_shards(self, jobs, on_bytes: Callable[[int], None] | None = None) -> None:
         """:meth:`read_shard` for each ``(entry, shard, box, target)`` job, in one fetch: the chunks of
         every job are coalesced together, so boxes that lie close in a pack (a rank's shards of many
-        small tensors) cost a few range requests, not one or more each."""
-        plans = [_ShardRead(self, *job) for job in jobs]
+        small tensors) cost a few range requests, not one or more each. A tiled shard's job reads
+        only the tiles its box meets (:class:`~ckptstore.repo.tile_read.TileRead`). ``on_bytes(n)``:
+        as in :meth:`read_many_into`, ``n`` raw bytes of chunks were read (from several threads)."""
+        pool = None
+        if any(job[0].tile is not None for job in jobs):
+            o = self.repo.options
+            pool = self.repo.runtime.buffers("tiles", o.chunk_size, keep=o.workers + 2, zeroed=False)
+        plans = [TileRead(*job, pool) if job[0].tile is not None else _ShardRead(self, *job) for job in jobs]
         refs, owner = [], []
         for j, plan in enumerate(plans):
             refs += plan.refs
@@ -318,10 +334,22 @@ class Checkpoint:
             j, k = owner[i]
             plans[j].deliver(k, raw)
 
-        self.repo.fetcher.fetch(
-            refs, deliver, lambda i: f"{self.repo.url}: step {self.step}: tensor {plans[owner[i][0]].e.key!r}: ",
-            into=into,
-        )
+        def done(i: int) -> None:
+            j, k = owner[i]
+            plans[j].done(k)
+            if on_bytes is not None:
+                on_bytes(refs[i].raw_len)
+
+        # A slice of tiles fills no gaps: the tiles between those it needs are what it saves.
+        partial = any(isinstance(p, TileRead) and len(p.refs) < len(p.shard.chunks) for p in plans)
+        try:
+            self.repo.fetcher.fetch(
+                refs, deliver, lambda i: f"{self.repo.url}: step {self.step}: tensor {plans[owner[i][0]].e.key!r}: ",
+                into=into, done=done, max_gap=0 if partial else None,
+            )
+        finally:
+            for plan in plans:
+                plan.release()
         for plan in plans:
             plan.finish()
 
@@ -372,6 +400,12 @@ class _ShardRead:
             self.buf = torch.empty((r1 - r0,) + tuple(shape[1:]), dtype=stored_dtype)
         self.view = byte_view(self.buf)
         self.span = (span_lo, span_hi)
+
+    def done(self, k: int) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
 
     def into(self, k: int):
         # A chunk wholly inside the span decodes straight into its place.

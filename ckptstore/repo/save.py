@@ -30,9 +30,11 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import dataclasses
 import errno
 import json
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -65,6 +67,7 @@ from ..format.layout import (
     safety_margin,
     segment_key,
 )
+from ..format import tiles as _tiles
 from ..format.manifest import (
     MAX_PACK_RANGES,
     ChunkRef,
@@ -80,7 +83,7 @@ from ..pipeline.pack_writer import PackWriter, part_window
 from ..progress import Counter
 from ..progress import callback as progress_callback
 from ..storage.upload import ParallelUploader
-from ..pipeline.tensors import tensor_bytes
+from ..pipeline.tensors import frombuffer_as, host_tensor, int_view, tensor_bytes, tile_bytes
 from ..format.tree import flatten, tree_keys
 
 log = logging.getLogger(__name__)
@@ -158,6 +161,25 @@ def dedup_share(cat: Catalog, base_step: int | None, boxes) -> dict[str, ChunkRe
         for c in chunks:
             refs.setdefault(c.hash, c)
     return refs
+
+
+def tile_for(options, key: str, shape, dtype: torch.dtype, base: Manifest | None) -> tuple[int, ...] | None:
+    """The tile shape tensor ``key`` is saved with (None: row-major runs).
+
+    A tensor the dedup base holds with the same shape and dtype keeps the base's layout, tiles or
+    runs, so that its unchanged chunks are the base's (an unchanged tensor stores no new bytes,
+    also in a repository written before tiles); any other is tiled by
+    :func:`~ckptstore.format.tiles.choose_tile` when ``options.tiles`` allows.
+    """
+    shape = tuple(int(n) for n in shape)
+    name = _m.dtype_name(dtype)
+    if base is not None:
+        b = base.tensors.get(key)
+        if b is not None and b.shape == shape and b.dtype == name:
+            return b.tile
+    if not options.tiles:
+        return None
+    return _tiles.choose_tile(shape, dtype.itemsize, options.chunk_size)
 
 
 def pack_usage(refs, counts: dict[str, int], base: Manifest | None = None) -> dict[str, PackUsage]:
@@ -414,6 +436,48 @@ class StepCommit:
 
 
 # ==================================================================== chunk pipeline
+class _Length:
+    """Stands for the bytes of a chunk found unchanged (never read): only its length is used."""
+
+    __slots__ = ("n",)
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+
+class _Tile:
+    """One tile of a tensor being saved: its bytes are copied out by :meth:`fill` (on a CPU
+    worker), into a buffer of ``pool`` where there is one (given back by :meth:`release`)."""
+
+    __slots__ = ("host", "a", "isz", "offsets", "sizes", "pool", "n", "piece", "buf")
+
+    def __init__(self, host, a, isz: int, offsets, sizes, pool):
+        self.host, self.a, self.isz, self.offsets, self.sizes, self.pool = host, a, isz, offsets, sizes, pool
+        self.n = math.prod(sizes) * isz
+        self.piece = self.buf = None
+
+    def __len__(self) -> int:
+        return self.n
+
+    def fill(self) -> memoryview:
+        if self.pool is None or not 0 < self.n <= self.pool.size:
+            self.piece = tile_bytes(self.host, self.offsets, self.sizes)
+            return self.piece
+        self.buf = self.pool.get()
+        box = tuple(slice(b, b + k) for b, k in zip(self.offsets, self.sizes))
+        np.copyto(frombuffer_as(self.buf, self.isz, self.sizes), self.a[box])
+        self.piece = memoryview(self.buf)[: self.n]
+        return self.piece
+
+    def release(self) -> None:
+        buf, self.buf, self.piece = self.buf, None, None
+        if buf is not None:
+            self.pool.put(buf)
+
+
 def _in_buffer(piece, buf: bytearray) -> bool:
     """Whether ``piece`` (a buffer) points into ``buf``'s memory."""
     if not isinstance(piece, (memoryview, np.ndarray)):
@@ -456,6 +520,7 @@ class ChunkWriter:
         self.raw_writes: list[cf.Future] = []  # decoded copies being written (they read the caller's memory)
         self._raw_lock = threading.Lock()
         self.scratch = cat.runtime.buffers("scratch", o.chunk_size, self.lookahead // o.chunk_size + o.workers + 1)
+
         self.logical = self.reused = self.new_raw = self.new_stored = 0
         self.new_chunks = self.reused_chunks = self.unchanged_chunks = 0
 
@@ -469,37 +534,67 @@ class ChunkWriter:
             "pack_bytes": sum(packs.values()),
         }
 
-    def add(self, t: torch.Tensor, known: list | None = None) -> list:
+    def add(self, t: torch.Tensor, known: list | None = None, tile: tuple[int, ...] | None = None) -> list:
         """Queue a tensor's chunks; ``known[j]``, where given, is the reference of chunk ``j`` found
-        unchanged (byte for byte) since the dedup base: taken without hashing if the base holds it."""
-        mv = tensor_bytes(t)
+        unchanged (byte for byte) since the dedup base: taken without hashing if the base holds it.
+
+        With ``tile`` (format 4.0), the chunks are the tensor's tiles of that shape, in C order of
+        the grid (:mod:`ckptstore.format.tiles`), each copied out of the tensor as it is queued
+        (a tile ``known`` unchanged is not copied); ``known[j]`` is then tile ``j``'s reference."""
+        if tile is not None:
+            host = host_tensor(t)
+            shape = tuple(host.shape)
+            lengths = _tiles.tile_lengths(shape, tile, host.element_size()).tolist()
+            extents = (_tiles.tile_extent(shape, tile, pos) for pos in _tiles.positions(shape, tile))
+            pieces = self._tile_pieces(host, tile, extents)
+        else:
+            mv = tensor_bytes(t)
+            cs = self.o.chunk_size
+            lengths = [min(cs, len(mv) - off) for off in range(0, len(mv), cs)]
+            pieces = (lambda off=off: mv[off : off + cs] for off in range(0, len(mv), cs))
         dtype = str(t.dtype).removeprefix("torch.")
-        self.logical += len(mv)
         refs: list = []
-        cs = self.o.chunk_size
-        for j, off in enumerate(range(0, len(mv), cs)):
-            piece = mv[off : off + cs]
+        for j, (n, make) in enumerate(zip(lengths, pieces)):
+            self.logical += n
             ref = known[j] if known is not None and j < len(known) else None
-            if ref is not None and ref.raw_len == len(piece) and self.base.get(ref.hash) is not None:
+            if ref is not None and ref.raw_len == n and self.base.get(ref.hash) is not None:
                 fut = cf.Future()
                 fut.set_result((ref.hash, None, None, None))
                 self.unchanged_chunks += 1
-                self.pending.append((piece, fut, refs, dtype))
-                self.pending_bytes += len(piece)
+                self.pending.append((_Length(n), fut, refs, dtype))
+                self.pending_bytes += n
                 continue
-            while self.pending and self.pending_bytes + len(piece) > self.lookahead:
+            while self.pending and self.pending_bytes + n > self.lookahead:
                 self._drain_one()
+            piece = make()
             fut = self.cpu.submit(self._prepare, piece, dtype)
             self.pending.append((piece, fut, refs, dtype))
             self.pending_bytes += len(piece)
         return refs
 
+    def _tile_pieces(self, host: torch.Tensor, tile, extents):
+        """``make()`` per tile: a :class:`_Tile` whose bytes a CPU worker copies out of the tensor
+        (with NumPy, into a reused buffer of the tile's size where it can: :meth:`_drain_one` gives
+        it back once the pack writer has its bytes)."""
+        a = int_view(host)
+        isz = host.element_size()
+        pool = None
+        if a is not None and self.raw_tier is None:  # a decoded copy in the tier would hold the buffer
+            size = math.prod(min(t, n) for t, n in zip(tile, host.shape)) * isz
+            if size:
+                pool = self.cat.runtime.buffers("tile-copies", size, self.lookahead // size + self.o.workers + 1,
+                                                zeroed=False)
+        for offs, sizes in extents:
+            yield lambda o=offs, z=sizes: _Tile(host, a, isz, o, z, pool)
+
     def _prepare(self, piece, dtype):
-        """Hash and encode one chunk (on a CPU worker).
+        """Hash and encode one chunk (on a CPU worker; a tile is copied out of its tensor first).
 
         Returns ``(hash, codec, pieces, scratch)``; ``scratch`` (or None)
         backs ``pieces`` and goes back to the pool once they are copied out.
         """
+        if isinstance(piece, _Tile):
+            piece = piece.fill()
         h = _codec.hash_bytes(piece)
         if h in self.base or h in self.written:
             return h, None, None, None
@@ -519,7 +614,16 @@ class ChunkWriter:
     def _drain_one(self) -> None:
         piece, fut, refs, dtype = self.pending.popleft()
         self.pending_bytes -= len(piece)
+        try:
+            self._append(piece, fut, refs, dtype)
+        finally:
+            if isinstance(piece, _Tile):  # its bytes are in the pack (or the chunk was a duplicate)
+                piece.release()
+
+    def _append(self, piece, fut, refs, dtype) -> None:
         h, codec, stored, scratch = fut.result()
+        if isinstance(piece, _Tile):
+            piece = piece.piece
         try:
             ref = self.written.get(h) or self.base.get(h)
             if ref is not None:
@@ -597,7 +701,7 @@ def save_step(cat: Catalog, tree, tensors: dict[str, torch.Tensor], step: int, m
 
     ``known``: chunks an async save found unchanged since its previous step
     (:class:`KnownChunks`), used only if that step is this save's dedup base.
-    ``refs_out``: filled with each tensor's chunk references once saved.
+    ``refs_out``: filled with each tensor's ``(chunk references, tile shape or None)`` once saved.
     """
     report, close = progress_callback(progress)
     report = report if progress not in (None, False) else None
@@ -624,15 +728,31 @@ def save_step(cat: Catalog, tree, tensors: dict[str, torch.Tensor], step: int, m
 class KnownChunks:
     """Chunks of an async save's tensors whose bytes equal those of step ``step``'s chunks
     (:mod:`ckptstore.pipeline.snapshot`): ``refs[key][j]`` is chunk ``j``'s reference there, or None
-    (changed, or not compared). Valid only for ``chunk_size`` chunks and for a save whose dedup base is
-    ``step``: :meth:`for_base` says."""
+    (changed, or not compared), ``tiles[key]`` the tile shape those chunks were cut in (None: runs).
+    Valid only for ``chunk_size`` chunks, for a save whose dedup base is ``step`` (:meth:`for_base`
+    says) and for a tensor cut the same way again (:meth:`of`)."""
 
     step: int
     chunk_size: int
     refs: dict
+    tiles: dict = dataclasses.field(default_factory=dict)
 
-    def for_base(self, base_step: int | None, chunk_size: int) -> dict:
-        return self.refs if base_step == self.step and chunk_size == self.chunk_size else {}
+    def for_base(self, base_step: int | None, chunk_size: int) -> "KnownChunks | None":
+        return self if base_step == self.step and chunk_size == self.chunk_size else None
+
+    def of(self, key: str, tile) -> list | None:
+        """``refs[key]`` if the tensor is cut in ``tile`` again, else None."""
+        return self.refs.get(key) if self.tiles.get(key) == tile else None
+
+
+def _queue_tensors(cat: Catalog, writer: ChunkWriter, tree, tensors, base_step, same: KnownChunks | None,
+                   entries: dict) -> None:
+    """Queue every tensor's chunks in state-dict order: ``entries[key] = (tensor, refs, tile)``."""
+    base_man = cat.manifest(base_step) if base_step is not None else None
+    for key in tree_keys(tree):
+        t = tensors[key]
+        tile = tile_for(cat.options, key, t.shape, t.dtype, base_man)
+        entries[key] = (t, writer.add(t, same.of(key, tile) if same is not None else None, tile), tile)
 
 
 def _save_step(cat: Catalog, tree, tensors, step: int, metadata: dict, base, report, wb,
@@ -655,22 +775,21 @@ def _save_step(cat: Catalog, tree, tensors, step: int, metadata: dict, base, rep
         if report is not None:
             on_bytes = Counter(report, "save bytes", sum(t.numel() * t.element_size() for t in tensors.values())).add
         writer = ChunkWriter(cat, dedup_index(cat, base_step), on_bytes, store=target)
-        same = known.for_base(base_step, cat.options.chunk_size) if known is not None else {}
-        entries: dict[str, tuple[torch.Tensor, list]] = {}
+        same = known.for_base(base_step, cat.options.chunk_size) if known is not None else None
+        entries: dict[str, tuple[torch.Tensor, list, tuple | None]] = {}
         try:
-            for key in tree_keys(tree):
-                t = tensors[key]
-                entries[key] = (t, writer.add(t, same.get(key)))
+            _queue_tensors(cat, writer, tree, tensors, base_step, same, entries)
             writer.drain()
             # The chunk table goes out while the last pack is completed; the
             # manifest naming both is created only once both are verified.
             builder = TableBuilder()
             te = {}
-            for key, (t, refs) in entries.items():
+            for key, (t, refs, tile) in entries.items():
                 shape = tuple(t.shape)
                 first, count = builder.extend(refs)
                 te[key] = TensorEntry(key, _m.dtype_name(t.dtype), shape,
-                                      (Shard((0,) * len(shape), shape, tuple(refs), TableRef(0, first, count)),))
+                                      (Shard((0,) * len(shape), shape, tuple(refs), TableRef(0, first, count)),),
+                                      tile=tile)
             seg = write_segment(cat, builder, store=target, written=segments)
             packs = writer.finish()
         except PackVanishedError as e:
@@ -692,7 +811,7 @@ def _save_step(cat: Catalog, tree, tensors, step: int, metadata: dict, base, rep
             base_step=base_step,
             stats=stats,
             segments=(seg,),
-            pack_use=pack_usage((c for _, refs in entries.values() for c in refs), writer.packs.counts,
+            pack_use=pack_usage((c for _, refs, _ in entries.values() for c in refs), writer.packs.counts,
                                 cat.cached_manifest(base_step) if base_step is not None else None),
         )
         if wb is not None:
@@ -703,7 +822,7 @@ def _save_step(cat: Catalog, tree, tensors, step: int, metadata: dict, base, rep
         if cat.tier is not None:
             cat.tier.note_step(commit.step, packs)  # eviction takes the newest steps' packs last
         if refs_out is not None:
-            refs_out.update((key, refs) for key, (_, refs) in entries.items())
+            refs_out.update((key, (refs, tile)) for key, (_, refs, tile) in entries.items())
     except BaseException as e:
         # Not committed here (and, write-back, not recorded as pending): what it uploaded goes now.
         if (writer is not None and not handed_over and commit.uncommitted(e)

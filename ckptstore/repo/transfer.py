@@ -227,12 +227,15 @@ def _consolidated_view(ckpt):
 
 
 def _row_blocks(e: TensorEntry):
-    """Indices covering a tensor in row blocks of about EXPORT_BLOCK_BYTES."""
+    """Indices covering a tensor in row blocks of about EXPORT_BLOCK_BYTES (of a tiled tensor:
+    whole rows of its tiles, more where one row of tiles is larger)."""
     if len(e.shape) == 0 or e.nbytes <= EXPORT_BLOCK_BYTES or e.shape[0] <= 1:
         yield None
         return
     row = e.nbytes // e.shape[0]
     rows = max(1, EXPORT_BLOCK_BYTES // max(row, 1))
+    if e.tile is not None and e.nshards == 1:  # whole rows of tiles: no tile is read for two blocks
+        rows = max(1, rows // e.tile[0]) * e.tile[0]
     for r in range(0, e.shape[0], rows):
         yield (slice(r, min(r + rows, e.shape[0])),)
 
@@ -683,7 +686,7 @@ def _copy_steps(job: _CopyJob, plans: list) -> CopyResult:
                     first, count = builder.extend(refs)
                     used += refs
                     shards.append(Shard(s.offsets, s.sizes, tuple(refs), TableRef(0, first, count)))
-                tensors[k] = TensorEntry(e.key, e.dtype, e.shape, tuple(shards))
+                tensors[k] = TensorEntry(e.key, e.dtype, e.shape, tuple(shards), tile=e.tile)
             segment = write_segment(dst, builder, written=segments)
             res.chunks_reused += reused
             stats = dict(man.stats)
@@ -819,7 +822,7 @@ def diff(repo: Catalog, step_a: int, step_b: int) -> dict:
                  "chunks": nchunks, "changed_chunks": nchunks, "changed_bytes": eb.nbytes}
             )
             continue
-        same_layout = len(ea.shards) == len(eb.shards) and all(
+        same_layout = ea.tile == eb.tile and len(ea.shards) == len(eb.shards) and all(
             x.offsets == y.offsets and x.sizes == y.sizes and [c.raw_len for c in x.chunks] == [c.raw_len for c in y.chunks]
             for x, y in zip(ea.shards, eb.shards)
         )

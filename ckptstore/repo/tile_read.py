@@ -1,0 +1,129 @@
+"""Reading a box of a tiled shard (format 4.0): only the tiles the box meets.
+
+A tiled shard's chunks are the tiles of a regular grid (:mod:`ckptstore.format.tiles`). A read
+of a box fetches the tiles holding an element of it, and puts each tile's part of the box in
+place: a tile that lies whole in the box and whose place in the destination is one contiguous
+run of its memory (a range of rows, or a box with full trailing dimensions) is decoded straight
+into it; any other is decoded into a buffer of its own and lands with one strided copy. A
+destination that is not a CPU tensor of the stored dtype (CUDA, another dtype) is filled through
+a host buffer of the box and one ``copy_`` at the end, as for row-major shards.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from ..format import manifest as _m
+from ..format import tiles as _tiles
+from ..format.manifest import Shard, TensorEntry
+from ..pipeline.tensors import byte_view, frombuffer_as, int_view
+
+
+def _part(box, toff, tsz):
+    """The part of ``box`` (shard coordinates, ``(start, stop, step)`` per dim) inside the tile at
+    ``toff`` of ``tsz``: ``(tile slices, out slices)``, or None when the tile holds none of it."""
+    tile_sl, out_sl = [], []
+    for (start, stop, step), o, n in zip(box, toff, tsz):
+        lo, hi = max(start, o), min(stop, o + n)
+        first = start + -(-(lo - start) // step) * step
+        if lo >= hi or first >= hi:
+            return None
+        cnt = -(-(hi - first) // step)
+        tile_sl.append(slice(first - o, first - o + (cnt - 1) * step + 1, step))
+        k0 = (first - start) // step
+        out_sl.append(slice(k0, k0 + cnt))
+    return tuple(tile_sl), tuple(out_sl)
+
+
+class TileRead:
+    """One box of one tiled shard as :meth:`~ckptstore.repo.reader.Checkpoint.read_shards` reads it:
+    ``refs`` (the tiles it meets), ``into(k)`` (where tile ``k`` decodes), ``done(k)`` (its copy
+    into place, once verified) and ``finish()``."""
+
+    def __init__(self, e: TensorEntry, shard: Shard, local, target: torch.Tensor, pool=None):
+        self.e, self.shard, self.local, self.target = e, shard, local, target
+        stored = _m.DTYPES[e.dtype]
+        self.stored_dtype = stored
+        tiles = _tiles.meeting(shard.sizes, e.tile, local)
+        self.parts = []
+        self.refs = []
+        for idx, pos in tiles:
+            toff, tsz = _tiles.tile_extent(shard.sizes, e.tile, pos)
+            part = _part(local, toff, tsz)
+            if part is None:
+                continue
+            self.parts.append((tsz, part[0], part[1]))
+            self.refs.append(shard.chunks[idx])
+        in_place = (target.device.type == "cpu" and target.dtype == stored and not target.is_conj()
+                    and not target.is_neg())
+        self.staged = not in_place
+        self.dest = target.detach() if in_place else torch.empty(tuple(target.shape), dtype=stored)
+        self.pool = pool  # reusable tile-sized buffers (a BufferPool), or None
+        self.dest_np = int_view(self.dest)  # the copies into place go through NumPy (None: torch)
+        self.scratch: dict[int, tuple] = {}
+        self._lock = threading.Lock()
+
+    def into(self, k: int):
+        """Tile ``k``'s place in the destination when it is one contiguous run there, else a buffer."""
+        tsz, tile_sl, out_sl = self.parts[k]
+        whole = all(s.start == 0 and s.step == 1 and s.stop == n for s, n in zip(tile_sl, tsz))
+        if whole:
+            sub = self.dest[out_sl]
+            if sub.is_contiguous():
+                return byte_view(sub)
+        # A reused buffer (no fresh memory per tile), given back once the tile is in place.
+        n = self.refs[k].raw_len
+        pooled = self.pool is not None and n <= self.pool.size
+        raw = self.pool.get() if pooled else bytearray(n)
+        with self._lock:
+            old = self.scratch.pop(k, None)  # a first try (the node-local tier) that missed
+            self.scratch[k] = (raw, pooled)
+        if old is not None and old[1]:
+            self.pool.put(old[0])
+        return memoryview(raw)[:n]
+
+    def done(self, k: int) -> None:
+        with self._lock:
+            got = self.scratch.pop(k, None)
+        if got is None:
+            return
+        raw, pooled = got
+        try:
+            tsz, tile_sl, out_sl = self.parts[k]
+            n = self.refs[k].raw_len
+            src = frombuffer_as(raw, self.stored_dtype.itemsize, tsz) if self.dest_np is not None else None
+            if src is not None:  # NumPy: a memcpy per row, on this (decoding) thread
+                self.dest_np[out_sl] = src[tile_sl]
+            else:
+                tile = torch.frombuffer(raw, dtype=torch.uint8, count=n).view(self.stored_dtype).view(tsz)
+                self.dest[out_sl].copy_(tile[tile_sl])
+        finally:
+            if pooled:
+                self.pool.put(raw)
+
+    def release(self) -> None:
+        """Give back the buffers of tiles that never completed (a failed read)."""
+        with self._lock:
+            left, self.scratch = list(self.scratch.values()), {}
+        for raw, pooled in left:
+            if pooled:
+                self.pool.put(raw)
+
+    def deliver(self, k: int, raw) -> None:  # pragma: no cover - every tile has a destination
+        raise AssertionError("a tile read decodes every tile into a destination")
+
+    def finish(self) -> None:
+        if self.staged:
+            with torch.no_grad():
+                self.target.copy_(self.dest)
+
+
+def box_refs(e: TensorEntry, shard: Shard, local) -> list:
+    """The chunks (tiles) a read of box ``local`` of a tiled shard fetches."""
+    return [shard.chunks[i] for i, pos in _tiles.meeting(shard.sizes, e.tile, local)
+            if _part(local, *_tiles.tile_extent(shard.sizes, e.tile, pos)) is not None]
+
+
+__all__ = ["TileRead", "box_refs"]
