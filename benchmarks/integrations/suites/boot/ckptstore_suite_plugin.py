@@ -62,7 +62,33 @@ def pytest_runtest_setup(item):
     d = os.environ.get("CKPTSTORE_SUITE_DIR")
     if d:
         os.makedirs(d, exist_ok=True)
-        tmp = os.path.join(d, "current.tmp")
+        rank = os.environ.get("CKPTSTORE_SUITE_RANK")  # one pytest process per rank (Megatron's tests)
+        name = "current" if rank is None else f"current.{rank}"
+        tmp = os.path.join(d, name + ".tmp")
         with open(tmp, "w") as f:
             f.write(slug(item.nodeid))
-        os.replace(tmp, os.path.join(d, "current"))
+        os.replace(tmp, os.path.join(d, name))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """``CKPTSTORE_SUITE_TEST_TIMEOUT`` seconds: a test running longer fails (pytest-timeout is not installed here).
+
+    An alarm in the main thread: it fires when the test returns to Python (a collective blocked in
+    gloo returns at the process group's timeout, which the Megatron CPU shim sets below this)."""
+    limit = float(os.environ.get("CKPTSTORE_SUITE_TEST_TIMEOUT") or 0)
+    if limit <= 0:
+        yield
+        return
+    import signal
+
+    def expired(signum, frame):
+        raise TimeoutError(f"test ran past the suite's per-test timeout ({limit:.0f} s)")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, limit)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
