@@ -89,6 +89,8 @@ def run_side(framework: str, src: str, out: str, ckptstore: bool, extra: list[st
            "-o", "junit_family=xunit1", "-p", "no:cacheprovider"]
     cmd += [p for p in paths]
     cmd += [arg for f in skip for arg in ("--ignore", os.path.join(paths[0], f))]
+    if framework == "megatron":
+        cmd += ["--continue-on-collection-errors"]  # a test file needing a GPU package fails alone
     if framework == "torchtitan" and ckptstore:
         cmd += ["-p", "ckptstore_titan_adapt"]
     cmd += extra

@@ -11,7 +11,9 @@ per rank and NCCL):
 - ``init_process_group``/``new_group`` with ``backend="nccl"`` use gloo, with a
   default timeout of ``CKPTSTORE_SUITE_PG_TIMEOUT`` seconds (120) instead of
   30 minutes, so a rank left alone by a failed peer fails the test instead of
-  the run;
+  the run; a group of ranks and options already made is returned again (Megatron
+  makes ~30 groups per test and never destroys them; each gloo group keeps
+  threads);
 - ``torch.cuda.set_device``, ``synchronize``, ``empty_cache`` do nothing,
   ``current_device()`` is ``"cpu"``, ``device_count()`` is the number of
   ranks (``Utils`` takes ``rank % device_count()``);
@@ -20,6 +22,9 @@ per rank and NCCL):
   Engine (a GPU package not installed here; the tests' autouse ``set_env``
   fixture compares its version, ``None``, and raised ``TypeError`` in every
   test);
+- ``typing.override`` is ``typing_extensions.override`` on Python 3.11
+  (Megatron-LM 0.19's training package, which its tests import, uses the
+  3.12 name; megatron-core 0.19.2 declares Python >= 3.12);
 - the CUDA RNG state calls of Megatron's ``CudaRNGStatesTracker``
   (``get_rng_state``/``set_rng_state``, ``manual_seed``) use the CPU
   generator.
@@ -110,22 +115,44 @@ def _gloo(kwargs, args, pos):
 def _patch_c10d(c10d):
     if getattr(c10d.init_process_group, "_ckptstore_cpu_shim", False):
         return
-    init, new_group = c10d.init_process_group, c10d.new_group
+    init, new_group, destroy = c10d.init_process_group, c10d.new_group, c10d.destroy_process_group
+    # Megatron's initialize_model_parallel makes some 30 groups per test and never destroys them;
+    # each gloo group keeps threads of its own (5,000 threads per rank a third into the run, the
+    # machine crawling): a group of the same ranks and options is made once per default group.
+    # Every rank makes the same calls in the same order, so every rank gets the same groups.
+    groups: dict = {}
 
     def init_process_group(*args, **kwargs):
         args, kwargs = _gloo(kwargs, args, 0)
         kwargs.pop("device_id", None)
+        groups.clear()
         return init(*args, **kwargs)
 
     def new_group_(*args, **kwargs):
         args, kwargs = _gloo(kwargs, args, 2)  # new_group(ranks, timeout, backend, pg_options, ...)
-        return new_group(*args, **kwargs)
+        ranks = kwargs.get("ranks", args[0] if args else None)
+        opts = {k: v for k, v in kwargs.items() if k not in ("ranks", "group_desc")}
+        key = (None if ranks is None else tuple(ranks), tuple(map(repr, args[1:])), repr(sorted(opts.items())))
+        if key not in groups:
+            groups[key] = new_group(*args, **kwargs)
+        return groups[key]
 
-    init_process_group._ckptstore_cpu_shim = new_group_._ckptstore_cpu_shim = True
+    def destroy_process_group(group=None):
+        if group is None:
+            groups.clear()
+        else:
+            for k in [k for k, g in groups.items() if g is group]:
+                del groups[k]
+        return destroy(group)
+
+    for f in (init_process_group, new_group_, destroy_process_group):
+        f._ckptstore_cpu_shim = True
     c10d.init_process_group, c10d.new_group = init_process_group, new_group_
+    c10d.destroy_process_group = destroy_process_group
     import torch.distributed as dist
 
     dist.init_process_group, dist.new_group = init_process_group, new_group_
+    dist.destroy_process_group = destroy_process_group
 
 
 # ------------------------------------------------------------------ ckptstore's strategies as the defaults
@@ -249,6 +276,15 @@ def _patch_strategy_registry(mod, suite_url):
 
 def HOOKS(ckptstore_side: bool, suite_url) -> dict:
     """Module name -> functions run right after the module is imported."""
+    import typing
+
+    if not hasattr(typing, "override"):
+        try:
+            import typing_extensions
+
+            typing.override = typing_extensions.override
+        except ImportError:
+            pass
     hooks = {
         "torch": [_patch_torch],
         "torch.distributed.distributed_c10d": [_patch_c10d],
