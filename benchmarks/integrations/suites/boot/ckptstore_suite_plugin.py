@@ -70,6 +70,57 @@ def pytest_runtest_setup(item):
         os.replace(tmp, os.path.join(d, name))
 
 
+_MEGATRON = os.environ.get("CKPTSTORE_SUITE_FRAMEWORK") == "megatron"
+_tests_run = 0
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_logstart(nodeid, location):
+    # Megatron's tests: every test starts on a process group of its own (below); its rendezvous
+    # port is the run's MASTER_PORT plus the test's place in the run, the same on every rank
+    global _tests_run
+    if _MEGATRON:
+        base = int(os.environ.setdefault("CKPTSTORE_SUITE_MASTER_PORT", os.environ.get("MASTER_PORT", "29500")))
+        _tests_run += 1
+        os.environ["MASTER_PORT"] = str(10000 + (base + _tests_run) % 20000)  # below the ephemeral ports
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Megatron's tests: the process group ends with the test that made it.
+
+    Megatron's ``Utils`` makes the default group once per run; under gloo a
+    test that leaves one rank in a collective (a failure on the other, a
+    timeout) closes the pairs of that group for good, and every later test
+    failed with "Application timeout caused pair closure" (152 of 0.19's).
+    After each test's own teardown the group and Megatron's parallel state
+    are destroyed, so the next test's ``Utils.initialize_distributed``
+    makes a fresh one (on both sides of a run)."""
+    yield
+    if not _MEGATRON:
+        return
+    import sys
+
+    ps = sys.modules.get("megatron.core.parallel_state")
+    if ps is not None:
+        try:
+            ps.destroy_model_parallel()
+        except Exception:
+            pass
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+    for name in ("tests.unit_tests.test_utilities",):
+        utils = getattr(sys.modules.get(name), "Utils", None)
+        if utils is not None:
+            utils.store = None
+            utils.inited = False
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
     """``CKPTSTORE_SUITE_TEST_TIMEOUT`` seconds: a test running longer fails (pytest-timeout is not installed here).
