@@ -9,7 +9,7 @@ Both sides get the same small CUDA shim (the tests are written for one GPU
 per rank and NCCL):
 
 - ``init_process_group``/``new_group`` with ``backend="nccl"`` use gloo, with a
-  default timeout of ``CKPTSTORE_SUITE_PG_TIMEOUT`` seconds (45) instead of
+  timeout of at most ``CKPTSTORE_SUITE_PG_TIMEOUT`` seconds (45) instead of
   30 minutes, so a rank left alone by a failed peer fails the test instead of
   the run; a group of ranks and options already made is returned again (Megatron
   makes ~30 groups per test and never destroys them; each gloo group keeps
@@ -109,8 +109,14 @@ def _gloo(kwargs, args, pos):
     if isinstance(b, str) and "nccl" in b:
         kwargs["backend"] = "gloo"
     kwargs.pop("pg_options", None)
-    if kwargs.get("timeout") is None:
-        kwargs["timeout"] = timedelta(seconds=_PG_TIMEOUT)
+    cap = timedelta(seconds=_PG_TIMEOUT)
+    # Megatron passes its own (30 minutes: distributed_timeout_minutes); capped, or a rank its peer
+    # left in a broadcast waits there half an hour while the peer runs the next tests
+    at = 1 if pos == 2 else 2  # new_group(ranks, timeout, ...), init_process_group(backend, init_method, timeout, ...)
+    if len(args) > at:
+        args[at] = min(args[at] or cap, cap)
+    else:
+        kwargs["timeout"] = min(kwargs.get("timeout") or cap, cap)
     return args, kwargs
 
 
