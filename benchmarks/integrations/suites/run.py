@@ -135,7 +135,10 @@ def _run_ranks(cmd: list[str], cwd: str, env: dict, out: str, side: str, ranks: 
         rcmd += ["--basetemp", os.path.join(base, "bt", f"rank{r}")]
         log = open(os.path.join(out, f"{side}.rank{r}.log" if r else f"{side}.log"), "w")
         logs.append(log)
-        renv = dict(env, RANK=str(r), LOCAL_RANK=str(r), CKPTSTORE_SUITE_RANK=str(r))
+        renv = dict(env, RANK=str(r), LOCAL_RANK=str(r), CKPTSTORE_SUITE_RANK=str(r),
+                    CKPTSTORE_SUITE_OUTCOMES=os.path.join(out, f"{side}.rank{r}.jsonl"))
+        if os.path.exists(renv["CKPTSTORE_SUITE_OUTCOMES"]):
+            os.remove(renv["CKPTSTORE_SUITE_OUTCOMES"])
         procs.append(subprocess.Popen(rcmd, cwd=cwd, env=renv, stdout=log, stderr=subprocess.STDOUT,
                                       start_new_session=True))
     deadline = time.monotonic() + run_timeout if run_timeout else None
@@ -165,8 +168,37 @@ def _run_ranks(cmd: list[str], cwd: str, env: dict, out: str, side: str, ranks: 
     for log in logs:
         log.close()
     shutil.rmtree(base, ignore_errors=True)
+    for r in range(ranks):  # a rank stopped before pytest wrote its XML: its outcomes as they came
+        rx = os.path.join(out, f"{side}.rank{r}.xml")
+        if not os.path.exists(rx) and os.path.exists(os.path.join(out, f"{side}.rank{r}.jsonl")):
+            jsonl_to_junit(os.path.join(out, f"{side}.rank{r}.jsonl"), rx)
+            print(f"[{side}] rank {r}: no JUnit XML (stopped); outcomes from {side}.rank{r}.jsonl", flush=True)
     merge_ranks([os.path.join(out, f"{side}.rank{r}.xml") for r in range(ranks)], xml)
     return rc
+
+
+def jsonl_to_junit(src: str, dest: str) -> None:
+    """The plugin's per-phase JSON lines as JUnit XML (classname and name as pytest's xunit1 writes them)."""
+    import json
+
+    cases: dict[str, ET.Element] = {}
+    for line in open(src):
+        try:
+            d = json.loads(line)
+        except ValueError:
+            continue
+        path, _, rest = d["nodeid"].partition("::")
+        parts = rest.split("::")
+        cls = ".".join([path[:-3].replace("/", ".")] + parts[:-1]) if path.endswith(".py") else path
+        case = cases.setdefault(d["nodeid"], ET.Element("testcase", classname=cls, name=parts[-1]))
+        if d["outcome"] == "failed":
+            ET.SubElement(case, "failure" if d["when"] == "call" else "error", message=d["message"])
+        elif d["outcome"] == "skipped":
+            ET.SubElement(case, "skipped", message=d["message"])
+    root = ET.Element("testsuites")
+    suite = ET.SubElement(root, "testsuite", name="pytest", tests=str(len(cases)))
+    suite.extend(cases.values())
+    ET.ElementTree(root).write(dest)
 
 
 def merge_ranks(xmls: list[str], dest: str) -> None:

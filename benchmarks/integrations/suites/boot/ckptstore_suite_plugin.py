@@ -119,6 +119,30 @@ def pytest_runtest_teardown(item, nextitem):
         if utils is not None:
             utils.store = None
             utils.inited = False
+            # a test that changed the world size (Utils.set_world_size) and failed before setting it
+            # back left every later test waiting a minute for ranks that do not exist
+            utils.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+            utils.rank = int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def pytest_runtest_logreport(report):
+    """``CKPTSTORE_SUITE_OUTCOMES``: one JSON line per test phase, written as it ends (a run stopped by
+    its time limit keeps its outcomes so far; pytest writes the JUnit XML only at the end)."""
+    path = os.environ.get("CKPTSTORE_SUITE_OUTCOMES")
+    if not path:
+        return
+    import json
+
+    msg = ""
+    if report.failed:
+        msg = str(getattr(report.longrepr, "reprcrash", None) and report.longrepr.reprcrash.message or report.longrepr)
+        msg = msg.strip().splitlines()[0] if msg.strip() else ""
+    elif report.skipped:
+        lr = report.longrepr
+        msg = str(lr[2] if isinstance(lr, tuple) and len(lr) == 3 else lr)
+    with open(path, "a") as f:
+        f.write(json.dumps({"nodeid": report.nodeid, "when": report.when, "outcome": report.outcome,
+                            "message": msg[:300]}) + "\n")
 
 
 @pytest.hookimpl(hookwrapper=True)
