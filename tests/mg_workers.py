@@ -482,3 +482,38 @@ def _async_failures(ps, rank, url, tmp, q, strat, col, row, extra, folder, steps
     col2, row2 = layers(seed=11)
     state = dist_checkpointing.load(sharded(ps, col2, row2, None), folder(20), sharded_strategy=cmg.load_strategy(url))
     assert state["iteration"] == 5
+
+
+# ------------------------------------------------------------------ errors: Megatron's types
+def errors_worker(rank, world, port, tmp):
+    """A load of a key the checkpoint lacks raises torch's CheckpointException, as Megatron's own strategy
+    does (Megatron's tests and callers catch it); a ckptstore failure (the step exists) keeps its type."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from torch.distributed.checkpoint import CheckpointException
+
+    from ckptstore.errors import StepExistsError
+    from ckptstore.integrations import megatron as cmg
+
+    init(rank, world, port, tp=1)
+    url = f"file://{tmp}/repo"
+    ckpt_dir = os.path.join(tmp, "ckpt")
+    if rank == 0:
+        os.makedirs(ckpt_dir, exist_ok=True)
+    torch.distributed.barrier()
+    sh = ShardedTensor.from_rank_offsets("keyA", torch.arange(8.0), replica_id=rank)
+    dist_checkpointing.save({"a": sh}, ckpt_dir, sharded_strategy=cmg.save_strategy(url, step=1))
+    try:
+        dist_checkpointing.save({"a": sh}, ckpt_dir, sharded_strategy=cmg.save_strategy(url, step=1))
+    except StepExistsError as e:
+        assert "step 1" in str(e), e
+    else:
+        raise AssertionError("a second save of step 1 did not raise StepExistsError")
+    other = ShardedTensor.from_rank_offsets("different_key", torch.zeros(8), replica_id=rank)
+    try:
+        dist_checkpointing.load({"a": other}, ckpt_dir, sharded_strategy=cmg.load_strategy(url))
+    except CheckpointException as e:
+        assert "different_key" in str(e), e
+    else:
+        raise AssertionError("a load of a missing key did not raise")
+    shutdown()

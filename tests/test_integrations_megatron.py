@@ -122,6 +122,12 @@ def test_async_save_refuses_write_back_and_replicas_and_needs_a_step(tmp_path):
     assert not (tmp_path / "repo").exists()  # refused before anything was written
 
 
+def test_errors_keep_megatrons_types(tmp_path):
+    # a key the checkpoint lacks: torch's CheckpointException, as Megatron's strategy raises it (it
+    # was a KeyError, and Megatron's test_load_error_msg failed); ckptstore's own errors keep theirs
+    spawn(W.errors_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
+
+
 def _overlay() -> str | None:
     """The Megatron-Core 0.19 overlay: where ``make test`` put it, else a ``.mcore019`` in the checkout."""
     env = os.environ.get("CKPTSTORE_MCORE_OVERLAY")

@@ -95,7 +95,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..dcp import CkptStoreReader, CkptStoreWriter
-from ..errors import FormatError
+from ..errors import CkptStoreError, FormatError
 from ..format.unpickle import load_safe
 from ._common import unwrap_checkpoint_exception
 from .megatron_async import AsyncSaveError
@@ -226,7 +226,7 @@ class CkptStoreSaveStrategy(TorchDistSaveShardedStrategy):
             dcp.save(self._translate(sharded_state_dict), storage_writer=writer, planner=self._planner())
         except CheckpointException as e:
             writer.close()
-            raise unwrap_checkpoint_exception(e, f"Megatron checkpoint step {step}") from None
+            raise _dcp_error(e, f"Megatron checkpoint step {step}") from None
         except BaseException:
             writer.close()
             raise
@@ -246,7 +246,7 @@ class CkptStoreSaveStrategy(TorchDistSaveShardedStrategy):
         try:
             dcp.save(self._translate(sharded_state_dict), storage_writer=writer, planner=self._planner())
         except CheckpointException as e:
-            raise unwrap_checkpoint_exception(e, f"Megatron checkpoint step {step}") from None
+            raise _dcp_error(e, f"Megatron checkpoint step {step}") from None
         finally:
             writer.close()
         self.last_rank_stats = writer.last_rank_stats
@@ -338,7 +338,7 @@ class CkptStoreLoadStrategy(TorchDistLoadShardedStrategy):
                                          allow_shape_mismatch_sharded_tensors=mismatch_ok),
             )
         except CheckpointException as e:
-            raise unwrap_checkpoint_exception(e, f"Megatron checkpoint load from {self.url}") from None
+            raise _dcp_error(e, f"Megatron checkpoint load from {self.url}") from None
         finally:
             reader.close()
         mcore_state_dict = {k: _unwrap_pyt_sharded_tensor(v) for k, v in pyt_state_dict.items()}
@@ -430,6 +430,24 @@ def install(url: str | os.PathLike, storage_options: dict | None = None, **optio
             return FullyParallelSaveStrategyWrapper(strategy, group, do_cache_distribution, **kwargs)
 
         C.FullyParallelSaveStrategyWrapper = fully_parallel
+
+
+def _dcp_error(e: CheckpointException, what: str) -> BaseException:
+    """What a failed ``dcp.save``/``dcp.load`` of a strategy raises.
+
+    A failure of ckptstore's (a :class:`~ckptstore.errors.CkptStoreError` on
+    some rank: storage, a step that exists, ...) is that rank's own error,
+    its type kept. Anything else failed in Megatron's planners or DCP (a key
+    the checkpoint lacks, a global shape that differs) and stays torch's
+    ``CheckpointException``, as Megatron's own strategies raise it: callers
+    and Megatron's tests catch ``(CheckpointingException, CheckpointException)``.
+    """
+    failures = getattr(e, "failures", None) or {}
+    for item in failures.values():
+        exc = item[0] if isinstance(item, tuple) else item
+        if isinstance(exc, CkptStoreError):
+            return unwrap_checkpoint_exception(e, what)
+    return e
 
 
 def _wrapper_takes_backend() -> bool:

@@ -37,10 +37,17 @@ import sys
 _DIR = os.environ.get("CKPTSTORE_SUITE_DIR")
 
 
+def _current_file() -> str:
+    # Megatron's tests run as one pytest process per rank (CKPTSTORE_SUITE_RANK): one file each,
+    # so a rank ahead of another never renames the other's repository
+    rank = os.environ.get("CKPTSTORE_SUITE_RANK")
+    return os.path.join(_DIR, "current" if rank is None else f"current.{rank}")
+
+
 def suite_url() -> str:
     """The repository URL of the test running now."""
     try:
-        with open(os.path.join(_DIR, "current")) as f:
+        with open(_current_file()) as f:
             slug = f.read().strip() or "no-test"
     except FileNotFoundError:
         slug = "no-test"
@@ -130,6 +137,13 @@ if _DIR:
     _HOOKS.setdefault("deepspeed", []).append(_patch_deepspeed)
     _HOOKS["lightning.pytorch.trainer.trainer"] = [_patch_trainer]
     _HOOKS["torchtitan.components.checkpointer.dcp"] = [_patch_titan_manager]
+
+if os.environ.get("CKPTSTORE_SUITE_FRAMEWORK") == "megatron":
+    # Megatron-Core's own tests on the CPU (both sides): see ckptstore_megatron_cpu
+    from ckptstore_megatron_cpu import HOOKS as _MEGATRON_HOOKS
+
+    for _name, _fns in _MEGATRON_HOOKS(bool(_DIR), suite_url).items():
+        _HOOKS.setdefault(_name, []).extend(_fns)
 
 
 class _AfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
