@@ -445,7 +445,7 @@ def _async_failures(ps, rank, url, tmp, q, strat, col, row, extra, folder, steps
     if rank == 1:
         real_add = dcp_writer.ChunkWriter.add
 
-        def failing_add(self, t):
+        def failing_add(self, t, **kwargs):
             raise OSError("injected: the store refused a pack upload")
 
         dcp_writer.ChunkWriter.add = failing_add
