@@ -331,6 +331,7 @@ def test_gc_racing_savers_local(tmp_path):
     _race(str(tmp_path / "repo"), None, rounds=20, seed=1)
 
 
+@pytest.mark.slow  # 20 rounds of racing saves on moto; the local-store race runs in the fast subset
 def test_gc_racing_savers_s3(s3):
     _race(s3.url, s3.storage_options, rounds=6, seed=2)
 

@@ -77,6 +77,7 @@ def test_a_listing_that_stays_throttled_raises_never_no_checkpoint(s3, proxy):
         repo.load()
 
 
+@pytest.mark.slow  # six 503s on 12 MiB of parts, each retried after botocore's real backoff (~9 s)
 def test_a_storm_of_503_on_uploads_still_saves_bit_exact(s3, proxy):
     so = _so(s3, proxy)
     storm = proxy.fail(match(kind=("PART", "PUT")), count=6)

@@ -284,6 +284,7 @@ def test_any_slice_of_a_tiled_tensor_is_bit_exact(case):
 
 
 # ------------------------------------------------------------------ DCP reshards, 2 ranks
+@pytest.mark.slow  # 2 gloo ranks
 @pytest.mark.parametrize("saved_dim,load_dim", [(0, 1), (1, 0)])
 def test_dcp_reshard_between_dims_on_2_ranks_reads_each_ranks_share(tmp_path, saved_dim, load_dim):
     tensors = {"w": _tensor((256, 384)), "h": _tensor((64, 96, 40), torch.bfloat16, 2)}
