@@ -221,8 +221,7 @@ def classify_error(exc: BaseException, where: str, op: str, exists_on_412: bool 
         if _garbled_reply(exc):
             # A reply cut short inside its headers (a connection closed mid-header ends the header
             # block without an error) leaves a header botocore cannot parse: as transient as the cut
-            detail = f"{type(exc).__name__}: {str(exc)[:MAX_MESSAGE]}"
-            return TransientStorageError(f"{where}: S3 {op} failed: the reply was garbled ({detail})")
+            return TransientStorageError(f"{where}: S3 {op} failed: the reply was garbled ({_detail(exc)})")
         return exc  # not botocore's parsing: ours (RangeReplyError...), raised as it is
     dns = host_not_resolved(exc, where, f"S3 {op}")
     if dns is not None:
@@ -255,7 +254,7 @@ def classify_error(exc: BaseException, where: str, op: str, exists_on_412: bool 
                 err.retry_after = parse_retry_after(_headers(exc).get("retry-after"))
             return err
         return StorageError(text)
-    detail = f"{type(exc).__name__}: {str(exc)[:MAX_MESSAGE]}"
+    detail = _detail(exc)
     if exists_on_412 and isinstance(exc, FileExistsError):
         return ObjectExistsError(f"{where}: object already exists (S3 {op})")
     if isinstance(exc, FileNotFoundError):
@@ -265,6 +264,11 @@ def classify_error(exc: BaseException, where: str, op: str, exists_on_412: bool 
     if _is_connection_error(exc):
         return TransientStorageError(f"{where}: S3 {op} failed: {detail}")
     return StorageError(f"{where}: S3 {op} failed: {detail}")
+
+
+def _detail(exc: BaseException) -> str:
+    """``Type: message`` of an exception with no error code, its message cut to MAX_MESSAGE."""
+    return f"{type(exc).__name__}: {str(exc)[:MAX_MESSAGE]}"
 
 
 def _garbled_reply(exc: BaseException) -> bool:
