@@ -357,3 +357,47 @@ def test_pack_entry_fast_path_matches_the_checked_one(e):
             return "refused"
 
     assert run(V2._parse_pack_entry) == run(V2._parse_pack_entry_checked), e
+
+
+# ------------------------------------------------------------------ plane judgements shared by a tensor's chunks
+def _chunks(dtype, n_chunks: int, elems: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(n_chunks, elems, generator=g).mul_(0.02).to(dtype)
+    return [bytes(t[i].contiguous().view(torch.uint8).numpy()) for i in range(n_chunks)]
+
+
+@pytest.mark.parametrize("dtype,name", [(torch.bfloat16, "bfloat16"), (torch.float32, "float32")])
+def test_shared_plane_judgements_store_the_same_bytes_with_fewer_samples(monkeypatch, dtype, name):
+    # Tiles: many small chunks of one tensor. Without shared judgements every chunk compresses a
+    # PLANE_SAMPLE of each incompressible (mantissa) plane to find it incompressible; with them,
+    # only the first does, and the others a PLANE_PROBE probe. The stored bytes are the same.
+    chunks = _chunks(dtype, 12, 96 << 10)
+    alone = [codec.encode_pieces(c, "zstd", dtype=name) for c in chunks]
+    samples: list[int] = []
+    real = codec._compresses
+    monkeypatch.setattr(codec, "_compresses", lambda c, s: samples.append(len(memoryview(s).cast("B"))) or real(c, s))
+    judged = [None] * codec.JUDGED_SLOTS
+    shared = [codec.encode_pieces(c, "zstd", dtype=name, judged=judged) for c in chunks]
+    for (c1, p1), (c2, p2) in zip(alone, shared):
+        assert c1 == c2 and b"".join(map(bytes, p1)) == b"".join(map(bytes, p2))
+    full = [n for n in samples if n > codec.PLANE_PROBE]
+    assert len(full) <= codec.BYTEGROUP_DTYPES[name][0]  # the first chunk's judgements only, a plane each
+    assert samples.count(codec.PLANE_PROBE) >= len(chunks) - 1
+    for c, (name_, pieces) in zip(chunks, shared):
+        assert codec.decode(name_, b"".join(map(bytes, pieces)), len(c)) == c
+
+
+@pytest.mark.parametrize("dtype,name", [(torch.bfloat16, "bfloat16"), (torch.float32, "float32")])
+def test_a_chunk_unlike_its_tensors_first_is_still_compressed(dtype, name):
+    # A zero tile after random ones (padding rows of an embedding): its probe compresses, so its
+    # planes are judged in full and stored compressed, as without shared judgements.
+    judged = [None] * codec.JUDGED_SLOTS
+    for c in _chunks(dtype, 3, 64 << 10):
+        codec.encode_pieces(c, "zstd", dtype=name, judged=judged)
+    zeros = bytes(torch.zeros(64 << 10, dtype=dtype).view(torch.uint8).numpy())
+    used, pieces = codec.encode_pieces(zeros, "zstd", dtype=name, judged=judged)
+    alone = codec.encode_pieces(zeros, "zstd", dtype=name)
+    stored = sum(len(memoryview(p).cast("B")) for p in pieces)
+    assert stored < len(zeros) // 50
+    assert stored == sum(len(memoryview(p).cast("B")) for p in alone[1])
+    assert codec.decode(used, b"".join(map(bytes, pieces)), len(zeros)) == zeros

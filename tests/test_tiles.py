@@ -325,3 +325,90 @@ def test_an_async_save_reuses_the_tiles_its_snapshot_found_unchanged(tmp_path):
         assert third.new_bytes == math.prod(tile) * 4  # only the edited tile is new
         for step, want in ((2, _tensor((256, 384))), (3, w)):
             assert torch.equal(repo.load(step)["w"], want)
+
+
+# ------------------------------------------------------------------ landing by bands
+def _plan(repo, key, index, target=None):
+    from ckptstore.repo.tile_read import TileRead
+    ck = repo.checkpoint(1)
+    e = ck.entry(key)
+    shard = ck.shards(key, [0])[0]
+    box, shape = ckptstore.pipeline.planner.normalize_index(index, e.shape)
+    if target is None:
+        target = torch.empty(tuple(len(range(*b)) for b in box), dtype=M.DTYPES[e.dtype])
+    return TileRead(e, shard, box, target)
+
+
+@pytest.mark.parametrize("shape,dtype", [((256, 384), torch.float32), ((8, 40, 72), torch.bfloat16),
+                                         ((96, 640), torch.bfloat16)])
+def test_a_whole_tensor_lands_by_bands_and_a_cut_box_tile_by_tile(tmp_path, shape, dtype):
+    full = _tensor(shape, dtype)
+    _, repo = _saved(tmp_path, {"w": full})
+    with repo:
+        tile = repo.checkpoint(1).entry("w").tile
+        assert tile is not None and T.grid(shape, tile)[1:] != (1,) * (len(shape) - 1)
+        whole = _plan(repo, "w", None)
+        assert len(whole.bands) == len(whole.refs)  # every tile decodes into its band's buffer
+        # rows cut inside the first band's tiles: those tiles land one by one, the others by bands
+        cut = _plan(repo, "w", (slice(1, shape[0]),))
+        first_band = [k for k, (tsz, tile_sl, out_sl) in enumerate(cut.parts) if tile_sl[0].start != 0]
+        assert first_band and not any(k in cut.bands for k in first_band)
+        assert len(cut.bands) == len(cut.refs) - len(first_band)
+        # a slice of a trailing dimension lands tile by tile
+        col = _plan(repo, "w", (slice(None), slice(0, shape[1] // 2)))
+        assert not col.bands
+        for index in (None, (slice(1, shape[0]),), (slice(3, shape[0] - 2),), (slice(None), slice(0, shape[1] // 2))):
+            want = full if index is None else full[index]
+            assert torch.equal(repo.checkpoint(1).read("w", index), want)
+        out = _counted_band_pool(repo)
+        into = {"w": torch.full_like(full, 7)}
+        repo.load(1, into=into)
+        assert torch.equal(into["w"], full)
+        assert out["get"] > 0 and out["get"] == out["put"]  # every band buffer came back
+        assert not repo.runtime._buffer_pools["tile bands"]._free  # and went back to the system once idle
+
+
+def _counted_band_pool(repo) -> dict:
+    """Count the gets and puts of the pool of band buffers the repository's reads use."""
+    o = repo.options
+    pool = repo.runtime.buffers("tile bands", 2 * o.chunk_size, keep=o.workers + 2, zeroed=False)
+    out = {"get": 0, "put": 0}
+    get, put = pool.get, pool.put
+
+    def counted_get():
+        out["get"] += 1
+        return get()
+
+    def counted_put(buf):
+        out["put"] += 1
+        put(buf)
+
+    pool.get, pool.put = counted_get, counted_put
+    return out
+
+
+def test_trailing_sizes_off_the_grid_land_tile_by_tile(tmp_path):
+    full = _tensor((200, 390), torch.bfloat16)  # 390 is not a whole number of tiles
+    _, repo = _saved(tmp_path, {"w": full})
+    with repo:
+        tile = repo.checkpoint(1).entry("w").tile
+        assert tile is not None and 390 % tile[1]
+        assert not _plan(repo, "w", None).bands
+        assert torch.equal(repo.load(1)["w"], full)
+
+
+def test_a_corrupt_tile_in_a_band_is_refused_and_its_buffer_given_back(tmp_path):
+    full = _tensor((256, 384))
+    path = tmp_path / "repo"
+    with ckptstore.Repository(open_store(str(path)), chunk_size=CHUNK) as repo:
+        repo.save({"w": full}, step=1)
+        ref = repo.checkpoint(1).shards("w", [0])[0].chunks[5]
+    pack = next((path / "packs").rglob(f"{ref.pack}*"))
+    data = bytearray(pack.read_bytes())
+    data[ref.offset + ref.stored_len // 2] ^= 0xFF
+    pack.write_bytes(bytes(data))
+    with ckptstore.Repository(open_store(str(path))) as repo:
+        out = _counted_band_pool(repo)
+        with pytest.raises(IntegrityError, match="'w'"):
+            repo.load(1, into={"w": torch.zeros_like(full)})
+        assert out["get"] > 0 and out["get"] == out["put"]

@@ -56,6 +56,10 @@ BYTEGROUP_DTYPES = {
 #: A plane whose first 64 KiB compress by less than this is stored raw
 #: without compressing the rest (random mantissa bytes).
 PLANE_SAMPLE = 64 << 10
+#: The probe of a plane that did not compress in the tensor's earlier chunks (see encode_pieces).
+PLANE_PROBE = 4 << 10
+#: Slots of a tensor's shared plane judgements (one per byte plane of the widest grouped element).
+JUDGED_SLOTS = 8
 PLANE_MIN_RATIO = 1.05
 MIN_SAVING = 0.03
 DEFAULT_LEVEL = 1
@@ -106,7 +110,7 @@ def encode(data, codec: str = "zstd", level: int = DEFAULT_LEVEL, dtype: str | N
 
 
 def encode_pieces(data, codec: str = "zstd", level: int = DEFAULT_LEVEL,
-                  dtype: str | None = None, scratch=None) -> tuple[str, list]:
+                  dtype: str | None = None, scratch=None, judged: list | None = None) -> tuple[str, list]:
     """:func:`encode` without joining: ``(codec_used, buffers)``.
 
     The stored chunk is the concatenation of ``buffers``; a writer that
@@ -115,6 +119,17 @@ def encode_pieces(data, codec: str = "zstd", level: int = DEFAULT_LEVEL,
     byte planes instead of a fresh allocation (whose page faults cost more
     than the transposition itself); ``buffers`` may then point into it, so
     it must not be reused before they are consumed.
+
+    ``judged``, a list shared by the chunks of one tensor (start it as
+    ``[None] * JUDGED_SLOTS``), keeps what byte planes of its earlier chunks did on their
+    samples: a plane that did not compress there is judged here on a
+    :data:`PLANE_PROBE`-byte probe instead of a :data:`PLANE_SAMPLE` sample
+    (a tensor of many small chunks, tiles, otherwise compresses a sample of
+    its random mantissa bytes per chunk); a plane that did compress there is
+    compressed without a sample (and stored raw if that does not make it
+    smaller). A probe that compresses sends the plane to the full
+    judgement, so a chunk unlike the tensor's first (zeros in random
+    weights) is still compressed.
     """
     if codec == "raw" or len(data) == 0:
         return "raw", [data]
@@ -123,7 +138,7 @@ def encode_pieces(data, codec: str = "zstd", level: int = DEFAULT_LEVEL,
     limit = len(data) * (1.0 - MIN_SAVING)
     bg = BYTEGROUP_DTYPES.get(dtype or "")
     if bg is not None and len(data) % bg[0] == 0:
-        pieces = _bytegroup_encode(data, bg[0], bg[1], level, scratch)
+        pieces = _bytegroup_encode(data, bg[0], bg[1], level, scratch, judged)
         if sum(len(p) for p in pieces) > limit:
             return "raw", [data]
         return "bgz", pieces
@@ -374,17 +389,30 @@ def _pack_low3(x32: np.ndarray, out: np.ndarray) -> None:
         out[3 * (m - 1) : 3 * m] = x32[m - 1 :].view(np.uint8)[:3]
 
 
-def _low3_fits(arr: np.ndarray, c: zstandard.ZstdCompressor, judged: list) -> bool:
+def _judge(c: zstandard.ZstdCompressor, plane, i: int, judged: list, shared: list | None) -> bool:
+    """Whether byte plane ``i`` (a uint8 array or buffer, possibly strided) compresses, judged on
+    its first :data:`PLANE_SAMPLE` bytes; where the tensor's earlier chunks judged it (``shared``,
+    see :func:`encode_pieces`), yes without a sample if they found it does, and no on a
+    :data:`PLANE_PROBE` probe that does not compress if they found it does not. In ``judged``."""
+    if shared is not None and shared[i] is True:
+        judged[i] = True
+        return True
+    if shared is not None and shared[i] is False and not _compresses(c, np.ascontiguousarray(plane[:PLANE_PROBE])):
+        judged[i] = False
+        return False
+    judged[i] = _compresses(c, np.ascontiguousarray(plane[:PLANE_SAMPLE]))
+    if shared is not None:
+        shared[i] = judged[i]
+    return judged[i]
+
+
+def _low3_fits(arr: np.ndarray, c: zstandard.ZstdCompressor, judged: list, shared: list | None = None) -> bool:
     """Whether a 4-byte-element chunk takes transform 2: its top plane's sample
     compresses and none of the low ones' does. Fills in ``judged`` (plane i,
     most significant byte first) for the planes it had to look at."""
     head = arr.reshape(-1, 4)[:PLANE_SAMPLE]
-
-    def judge(i: int) -> bool:
-        judged[i] = _compresses(c, np.ascontiguousarray(head[:, 3 - i]))
-        return judged[i]
-
-    return judge(0) and not any(judge(i) for i in (1, 2, 3))
+    return (_judge(c, head[:, 3], 0, judged, shared)
+            and not any(_judge(c, head[:, 3 - i], i, judged, shared) for i in (1, 2, 3)))
 
 
 def _low3_encode(arr: np.ndarray, c: zstandard.ZstdCompressor, scratch=None) -> list:
@@ -414,25 +442,32 @@ def _low3_encode(arr: np.ndarray, c: zstandard.ZstdCompressor, scratch=None) -> 
     return [b"".join([_BG_HEAD.pack(1, 4, 2, 2), *heads]), body, low.data]
 
 
-def _bytegroup_encode(data, k: int, transform: int, level: int, scratch=None) -> list:
+def _bytegroup_encode(data, k: int, transform: int, level: int, scratch=None, shared: list | None = None) -> list:
     arr = np.frombuffer(data, dtype=np.uint8)
     c = _plane_compressor()
+    if shared is not None and len(shared) < k:
+        shared = None
     # judged[i]: plane i (most significant byte first) compresses, judged on
-    # its first PLANE_SAMPLE bytes; each sample is compressed once.
+    # its first PLANE_SAMPLE bytes; each sample is compressed once. shared: the
+    # tensor's earlier chunks' judgements (encode_pieces), or None.
     judged: list[bool | None] = [None] * k
-    if k == 4 and transform == 0 and _low3_fits(arr, c, judged):
+    if k == 4 and transform == 0 and _low3_fits(arr, c, judged, shared):
         return _low3_encode(arr, c, scratch)
     heads, bodies = [], []
     for i, plane in enumerate(_planes(arr, k, transform, scratch)):
         raw = plane.data
         mode, body = 0, raw
+        if judged[i] is None and shared is not None and shared[i] is not None:
+            _judge(c, raw, i, judged, shared)  # from the tensor's earlier chunks, or this one's probe
         if judged[i] is None and len(raw) <= PLANE_SAMPLE:
             # The sample is the whole plane (a small chunk: a tile): compressed once, the same
             # bytes and the same decision as judging the sample, then compressing the plane.
             z = c.compress(raw)
+            if shared is not None:
+                shared[i] = len(z) * PLANE_MIN_RATIO < len(raw)
             if len(z) * PLANE_MIN_RATIO < len(raw) and len(z) < len(raw):
                 mode, body = 1, z
-        elif judged[i] if judged[i] is not None else _compresses(c, raw[:PLANE_SAMPLE]):
+        elif judged[i] if judged[i] is not None else _judge(c, raw, i, judged, shared):
             z = c.compress(raw)
             if len(z) < len(raw):
                 mode, body = 1, z

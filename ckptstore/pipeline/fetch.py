@@ -45,6 +45,9 @@ from ..storage.base import ObjectStore
 from ..storage.upload import BufferPool
 from ..tier.cache import Tier
 
+#: Raw bytes of arrived chunks one decoding task takes at most (several small chunks, one hand-off).
+DECODE_BATCH = 2 << 20
+
 #: ``deliver(i, raw, stored)``: chunk ``i``'s decoded bytes and its stored
 #: bytes (both valid only during the call).
 Deliver = Callable[[int, memoryview, memoryview], None]
@@ -121,8 +124,8 @@ class ChunkFetcher:
             with self._lock:
                 self._active -= 1
                 idle = not self._active
-            if idle:  # no read under way: give the range buffers back to the system
-                self.runtime.read_buffers().clear()
+            if idle:  # no read under way: give the range (and tile) buffers back to the system
+                self.runtime.drop_read_buffers()
 
 
 def _wait_all(futures: list[cf.Future]) -> None:
@@ -322,9 +325,25 @@ class _Job:
         def decode(i: int) -> None:
             self.decode_one(i, req, mv, tier, missed, keep)
 
+        def decode_run(items: list[int]) -> None:
+            for i in items:
+                self.decode_one(i, req, mv, tier, missed, keep)
+
         def arrived(got: int) -> None:
+            # The chunks whose bytes are all in, decoded by one task per DECODE_BATCH raw bytes:
+            # a piece of a range holds several small chunks (a tiled tensor's tiles), and a task
+            # each cost a hand-off between threads per chunk.
+            batch: list[int] = []
+            size = 0
             while pending and refs[pending[0]].offset + refs[pending[0]].stored_len - req.start <= got:
-                started.append(cpu.submit(decode, pending.popleft()))
+                i = pending.popleft()
+                batch.append(i)
+                size += refs[i].raw_len
+                if size >= DECODE_BATCH:
+                    started.append(cpu.submit(decode_run, batch))
+                    batch, size = [], 0
+            if batch:
+                started.append(cpu.submit(decode_run, batch))
 
         gone: list[int] = []
         progress = arrived if len(req.items) > 1 else None  # one chunk: decoded here, once it is all in

@@ -204,6 +204,17 @@ class Runtime:
                 pool = self._buffer_pools[name] = BufferPool(size, keep=keep, zeroed=zeroed)
             return pool
 
+    #: Pools of reads only, dropped (their idle buffers) once no read is under way.
+    READ_POOLS = ("reads", "tiles", "tile bands")
+
+    def drop_read_buffers(self) -> None:
+        """Give the idle buffers of the read pools (:data:`READ_POOLS`) back to the system."""
+        with self._lock:
+            pools = [self._buffer_pools.get(n) for n in self.READ_POOLS]
+        for pool in pools:
+            if pool is not None:
+                pool.clear()
+
     def read_buffers(self) -> BufferPool:
         """Reusable buffers for range reads (``max_request`` bytes; as many as the read budget holds)."""
         o = self.options

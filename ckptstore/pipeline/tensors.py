@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -39,8 +41,8 @@ def frombuffer_as(buf, itemsize: int, shape) -> np.ndarray | None:
     dt = _SAME_SIZE_INT.get(itemsize)
     if dt is None:
         return None
-    n = int(np.prod(shape)) if len(shape) else 1
-    return np.frombuffer(buf, dtype=dt, count=n).reshape(tuple(shape))
+    shape = tuple(shape)
+    return np.frombuffer(buf, dtype=dt, count=math.prod(shape)).reshape(shape)  # math.prod: no array made
 
 
 def tile_bytes(t: torch.Tensor, offsets, sizes) -> memoryview:

@@ -316,11 +316,12 @@ class Checkpoint:
         small tensors) cost a few range requests, not one or more each. A tiled shard's job reads
         only the tiles its box meets (:class:`~ckptstore.repo.tile_read.TileRead`). ``on_bytes(n)``:
         as in :meth:`read_many_into`, ``n`` raw bytes of chunks were read (from several threads)."""
-        pool = None
+        pool = bands = None
         if any(job[0].tile is not None for job in jobs):
             o = self.repo.options
             pool = self.repo.runtime.buffers("tiles", o.chunk_size, keep=o.workers + 2, zeroed=False)
-        plans = [TileRead(*job, pool) if job[0].tile is not None else _ShardRead(self, *job) for job in jobs]
+            bands = self.repo.runtime.buffers("tile bands", 2 * o.chunk_size, keep=o.workers + 2, zeroed=False)
+        plans = [TileRead(*job, pool, bands) if job[0].tile is not None else _ShardRead(self, *job) for job in jobs]
         refs, owner = [], []
         for j, plan in enumerate(plans):
             refs += plan.refs

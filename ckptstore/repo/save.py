@@ -553,6 +553,7 @@ class ChunkWriter:
             lengths = [min(cs, len(mv) - off) for off in range(0, len(mv), cs)]
             pieces = (lambda off=off: mv[off : off + cs] for off in range(0, len(mv), cs))
         dtype = str(t.dtype).removeprefix("torch.")
+        judged: list = [None] * _codec.JUDGED_SLOTS  # the tensor's byte-plane judgements, shared by its chunks
         refs: list = []
         for j, (n, make) in enumerate(zip(lengths, pieces)):
             self.logical += n
@@ -567,7 +568,7 @@ class ChunkWriter:
             while self.pending and self.pending_bytes + n > self.lookahead:
                 self._drain_one()
             piece = make()
-            fut = self.cpu.submit(self._prepare, piece, dtype)
+            fut = self.cpu.submit(self._prepare, piece, dtype, judged)
             self.pending.append((piece, fut, refs, dtype))
             self.pending_bytes += len(piece)
         return refs
@@ -582,12 +583,15 @@ class ChunkWriter:
         if a is not None and self.raw_tier is None:  # a decoded copy in the tier would hold the buffer
             size = math.prod(min(t, n) for t, n in zip(tile, host.shape)) * isz
             if size:
-                pool = self.cat.runtime.buffers("tile-copies", size, self.lookahead // size + self.o.workers + 1,
-                                                zeroed=False)
+                # One pool per power of two: tensors of a few tile sizes take turns without
+                # rebuilding a pool (fresh, faulted-in memory) at each change of size.
+                size = 1 << (size - 1).bit_length()
+                pool = self.cat.runtime.buffers(f"tile-copies-{size}", size,
+                                                self.lookahead // size + self.o.workers + 1, zeroed=False)
         for offs, sizes in extents:
             yield lambda o=offs, z=sizes: _Tile(host, a, isz, o, z, pool)
 
-    def _prepare(self, piece, dtype):
+    def _prepare(self, piece, dtype, judged=None):
         """Hash and encode one chunk (on a CPU worker; a tile is copied out of its tensor first).
 
         Returns ``(hash, codec, pieces, scratch)``; ``scratch`` (or None)
@@ -605,7 +609,7 @@ class ChunkWriter:
             with self._raw_lock:
                 self.raw_writes.append(fut)
         scratch = self.scratch.get() if len(piece) == self.scratch.size else None
-        codec, pieces = _codec.encode_pieces(piece, self.o.codec, self.o.level, dtype, scratch)
+        codec, pieces = _codec.encode_pieces(piece, self.o.codec, self.o.level, dtype, scratch, judged)
         if scratch is not None and not any(_in_buffer(p, scratch) for p in pieces):
             self.scratch.put(scratch)
             scratch = None

@@ -4,13 +4,19 @@ A tiled shard's chunks are the tiles of a regular grid (:mod:`ckptstore.format.t
 of a box fetches the tiles holding an element of it, and puts each tile's part of the box in
 place: a tile that lies whole in the box and whose place in the destination is one contiguous
 run of its memory (a range of rows, or a box with full trailing dimensions) is decoded straight
-into it; any other is decoded into a buffer of its own and lands with one strided copy. A
+into it. The tiles of a *band* (those sharing their first grid index) that all lie whole in a
+box spanning the trailing dimensions decode side by side into one buffer of the band, and land
+with one copy that writes the band's rows in order once the last of them is in: tile by tile,
+that copy writes a few hundred bytes of each row and jumps to the next, at under half the speed
+(docs/performance.md, "Tiles"). Any other tile is decoded into a buffer of its own and lands
+with one strided copy. A
 destination that is not a CPU tensor of the stored dtype (CUDA, another dtype) is filled through
 a host buffer of the box and one ``copy_`` at the end, as for row-major shards.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 
 import torch
@@ -42,18 +48,19 @@ class TileRead:
     ``refs`` (the tiles it meets), ``into(k)`` (where tile ``k`` decodes), ``done(k)`` (its copy
     into place, once verified) and ``finish()``."""
 
-    def __init__(self, e: TensorEntry, shard: Shard, local, target: torch.Tensor, pool=None):
+    def __init__(self, e: TensorEntry, shard: Shard, local, target: torch.Tensor, pool=None, band_pool=None):
         self.e, self.shard, self.local, self.target = e, shard, local, target
         stored = _m.DTYPES[e.dtype]
         self.stored_dtype = stored
-        tiles = _tiles.meeting(shard.sizes, e.tile, local)
+        tiles = []
         self.parts = []
         self.refs = []
-        for idx, pos in tiles:
+        for idx, pos in _tiles.meeting(shard.sizes, e.tile, local):
             toff, tsz = _tiles.tile_extent(shard.sizes, e.tile, pos)
             part = _part(local, toff, tsz)
             if part is None:
                 continue
+            tiles.append((idx, pos))
             self.parts.append((tsz, part[0], part[1]))
             self.refs.append(shard.chunks[idx])
         in_place = (target.device.type == "cpu" and target.dtype == stored and not target.is_conj()
@@ -64,9 +71,53 @@ class TileRead:
         self.dest_np = int_view(self.dest)  # the copies into place go through NumPy (None: torch)
         self.scratch: dict[int, tuple] = {}
         self._lock = threading.Lock()
+        self.bands: dict[int, _Band] = {}  # tile k -> its band, for the tiles that land by bands
+        self.slot: dict[int, int] = {}  # tile k -> its byte offset in its band's buffer
+        self.band_pool = band_pool
+        if self.dest_np is not None and self.dest.is_contiguous():
+            self._plan_bands(tiles)
+
+    def _plan_bands(self, tiles) -> None:
+        """Group the tiles that land by bands: those of a grid index along the first dimension whose
+        box spans every trailing dimension of the shard (a whole number of tiles each), all whole
+        in the box and not already contiguous in the destination (one tile across)."""
+        e, sizes, box = self.e, self.shard.sizes, self.local
+        nd = len(sizes)
+        if nd < 2 or any(box[d] != (0, sizes[d], 1) or sizes[d] % e.tile[d] for d in range(1, nd)):
+            return
+        across = _tiles.grid(sizes, e.tile)[1:]
+        per_band = math.prod(across)
+        if per_band < 2:
+            return
+        isz = self.stored_dtype.itemsize
+        by_row: dict[int, list[int]] = {}
+        for k, (idx, pos) in enumerate(tiles):
+            by_row.setdefault(pos[0], []).append(k)
+        for i0, ks in by_row.items():
+            tsz, tile_sl, out_sl = self.parts[ks[0]]
+            if len(ks) != per_band or tile_sl[0] != slice(0, tsz[0], 1):
+                continue  # the box cuts this band's rows: its tiles land one by one
+            rows = tsz[0]
+            view = self.dest_np[out_sl[0]]
+            shape = (rows,) + tuple(x for g, t in zip(across, e.tile[1:]) for x in (g, t))
+            tile_bytes = rows * math.prod(e.tile[1:]) * isz
+            band = _Band(view.reshape(shape), tuple(across) + (rows,) + tuple(e.tile[1:]),
+                         len(ks) * tile_bytes, len(ks))
+            for slot, k in enumerate(ks):
+                self.bands[k] = band
+                self.slot[k] = slot * tile_bytes
 
     def into(self, k: int):
-        """Tile ``k``'s place in the destination when it is one contiguous run there, else a buffer."""
+        """Tile ``k``'s place in the destination when it is one contiguous run there, its slot in its
+        band's buffer, else a buffer of its own."""
+        band = self.bands.get(k)
+        if band is not None:
+            with self._lock:
+                if band.buf is None:
+                    pooled = self.band_pool is not None and band.nbytes <= self.band_pool.size
+                    band.buf = (self.band_pool.get() if pooled else bytearray(band.nbytes)), pooled
+            off = self.slot[k]
+            return memoryview(band.buf[0])[off : off + self.refs[k].raw_len]
         tsz, tile_sl, out_sl = self.parts[k]
         whole = all(s.start == 0 and s.step == 1 and s.stop == n for s, n in zip(tile_sl, tsz))
         if whole:
@@ -85,6 +136,14 @@ class TileRead:
         return memoryview(raw)[:n]
 
     def done(self, k: int) -> None:
+        band = self.bands.get(k)
+        if band is not None:
+            with self._lock:
+                band.left -= 1
+                last = band.left == 0
+            if last:
+                band.land(self.stored_dtype.itemsize, self.band_pool)
+            return
         with self._lock:
             got = self.scratch.pop(k, None)
         if got is None:
@@ -107,9 +166,15 @@ class TileRead:
         """Give back the buffers of tiles that never completed (a failed read)."""
         with self._lock:
             left, self.scratch = list(self.scratch.values()), {}
+            bands = [b.buf for b in set(self.bands.values()) if b.buf is not None]
+            for band in self.bands.values():
+                band.buf = None
         for raw, pooled in left:
             if pooled:
                 self.pool.put(raw)
+        for raw, pooled in bands:
+            if pooled:
+                self.band_pool.put(raw)
 
     def deliver(self, k: int, raw) -> None:  # pragma: no cover - every tile has a destination
         raise AssertionError("a tile read decodes every tile into a destination")
@@ -118,6 +183,31 @@ class TileRead:
         if self.staged:
             with torch.no_grad():
                 self.target.copy_(self.dest)
+
+
+class _Band:
+    """The tiles of one band of a read: a buffer holding them side by side in chunk order (grid
+    order along the trailing dimensions), and the destination rows they land in at once."""
+
+    __slots__ = ("dest", "shape", "nbytes", "left", "buf")
+
+    def __init__(self, dest, shape, nbytes: int, count: int):
+        self.dest = dest  # the band's rows, viewed as (rows, g_1, t_1, g_2, t_2, ...)
+        self.shape = shape  # the buffer, viewed as (g_1, g_2, ..., rows, t_1, t_2, ...)
+        self.nbytes, self.left, self.buf = nbytes, count, None
+
+    def land(self, itemsize: int, pool) -> None:
+        """Copy the band's tiles into its rows (every tile in and verified), writing them in order."""
+        raw, pooled = self.buf
+        self.buf = None
+        try:
+            n = len(self.shape) // 2  # grid axes before the tile's first axis
+            src = frombuffer_as(memoryview(raw)[: self.nbytes], itemsize, self.shape)
+            order = (n,) + tuple(a for d in range(n) for a in (d, n + 1 + d))
+            self.dest[...] = src.transpose(order)
+        finally:
+            if pooled:
+                pool.put(raw)
 
 
 def box_refs(e: TensorEntry, shard: Shard, local) -> list:
