@@ -412,3 +412,22 @@ def test_a_corrupt_tile_in_a_band_is_refused_and_its_buffer_given_back(tmp_path)
         with pytest.raises(IntegrityError, match="'w'"):
             repo.load(1, into={"w": torch.zeros_like(full)})
         assert out["get"] > 0 and out["get"] == out["put"]
+
+
+def test_small_tiles_are_prepared_by_groups_of_about_a_chunk(tmp_path, monkeypatch):
+    from ckptstore.repo import save as S
+    calls: list[int] = []
+    real = S.ChunkWriter._prepare_many
+    monkeypatch.setattr(S.ChunkWriter, "_prepare_many", lambda self, pieces, *a: calls.append(len(pieces)) or real(self, pieces, *a))
+    w = _tensor((256, 384))
+    store, repo = _saved(tmp_path, {"w": w, "b": _tensor((96, 640), torch.bfloat16, 1)})
+    with repo:
+        tile = repo.checkpoint(1).entry("w").tile
+        tile_bytes = math.prod(tile) * 4
+        assert 2 * tile_bytes <= CHUNK  # small: grouped
+        ntiles = T.count(w.shape, tile) + T.count((96, 640), repo.checkpoint(1).entry("b").tile)
+        assert sum(calls) == ntiles and len(calls) < ntiles / 2  # every tile, by groups
+        assert max(calls) <= CHUNK // min(tile_bytes, CHUNK // 8) + 1
+        got = repo.load(1)
+        assert torch.equal(got["w"], w) and torch.equal(got["b"], _tensor((96, 640), torch.bfloat16, 1))
+        assert repo.verify(read_data=True).ok

@@ -448,6 +448,18 @@ class _Length:
         return self.n
 
 
+class _Member:
+    """Chunk ``i`` of a group prepared by one task: its result is item ``i`` of the group's."""
+
+    __slots__ = ("future", "i")
+
+    def __init__(self, future: cf.Future, i: int):
+        self.future, self.i = future, i
+
+    def result(self):
+        return self.future.result()[self.i]
+
+
 class _Tile:
     """One tile of a tensor being saved: its bytes are copied out by :meth:`fill` (on a CPU
     worker), into a buffer of ``pool`` where there is one (given back by :meth:`release`)."""
@@ -555,23 +567,52 @@ class ChunkWriter:
         dtype = str(t.dtype).removeprefix("torch.")
         judged: list = [None] * _codec.JUDGED_SLOTS  # the tensor's byte-plane judgements, shared by its chunks
         refs: list = []
+        # Chunks under half a chunk (tiles) go to the CPU pool by groups of about a chunk: one task
+        # and one future per group, not per tile (a hand-off between threads each).
+        group: list = []
+        group_bytes = 0
+
+        def submit_group() -> None:
+            nonlocal group, group_bytes
+            if group:
+                fut = self.cpu.submit(self._prepare_many, group, dtype, judged)
+                for i, piece in enumerate(group):
+                    self.pending.append((piece, _Member(fut, i), refs, dtype))
+                    self.pending_bytes += len(piece)
+                group, group_bytes = [], 0
+
         for j, (n, make) in enumerate(zip(lengths, pieces)):
             self.logical += n
             ref = known[j] if known is not None and j < len(known) else None
             if ref is not None and ref.raw_len == n and self.base.get(ref.hash) is not None:
+                submit_group()  # the chunks before it first: pending is in chunk order
                 fut = cf.Future()
                 fut.set_result((ref.hash, None, None, None))
                 self.unchanged_chunks += 1
                 self.pending.append((_Length(n), fut, refs, dtype))
                 self.pending_bytes += n
                 continue
-            while self.pending and self.pending_bytes + n > self.lookahead:
-                self._drain_one()
+            while self.pending and self.pending_bytes + group_bytes + n > self.lookahead:
+                self._drain_one()  # the open group waits: the chunks queued before it are drained
+            if group and group_bytes + n > self.lookahead:
+                submit_group()
             piece = make()
+            if 2 * n <= self.o.chunk_size:
+                group.append(piece)
+                group_bytes += n
+                if group_bytes >= self.o.chunk_size:
+                    submit_group()
+                continue
+            submit_group()
             fut = self.cpu.submit(self._prepare, piece, dtype, judged)
             self.pending.append((piece, fut, refs, dtype))
             self.pending_bytes += len(piece)
+        submit_group()
         return refs
+
+    def _prepare_many(self, pieces: list, dtype, judged) -> list:
+        """:meth:`_prepare` for each of a group of small chunks, in one task."""
+        return [self._prepare(piece, dtype, judged) for piece in pieces]
 
     def _tile_pieces(self, host: torch.Tensor, tile, extents):
         """``make()`` per tile: a :class:`_Tile` whose bytes a CPU worker copies out of the tensor
@@ -674,9 +715,10 @@ class ChunkWriter:
         cf.wait(writes)
 
     def abort(self) -> None:
-        for _, fut, _, _ in self.pending:
+        futures = [getattr(fut, "future", fut) for _, fut, _, _ in self.pending]
+        for fut in futures:
             fut.cancel()
-        cf.wait([fut for _, fut, _, _ in self.pending])  # a running _prepare may still queue a decoded copy
+        cf.wait(futures)  # a running _prepare may still queue a decoded copy
         self.pending.clear()
         self._wait_raw()
         self.packs.abort()
