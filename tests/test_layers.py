@@ -35,7 +35,7 @@ LAYERS: list[list[str]] = [
     ["pipeline.relocations", "tier.cache", "tier.admin"],
     ["pipeline.fetch", "pipeline.pack_writer", "pipeline.table_reader"],
     # repo/ (pipeline.staging reads through a Checkpoint's methods)
-    ["repo.catalog", "pipeline.staging"],
+    ["repo.catalog", "repo.chunks", "pipeline.staging"],
     ["repo.save", "repo.reader", "repo.tile_read", "repo.plain"],
     ["repo.verify", "repo.zero", "repo.writeback", "repo.gc_refs", "repo.async_save"],
     ["repo.gc", "repo.transfer"],

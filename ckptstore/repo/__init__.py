@@ -1,8 +1,8 @@
 """A repository and the operations on it: the metadata, saving, reading, checking, cleaning, copying.
 
 - :mod:`.catalog`: ``Catalog``, config, steps, manifests, tags, names, leases, listings;
-- :mod:`.save`: the chunk pipeline (``ChunkWriter``) and the one commit protocol
-  (``StepCommit``);
+- :mod:`.chunks`: the chunk pipeline of a save (``ChunkWriter``);
+- :mod:`.save`: the one commit protocol (``StepCommit``) and a save around it;
 - :mod:`.reader`: ``Checkpoint``, range reads and loads of one step;
 - :mod:`.verify`: checks that report every problem;
 - :mod:`.gc_refs`, :mod:`.gc`: what references what, ``plan_gc`` -> ``GCPlan`` ->
