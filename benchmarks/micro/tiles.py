@@ -11,7 +11,11 @@ and by rank 0 of TP=2 and TP=8 under Llama's plan (``o_proj``/``down_proj`` alon
 other matrices along dim 0, norms whole), as a fraction of the step's stored bytes.
 Ratios (tiles / runs) come from the same run on the same machine.
 
-    nice -n 10 python -m benchmarks.micro.tiles [--layers 2] [--rounds 3] [--dir DIR] [--json OUT]
+With ``--state e``, the state is workload e of ``benchmarks.run`` instead (256 MiB of fp32
+``randn`` in 12 matrices, ``common.workloads.build_small_state_dict``; its TP rows use the same
+plan by name, so every matrix is split along dim 0).
+
+    nice -n 10 python -m benchmarks.micro.tiles [--state llama|e] [--layers 2] [--rounds 3] [--dir DIR] [--json OUT]
 """
 
 from __future__ import annotations
@@ -100,12 +104,17 @@ def one_round(sd: dict, root: Path, tiles: bool) -> dict:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--state", choices=("llama", "e"), default="llama")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", default=None)
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
-    sd = state_dict(a.layers)
+    if a.state == "e":
+        from benchmarks.common.workloads import build_small_state_dict
+        sd = build_small_state_dict()
+    else:
+        sd = state_dict(a.layers)
     total = sum(v.numel() * v.element_size() for v in sd.values())
     root = Path(a.dir or tempfile.mkdtemp(prefix="ckpt-tiles-"))
     runs: dict[bool, list[dict]] = {False: [], True: []}
@@ -117,13 +126,13 @@ def main(argv=None) -> dict:
         if a.dir is None:
             shutil.rmtree(root, ignore_errors=True)
     med = {t: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for t, rs in runs.items()}
-    print(f"{total / MiB:.0f} MiB bf16, {a.rounds} rounds, medians (runs = tiles=False, as before format 4.0)")
+    print(f"{total / MiB:.0f} MiB ({a.state}), {a.rounds} rounds, medians (runs = tiles=False, as before format 4.0)")
     print(f"{'':16}{'runs':>12}{'tiles':>12}{'tiles/runs':>12}")
     for k in ("save_s", "save_cpu_s", "load_s", "load_cpu_s", "load_into_s", "load_into_cpu_s", "ratio",
               "chunks", "col_1_8", "row_1_8", "tp2_rank0", "tp8_rank0"):
         r, t = med[False][k], med[True][k]
         print(f"{k:16}{r:12.4g}{t:12.4g}{(t / r if r else float('nan')):12.3f}")
-    result = {"bytes": total, "rounds": a.rounds, "median": {str(k): v for k, v in med.items()},
+    result = {"state": a.state, "bytes": total, "rounds": a.rounds, "median": {str(k): v for k, v in med.items()},
               "all": {str(k): v for k, v in runs.items()}}
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1))
