@@ -128,6 +128,20 @@ class ChunkFetcher:
                 self.runtime.drop_read_buffers()
 
 
+def _groups(items: list[int], refs) -> list[list[int]]:
+    """``items`` in order, cut into groups of at most :data:`DECODE_BATCH` raw bytes (or one chunk)."""
+    out: list[list[int]] = []
+    size = DECODE_BATCH
+    for i in items:
+        n = refs[i].raw_len
+        if size + n > DECODE_BATCH:
+            out.append([])
+            size = 0
+        out[-1].append(i)
+        size += n
+    return out
+
+
 def _wait_all(futures: list[cf.Future]) -> None:
     """Wait for every future; on the first failure cancel the rest, wait for those running, re-raise."""
     try:
@@ -230,9 +244,14 @@ class _Job:
         taken = set(raw)
         left = [i for i in items if i not in taken]
         missed = _collector(left)
-        futures = [self.f.runtime.io.submit(self.tier_raw, i, missed) for i in raw]
+        futures = [self.f.runtime.io.submit(self.tier_raws, group, missed) for group in _groups(raw, self.refs)]
         _wait_all(futures)
         return left
+
+    def tier_raws(self, items: list[int], missed) -> None:
+        """:meth:`tier_raw` for a group of chunks, in one task (small chunks: a tiled tensor's tiles)."""
+        for i in items:
+            self.tier_raw(i, missed)
 
     def tier_raw(self, i: int, missed) -> None:
         """A decoded chunk file, read straight into the chunk's destination and hash-checked there; a

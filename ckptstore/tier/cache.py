@@ -203,15 +203,26 @@ class Tier:
         path = self.raw_path(h)
         mv = memoryview(dest).cast("B")
         try:
-            with open(path, "rb", buffering=0) as f:
-                got = f.readinto(mv)
-                extra = f.read(1)
+            fd = os.open(path, os.O_RDONLY)
         except OSError:
             return False
-        if got != mv.nbytes or extra:
+        try:  # one stat, one read, and the LRU touch on the descriptor (a tile is a file each)
+            size = os.fstat(fd).st_size
+            got = 0
+            while size == mv.nbytes and got < size:
+                k = os.preadv(fd, [mv[got:]], got)
+                if k <= 0:
+                    break
+                got += k
+            if size == mv.nbytes and got == size:
+                _touch(fd)
+        except OSError:
+            got, size = -1, -1
+        finally:
+            os.close(fd)
+        if size != mv.nbytes or got != size:
             self.discard_raw(h)
             return False
-        _touch(path)
         return True
 
     def keep_decoded(self, nbytes: int) -> bool:
@@ -803,8 +814,11 @@ def _repo_url(cache_dir: str, key: str) -> str | None:
         return None
 
 
-def _touch(path: str) -> None:
+def _touch(path) -> None:
+    """Set a file's times to now (a path, or an open descriptor where the platform can)."""
     try:
+        if isinstance(path, int) and os.utime not in os.supports_fd:
+            return
         os.utime(path, None)
     except OSError:
         pass
