@@ -282,11 +282,16 @@ def bit_exact(want: dict, got: dict) -> list[str]:
 
 def _sample(samples: list, step: int, url: str, cache_dir: str, extra: dict | None = None, *,
             trim: bool = False, probe: bool = False, objects: bool = False) -> None:
+    trim_s = None
     if trim:
+        t = time.perf_counter()
         malloc_trim()
+        trim_s = time.perf_counter() - t
     row = {"step": step, **process_counts(), "tier": tier_bytes(cache_dir), **{f"store_{k}": v for k, v in
                                                                                 store_counts(url).items()}}
     row.update(extra or {})
+    if trim_s is not None:
+        row["malloc_trim_s"] = trim_s  # what the call cost (a figure to report, never to assert)
     if probe:
         row.update(malloc_counts())
     if objects:

@@ -399,9 +399,12 @@ class WriteBack:
             pass
         path = os.path.join(self.store.root, key)  # the tier's wb/ folder
         o = cat.options
-        buf = bytearray(o.part_size)
-        up = ParallelUploader(cat.store, key, o.part_size, cat.runtime.io, window=4,
-                              buffers=cat.runtime.buffers("parts", o.part_size, (o.packs_in_flight + 1) * 5))
+        parts = cat.runtime.buffers("parts", o.part_size, (o.packs_in_flight + 1) * 5)
+        # The read buffer is a pooled part buffer, not a new one an upload: a fresh part_size
+        # bytearray a pack, mmapped and unmapped, raised glibc's mmap threshold to part_size, and
+        # from then on freed buffers stayed in the allocator's arenas (issue 44 item 3).
+        buf = parts.get()
+        up = ParallelUploader(cat.store, key, o.part_size, cat.runtime.io, window=4, buffers=parts)
         try:
             with open(path, "rb") as f:
                 while n := f.readinto(buf):
@@ -416,6 +419,8 @@ class WriteBack:
         except BaseException:
             up.abort()
             raise
+        finally:
+            parts.put(buf)  # the uploader took (copied or wrote) what it was given
         try:
             got = cat.store.head(key).size
         except ObjectNotFoundError:
