@@ -397,8 +397,8 @@ def test_write_back_saves_keep_the_tier_within_its_budget(tmp_path):
 
 def test_write_back_uploads_reuse_one_pooled_read_buffer(tmp_path):
     """The drain reads each pack and segment from the tier into a part buffer of the handle's pool,
-    the same one upload after upload: a fresh part_size buffer an upload raised glibc's mmap
-    threshold to part_size, after which freed memory stayed in its arenas (issue 44 item 3)."""
+    the same one upload after upload: with a fresh part_size buffer an upload, a DCP soak's rank 0
+    held about 300 MB free in glibc's arenas (issue 44 item 3)."""
     repo = ckptstore.open(str(tmp_path / "repo"), cache_dir=tmp_path / "tier", write_back=True, **SMALL)
     try:
         for s in range(6):
