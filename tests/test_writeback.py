@@ -393,3 +393,21 @@ def test_write_back_saves_keep_the_tier_within_its_budget(tmp_path):
         repo.flush()
     assert repo.tier.stats["evicted"] > 0
     repo.close()
+
+
+def test_write_back_uploads_reuse_one_pooled_read_buffer(tmp_path):
+    """The drain reads each pack and segment from the tier into a part buffer of the handle's pool,
+    the same one upload after upload: with a fresh part_size buffer an upload, a DCP soak's rank 0
+    held about 300 MB free in glibc's arenas (issue 44 item 3)."""
+    repo = ckptstore.open(str(tmp_path / "repo"), cache_dir=tmp_path / "tier", write_back=True, **SMALL)
+    try:
+        for s in range(6):
+            repo.save(_state(s), step=s)
+            repo.flush()  # one upload at a time: one buffer is enough
+        parts = repo.runtime.buffers("parts", repo.options.part_size, 1)
+        uploads = len(repo.packs()) + len(repo.segments())
+        assert uploads >= 6
+        # every upload took a buffer from the pool (none of its own), and the pool made one
+        assert parts.allocated == 1, (parts.allocated, uploads)
+    finally:
+        repo.close()

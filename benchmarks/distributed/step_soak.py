@@ -25,8 +25,13 @@ Sampled every ``--sample-every`` steps after the save: resident memory
 (``VmRSS``), open file descriptors (``/proc/self/fd``), threads, process
 groups (``torch.distributed``'s own map, the ``dcp`` leg), the tier's bytes
 (the files its budget counts) against ``cache_size``, pending write-back
-steps, and the store's committed steps and packs against what ``keep_last``
-keeps. Figures after warm-up (the first ``--warmup`` steps: thread pools
+steps, the store's committed steps and packs against what ``keep_last``
+keeps, and what the saving handle caches (manifests, tombstones, segment
+headers; buffer pools; on the ``dcp`` leg the replicas' groups). For telling
+the allocator's retention from a leak: ``--malloc-trim`` (glibc's
+``malloc_trim(0)`` before each sample), ``--probe`` (glibc's ``mallinfo2``
+and arenas), ``--probe-objects`` (Python objects and torch tensors alive).
+Figures after warm-up (the first ``--warmup`` steps: thread pools
 grow to their size, caches fill) are reported as first / max / last. At the
 end: ``flush``, the GC thread stopped, one last GC run with the grace period
 passed (a clock ahead of it: nothing is in flight then), and the store must
@@ -95,6 +100,98 @@ def process_groups() -> int:
         return len(dist.distributed_c10d._world.pg_map)
     except Exception:  # noqa: BLE001 - a torch without the map: not counted
         return -1
+
+
+_LIBC = None
+
+
+def _libc():
+    """glibc through ctypes, or None (another C library: no ``malloc_trim``/``mallinfo2``)."""
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+
+        try:
+            libc = ctypes.CDLL("libc.so.6")
+            libc.malloc_trim, libc.mallinfo2  # noqa: B018 - both present (glibc 2.33 on)
+            _LIBC = libc
+        except (OSError, AttributeError):
+            _LIBC = False
+    return _LIBC or None
+
+
+def malloc_trim() -> bool:
+    """``malloc_trim(0)``: glibc returns the free memory of every arena to the system (False: no glibc)."""
+    libc = _libc()
+    if libc is None:
+        return False
+    libc.malloc_trim(0)
+    return True
+
+
+def malloc_counts() -> dict:
+    """glibc's ``mallinfo2`` over every arena (bytes): in use, free in arenas, mmapped; and the arenas."""
+    import ctypes
+
+    libc = _libc()
+    if libc is None:
+        return {}
+
+    class Mallinfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    libc.mallinfo2.restype = Mallinfo2
+    m = libc.mallinfo2()
+    arenas = 0
+    try:  # malloc_info's XML names every heap: <heap nr="...">
+        buf, size = ctypes.c_char_p(), ctypes.c_size_t()
+        libc.open_memstream.restype = ctypes.c_void_p
+        f = libc.open_memstream(ctypes.byref(buf), ctypes.byref(size))
+        libc.malloc_info(0, ctypes.c_void_p(f))
+        libc.fclose(ctypes.c_void_p(f))
+        arenas = ctypes.string_at(buf, size.value).count(b"<heap nr=")
+        libc.free(buf)
+    except Exception:  # noqa: BLE001 - not counted
+        arenas = -1
+    return {"malloc_used": m.uordblks + m.hblkhd, "malloc_free": m.fordblks, "malloc_mmapped": m.hblkhd,
+            "malloc_arena": m.arena, "malloc_arenas": arenas}
+
+
+def object_counts() -> dict:
+    """Python objects alive, torch tensors among them and their storages' bytes (after a full collection)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    objs = gc.get_objects()
+    tensors = [o for o in objs if isinstance(o, torch.Tensor)]
+    storages = {}
+    for t in tensors:
+        try:
+            st = t.untyped_storage()
+            storages[st.data_ptr()] = st.nbytes()
+        except Exception:  # noqa: BLE001 - a meta or sparse tensor
+            pass
+    return {"objects": len(objs), "tensors": len(tensors), "tensor_bytes": sum(storages.values())}
+
+
+def handle_counts(repo) -> dict:
+    """What a repository handle holds that could grow a save at a time: cached manifests and
+    tombstones, buffer pools (idle buffers, buffers ever allocated), replica groups and replicators."""
+    out = {"manifests": len(repo._manifests._items),
+           "tombstones": len(repo._tombstones._items), "segment_headers": len(repo.tables._headers._items),
+           "table_blocks": len(repo.tables._blocks._items)}
+    pools = dict(repo.runtime._buffer_pools)
+    out["pools"] = {n: [p.size, len(p._free), p.allocated] for n, p in pools.items()}
+    try:
+        from ckptstore.dcp import replicas
+
+        out["replica_groups"], out["replicators"] = len(replicas._GROUPS), len(replicas._LAST)
+    except Exception:  # noqa: BLE001 - no torch.distributed
+        pass
+    return out
 
 
 def store_counts(url: str) -> dict:
@@ -183,16 +280,29 @@ def bit_exact(want: dict, got: dict) -> list[str]:
     return bad
 
 
-def _sample(samples: list, step: int, url: str, cache_dir: str, extra: dict | None = None) -> None:
+def _sample(samples: list, step: int, url: str, cache_dir: str, extra: dict | None = None, *,
+            trim: bool = False, probe: bool = False, objects: bool = False) -> None:
+    trim_s = None
+    if trim:
+        t = time.perf_counter()
+        malloc_trim()
+        trim_s = time.perf_counter() - t
     row = {"step": step, **process_counts(), "tier": tier_bytes(cache_dir), **{f"store_{k}": v for k, v in
                                                                                 store_counts(url).items()}}
     row.update(extra or {})
+    if trim_s is not None:
+        row["malloc_trim_s"] = trim_s  # what the call cost (a figure to report, never to assert)
+    if probe:
+        row.update(malloc_counts())
+    if objects:
+        row.update(object_counts())
     samples.append(row)
 
 
 # ---------------------------------------------------------------- one process
 def run_single(root: str, steps: int, *, keep_last: int = 3, gc_every: int = 5, sample_every: int = 10,
-               tensor_kib: int = 256, cache_packs: int = 24, grace: float = 60.0) -> dict:
+               tensor_kib: int = 256, cache_packs: int = 24, grace: float = 60.0, trim: bool = False,
+               probe: bool = False, objects: bool = False) -> dict:
     """``steps`` write-back saves in this process with a concurrent GC; the figures (see the module docstring)."""
     import ckptstore
 
@@ -206,7 +316,9 @@ def run_single(root: str, steps: int, *, keep_last: int = 3, gc_every: int = 5, 
     try:
         repo.save(state(0, tensor_kib), step=0)  # the repository exists before the collector opens it
         gc = GCThread(url, keep_last)
-        _sample(samples, 0, url, cache, {"pending": len(repo.pending_steps())})
+        _sample(samples, 0, url, cache, {"pending": len(repo.pending_steps()), **handle_counts(repo)}, trim=trim,
+                probe=probe,
+                objects=objects)
         for s in range(1, steps + 1):
             try:
                 repo.save(state(s, tensor_kib), step=s)
@@ -215,7 +327,8 @@ def run_single(root: str, steps: int, *, keep_last: int = 3, gc_every: int = 5, 
             if s % gc_every == 0:
                 gc.poke()
             if s % sample_every == 0 or s == steps:
-                _sample(samples, s, url, cache, {"pending": len(repo.pending_steps())})
+                _sample(samples, s, url, cache, {"pending": len(repo.pending_steps()), **handle_counts(repo)},
+                        trim=trim, probe=probe, objects=objects)
         repo.flush()
     except Exception as e:  # noqa: BLE001
         errors.append(f"run: {type(e).__name__}: {e}\n{traceback.format_exc()}")
@@ -284,7 +397,8 @@ def _dcp_rank(rank: int, world: int, port: int, cfg: dict) -> None:
             if gc is not None and s and s % cfg["gc_every"] == 0:
                 gc.poke()
             if s % cfg["sample_every"] == 0 or s == cfg["steps"]:
-                _sample(samples, s, url, cache)
+                _sample(samples, s, url, cache, handle_counts(prev._get_repo()),
+                        trim=cfg["trim"], probe=cfg["probe"], objects=cfg["objects"])
         prev.flush()  # a collective: every rank's uploads, commits and replicas
         prev.close()
     except BaseException as e:  # noqa: BLE001
@@ -328,7 +442,8 @@ def _dcp_rank(rank: int, world: int, port: int, cfg: dict) -> None:
 
 
 def run_dcp(root: str, steps: int, *, keep_last: int = 3, gc_every: int = 5, sample_every: int = 10,
-            tensor_kib: int = 128, cache_packs: int = 24, grace: float = 60.0, start_method: str = "spawn") -> dict:
+            tensor_kib: int = 128, cache_packs: int = 24, grace: float = 60.0, start_method: str = "spawn",
+            trim: bool = False, probe: bool = False, objects: bool = False) -> dict:
     """``steps`` DCP saves on 2 spawned gloo ranks (write-back, replicas=1, a new writer a save)."""
     import torch.multiprocessing as mp
 
@@ -337,7 +452,8 @@ def run_dcp(root: str, steps: int, *, keep_last: int = 3, gc_every: int = 5, sam
     world = 2
     cfg = {"url": os.path.join(root, "repo"), "root": root, "steps": steps, "keep_last": keep_last,
            "gc_every": gc_every, "sample_every": sample_every, "tensor_kib": tensor_kib,
-           "cache_size": cache_packs * OPTS["pack_size"], "grace": grace}
+           "cache_size": cache_packs * OPTS["pack_size"], "grace": grace, "trim": trim, "probe": probe,
+           "objects": objects}
     mp.start_processes(_dcp_rank, args=(world, free_port(), cfg), nprocs=world, join=True, start_method=start_method)
     ranks = [json.load(open(os.path.join(root, f"rank{r}.json"))) for r in range(world)]
     r0 = ranks[0]
@@ -368,7 +484,8 @@ def summary(res: dict, warmup: int) -> list[list[str]]:
     for key, what, fmt in (("rss", "resident memory", human), ("fds", "open file descriptors", str),
                            ("threads", "threads", str), ("groups", "process groups", str),
                            ("tier", "tier bytes (budget files)", human), ("store_steps", "committed steps in the store", str),
-                           ("store_packs", "packs in the store", str), ("store_pack_bytes", "pack bytes in the store", human)):
+                           ("store_packs", "packs in the store", str), ("store_pack_bytes", "pack bytes in the store", human),
+                           ("manifests", "manifests the saving handle caches", str)):
         first, top, last = flat(late, key)
         if first is None:
             continue
@@ -405,6 +522,14 @@ def main(argv=None) -> int:
     ap.add_argument("--sample-every", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=None, help="steps before the flatness figures (default steps/10)")
     ap.add_argument("--grace", type=float, default=60.0, help="the repository's GC grace period, seconds (default 60)")
+    ap.add_argument("--malloc-trim", action="store_true",
+                    help="call glibc's malloc_trim(0) before each sample (tells the allocator's retention from a leak)")
+    ap.add_argument("--probe", action="store_true",
+                    help="also sample glibc's mallinfo2 and arenas, Python objects and torch tensors alive, and "
+                         "what the repository handle caches (slow: a gc.collect a sample)")
+    ap.add_argument("--probe-objects", action="store_true",
+                    help="also count Python objects and torch tensors alive (gc.get_objects: it can make a tuple "
+                         "another thread is building fail with SystemError, so the run may count errors)")
     ap.add_argument("--json", metavar="OUT.json")
     args = ap.parse_args(argv)
     if args.steps < 2:
@@ -419,7 +544,8 @@ def main(argv=None) -> int:
         try:
             run = run_single if mode == "single" else run_dcp
             res = run(root, args.steps, keep_last=args.keep_last, gc_every=args.gc_every,
-                      sample_every=args.sample_every, grace=args.grace)
+                      sample_every=args.sample_every, grace=args.grace, trim=args.malloc_trim, probe=args.probe,
+                      objects=args.probe_objects)
         except Exception:
             traceback.print_exc()
             print("FAILED", file=sys.stderr)

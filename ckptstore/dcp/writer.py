@@ -345,7 +345,8 @@ class CkptStoreWriter(StorageWriter):
         if share:
             try:
                 base = repo.manifest_bytes(base_step) if base_step is not None else None
-                self._shared = pack({"base": base_step}, base, repo.config_bytes())
+                listed = None if self._commit.listed is None else _step_runs(self._commit.listed)
+                self._shared = pack({"base": base_step, "steps": listed}, base, repo.config_bytes())
             except BaseException:
                 self._commit.end()
                 self._commit = None
@@ -375,6 +376,10 @@ class CkptStoreWriter(StorageWriter):
         header, (base, cfg) = unpack(got, "config and dedup base")
         if cfg is not None:
             repo.adopt_config(cfg)
+        if header.get("steps") is not None:
+            # The coordinator's listing: this rank's handle (shared by every writer of the run) adopts a
+            # dedup base every save and never lists the store, so it forgets what the store no longer holds.
+            repo.forget_unlisted(_steps_of_runs(header["steps"]))
         if base is not None:
             repo.adopt_manifest(header["base"], base)
 
@@ -590,6 +595,31 @@ def _write_back_handle(url: str, storage_options, options: dict) -> Repository:
             repo = _open(url, storage_options=storage_options, **options)
             _WRITE_BACK_HANDLES[key] = repo
         return repo
+
+
+def _step_runs(steps) -> list[list[int]]:
+    """Ascending steps as runs ``[first, last]`` of consecutive ones (a listing kept short: a
+    ``keep_last`` repository's is one run)."""
+    runs: list[list[int]] = []
+    for s in sorted(steps):
+        if runs and s == runs[-1][1] + 1:
+            runs[-1][1] = s
+        else:
+            runs.append([s, s])
+    return runs
+
+
+def _steps_of_runs(runs) -> set[int]:
+    """The steps of :func:`_step_runs`'s runs; a damaged value raises :class:`CkptStoreError`."""
+    try:
+        out: set[int] = set()
+        for first, last in runs:
+            if not (isinstance(first, int) and isinstance(last, int) and 0 <= first <= last):
+                raise ValueError(f"bad run {[first, last]}")
+            out.update(range(first, last + 1))
+        return out
+    except (TypeError, ValueError) as e:
+        raise CkptStoreError(f"the listing of steps received from the coordinator is damaged ({e})") from None
 
 
 def _share_boxes(items) -> list:

@@ -259,6 +259,14 @@ class Catalog:
                     if m is not None and not m.inline:
                         self.tables.forget(seg.id for seg in m.segments)
 
+    def forget_unlisted(self, listed) -> None:
+        """Forget cached manifests (and their segments' headers) of steps not in ``listed``: a listing
+        of the store's committed steps read elsewhere (the DCP coordinator's, at a save). A rank that
+        never lists the store itself would otherwise keep every dedup base it adopted, one a save, up
+        to ``manifest_cache_bytes`` (issue 44). As in :meth:`steps`: steps newer than the newest
+        listed, and pending ones, are kept."""
+        self._drop_deleted(set(listed))
+
     def forget_tombstones(self, listed) -> None:
         """Forget cached tombstones the store no longer lists (expired: GC removed them)."""
         listed = set(listed)

@@ -317,6 +317,10 @@ class StepCommit:
         self.t0: float | None = None
         #: The manifest's create was sent: from then on this writer's objects may be referenced.
         self.creating = False
+        #: The steps :meth:`begin` listed to pick a ``"latest"`` base (None: it listed none); a DCP
+        #: coordinator passes them on, so that the other ranks' handles forget the steps it no longer
+        #: lists, as its own does (:meth:`~ckptstore.repo.catalog.Catalog.forget_unlisted`).
+        self.listed: list[int] | None = None
 
     def begin(self, base_read_at: float | None = None, pending: bool = False, pending_base: bool | None = None) -> int | None:
         """Claim the step (not committed yet), write the lease; returns the dedup base step.
@@ -338,7 +342,8 @@ class StepCommit:
         self.lease = cat.write_lease(self.step)
         self.t0 = cat.clock.monotonic() if base_read_at is None else base_read_at
         if self.base == "latest":
-            self.base_step = cat.latest(pending=pending if pending_base is None else pending_base)
+            self.listed = cat.steps(pending=pending if pending_base is None else pending_base)
+            self.base_step = self.listed[-1] if self.listed else None
         else:
             self.base_step = None if self.base is None else check_step(self.base)
         return self.base_step
