@@ -765,3 +765,44 @@ def test_name_records_are_checked_and_not_kept_by_gc(tmp_path):
     # names do not keep a step from retention (tags do)
     plan = repo.plan_gc(keep_last=1)
     assert 1 in plan.delete_steps and 3 not in plan.delete_steps
+
+
+def test_a_finalizer_stops_a_handles_threads_without_joining_them(tmp_path):
+    # A garbage collection can run a finalizer inside threading's own locks (a thread starting,
+    # threading._maintain_shutdown_locks): a join there deadlocks (a DCP async save hung in
+    # Thread.start once, a collected CkptStoreWriter joining its pools). Finalizers abandon.
+    import threading
+
+    from ckptstore.dcp.reader import CkptStoreReader
+    from ckptstore.dcp.writer import CkptStoreWriter
+    from ckptstore.storage import open_store
+
+    repo = Repository(open_store(str(tmp_path / "r")))
+    repo.save({"w": torch.arange(10.0)}, step=1)  # its pools have threads now
+    done = threading.Event()
+
+    def collect():
+        with threading._shutdown_locks_lock:  # held, as where the collection ran
+            repo.abandon()
+        done.set()
+
+    t = threading.Thread(target=collect, daemon=True)
+    t.start()
+    t.join(120)  # a deadlock guard, not a timing
+    assert done.is_set()
+    calls = []
+
+    class Handle:
+        write_back = None
+
+        def close(self):
+            calls.append("close")
+
+        def abandon(self):
+            calls.append("abandon")
+
+    for cls in (CkptStoreWriter, CkptStoreReader):
+        obj = cls.__new__(cls)
+        obj.__dict__.update(_repo=Handle(), _commit=None, _replicator=None)
+        obj.__del__()
+    assert calls == ["abandon", "abandon"]

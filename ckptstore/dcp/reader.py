@@ -732,7 +732,9 @@ class CkptStoreReader(StorageReader):
             self._repo = None
 
     def __del__(self):
-        try:
-            self.close()
+        try:  # no join from a finalizer (Catalog.abandon)
+            if self._repo is not None:
+                self._repo.abandon()
+                self._repo = None
         except Exception:
             pass

@@ -551,14 +551,15 @@ class CkptStoreWriter(StorageWriter):
             raise failure
 
     def _close(self, drop_lease: bool = True) -> None:
-        """Between saves (``reset``) and at close; the replicas outlive resets."""
+        """Between saves (``reset``) and at close (``drop_lease=False``: from the finalizer, which
+        sends nothing and joins no thread); the replicas outlive resets."""
         if self._commit is not None:  # a save that never reached finish()
             if drop_lease:
                 self._commit.end()
             self._commit = None
         if self._repo is not None:
             if self._repo.write_back is None:  # a write-back handle is shared, and outlives this writer
-                self._repo.close()
+                self._repo.close() if drop_lease else self._repo.abandon()
             self._repo = None
 
     def close(self) -> None:

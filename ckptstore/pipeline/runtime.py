@@ -232,13 +232,15 @@ class Runtime:
                 f.cancel()
             raise
 
-    def close(self) -> None:
-        """Wait for queued work (async saves first) and stop every thread."""
+    def close(self, wait: bool = True) -> None:
+        """Wait for queued work (async saves first) and stop every thread. ``wait=False`` (from a
+        finalizer): stop them without joining (they finish what is queued and exit); a finalizer
+        may run inside ``threading``'s own locks, where a join deadlocks."""
         with self._lock:
             pools, self._pools = self._pools, {}
         for name in ("async", "tensor", "seal", "cpu", "io"):
             p = pools.pop(name, None)
             if p is not None:
-                p.shutdown(wait=True)
+                p.shutdown(wait=wait)
         for p in pools.values():
-            p.shutdown(wait=True)
+            p.shutdown(wait=wait)

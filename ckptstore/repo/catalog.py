@@ -137,6 +137,12 @@ class Catalog:
         self.runtime.close()
         self.store.close()
 
+    def abandon(self) -> None:
+        """What a finalizer may do: stop the worker threads without joining them and leave the store
+        to its own collection. A garbage collection can run a finalizer inside ``threading``'s locks
+        (a thread starting: ``_maintain_shutdown_locks``), where joining a thread deadlocks."""
+        self.runtime.close(wait=False)
+
     def __enter__(self):
         return self
 
