@@ -352,17 +352,11 @@ class _Job:
             # The chunks whose bytes are all in, decoded by one task per DECODE_BATCH raw bytes:
             # a piece of a range holds several small chunks (a tiled tensor's tiles), and a task
             # each cost a hand-off between threads per chunk.
-            batch: list[int] = []
-            size = 0
+            ready: list[int] = []
             while pending and refs[pending[0]].offset + refs[pending[0]].stored_len - req.start <= got:
-                i = pending.popleft()
-                batch.append(i)
-                size += refs[i].raw_len
-                if size >= DECODE_BATCH:
-                    started.append(cpu.submit(decode_run, batch))
-                    batch, size = [], 0
-            if batch:
-                started.append(cpu.submit(decode_run, batch))
+                ready.append(pending.popleft())
+            for group in _groups(ready, refs):
+                started.append(cpu.submit(decode_run, group))
 
         gone: list[int] = []
         progress = arrived if len(req.items) > 1 else None  # one chunk: decoded here, once it is all in

@@ -52,7 +52,7 @@ class TileRead:
         self.e, self.shard, self.local, self.target = e, shard, local, target
         stored = _m.DTYPES[e.dtype]
         self.stored_dtype = stored
-        tiles = []
+        tiles = []  # the grid position of each tile read
         self.parts = []
         self.refs = []
         for idx, pos in _tiles.meeting(shard.sizes, e.tile, local):
@@ -60,7 +60,7 @@ class TileRead:
             part = _part(local, toff, tsz)
             if part is None:
                 continue
-            tiles.append((idx, pos))
+            tiles.append(pos)
             self.parts.append((tsz, part[0], part[1]))
             self.refs.append(shard.chunks[idx])
         in_place = (target.device.type == "cpu" and target.dtype == stored and not target.is_conj()
@@ -91,9 +91,9 @@ class TileRead:
             return
         isz = self.stored_dtype.itemsize
         by_row: dict[int, list[int]] = {}
-        for k, (idx, pos) in enumerate(tiles):
+        for k, pos in enumerate(tiles):
             by_row.setdefault(pos[0], []).append(k)
-        for i0, ks in by_row.items():
+        for ks in by_row.values():
             tsz, tile_sl, out_sl = self.parts[ks[0]]
             if len(ks) != per_band or tile_sl[0] != slice(0, tsz[0], 1):
                 continue  # the box cuts this band's rows: its tiles land one by one
@@ -166,9 +166,11 @@ class TileRead:
         """Give back the buffers of tiles that never completed (a failed read)."""
         with self._lock:
             left, self.scratch = list(self.scratch.values()), {}
-            bands = [b.buf for b in set(self.bands.values()) if b.buf is not None]
-            for band in self.bands.values():
-                band.buf = None
+            bands = []
+            for band in set(self.bands.values()):
+                if band.buf is not None:
+                    bands.append(band.buf)
+                    band.buf = None
         for raw, pooled in left:
             if pooled:
                 self.pool.put(raw)
