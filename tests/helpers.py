@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 from pathlib import Path
@@ -165,3 +166,37 @@ def spawn(fn, args: tuple = (), nprocs: int = 1) -> None:
     multiprocessing.set_forkserver_preload(list(RANK_PRELOAD))  # read when the forkserver starts
     tmp.start_processes(_as_spawned, args=(dict(os.environ), os.getcwd(), fn, tuple(args)), nprocs=nprocs,
                         join=True, start_method="forkserver")
+
+
+def decoded_coverage(repo, step: int, cache) -> tuple[int, int]:
+    """(chunks of ``step`` a decoded copy in tier ``cache`` covers, chunks in all), distinct by hash:
+    a chunk is covered by its file under ``raw/``, or a tile by its band's copy under ``bands/``."""
+    import glob
+
+    from ckptstore.format import tiles as T
+    from ckptstore.tier import bands as B
+
+    def names(sub):
+        return {os.path.basename(p) for p in glob.glob(os.path.join(str(cache), "repos", "*", sub, "*", "*"))}
+
+    raw, bands = names("raw"), names("bands")
+    cp = repo.checkpoint(step)
+    covered, every = set(), set()
+    for key in cp.manifest.tensors:
+        e = cp.entry(key)
+        for shard in cp.shards(key, range(len(e.shards))):
+            hashes = [c.hash for c in shard.chunks]
+            every.update(hashes)
+            covered.update(h for h in hashes if h in raw)
+            sizes = tuple(shard.sizes)
+            if e.tile is None or len(sizes) < 2:
+                continue
+            grid = T.grid(sizes, e.tile)
+            across = math.prod(grid[1:])
+            for b in range(grid[0]):
+                rows = min(e.tile[0], sizes[0] - b * e.tile[0])
+                hs = hashes[b * across:(b + 1) * across]
+                if B.band_name(DTYPES[e.dtype].itemsize, rows, sizes[1:], e.tile, hs) in bands:
+                    covered.update(hs)
+    return len(covered), len(every)
+

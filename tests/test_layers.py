@@ -33,7 +33,7 @@ LAYERS: list[list[str]] = [
     ["pipeline.options"],
     ["pipeline.runtime"],
     ["pipeline.relocations", "tier.cache", "tier.admin"],
-    ["pipeline.fetch", "pipeline.pack_writer", "pipeline.table_reader"],
+    ["pipeline.fetch", "pipeline.pack_writer", "pipeline.table_reader", "tier.bands"],
     # repo/ (pipeline.staging reads through a Checkpoint's methods)
     ["repo.catalog", "repo.chunks", "pipeline.staging"],
     ["repo.save", "repo.reader", "repo.tile_read", "repo.plain"],

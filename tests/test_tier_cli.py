@@ -28,7 +28,7 @@ def _state(seed: int, n: int = 6):
 
 def _files(cache, kind: str = "*") -> list[str]:
     """A tier's files of one kind; "chunk": chunk files and decoded copies (``raw/``) alike, as the CLI counts."""
-    subs = {"pack": ("packs",), "chunk": ("chunks", "raw"), "*": ("*",)}[kind]
+    subs = {"pack": ("packs",), "chunk": ("chunks", "raw", "bands"), "*": ("*",)}[kind]
     return sorted(p for sub in subs for p in glob.glob(os.path.join(str(cache), "repos", "*", sub, "*", "*"))
                   if os.path.isfile(p))
 
@@ -131,7 +131,7 @@ def test_cache_ls_lists_each_repository_with_its_files(tmp_path, capsys):
     for url, r in by_url.items():
         mine = os.path.join(cache, "repos", repo_key(url))
         packs = glob.glob(os.path.join(mine, "packs", "*", "*"))
-        chunks = glob.glob(os.path.join(mine, "chunks", "*", "*")) + glob.glob(os.path.join(mine, "raw", "*", "*"))
+        chunks = [p for sub in ("chunks", "raw", "bands") for p in glob.glob(os.path.join(mine, sub, "*", "*"))]
         segments = glob.glob(os.path.join(mine, "segments", "*", "*"))  # written through with the packs
         assert (r["packs"], r["chunks"], r["segments"]) == (len(packs), len(chunks), len(segments))
         assert r["bytes"] == sum(os.path.getsize(p) for p in packs + chunks + segments)

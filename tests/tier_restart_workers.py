@@ -42,7 +42,7 @@ def run(rank: int, world: int, port: int, url: str, tmp: str) -> None:
     reader = CkptStoreReader(url, step=1, cache_dir=cache)
     dcp.load(got, storage_reader=reader)
     out = {"read": reader.read_stats(),
-           "raw_files": len(glob.glob(os.path.join(cache, "repos", "*", "raw", "*", "*"))),
+           "decoded_files": sum(len(glob.glob(os.path.join(cache, "repos", "*", sub, "*", "*"))) for sub in ("raw", "bands")),
            "equal": all(torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)) for k in want)}
     reader.close()
     with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:

@@ -25,6 +25,7 @@ from ..format import tiles as _tiles
 from ..format.manifest import ChunkRef
 from ..pipeline.pack_writer import PackWriter, part_window
 from ..pipeline.tensors import frombuffer_as, host_tensor, int_view, tensor_bytes, tile_bytes
+from ..tier import bands as _bands
 from .catalog import Catalog
 
 
@@ -54,14 +55,16 @@ class _Member:
 
 class _Tile:
     """One tile of a tensor being saved: its bytes are copied out by :meth:`fill` (on a CPU
-    worker), into a buffer of ``pool`` where there is one (given back by :meth:`release`)."""
+    worker), into a buffer of ``pool`` where there is one (given back by :meth:`release`).
+    ``banded``: the tier keeps the tensor's decoded copy by bands (no copy of this tile)."""
 
-    __slots__ = ("host", "a", "isz", "offsets", "sizes", "pool", "n", "piece", "buf")
+    __slots__ = ("host", "a", "isz", "offsets", "sizes", "pool", "n", "piece", "buf", "banded")
 
-    def __init__(self, host, a, isz: int, offsets, sizes, pool):
+    def __init__(self, host, a, isz: int, offsets, sizes, pool, banded: bool = False):
         self.host, self.a, self.isz, self.offsets, self.sizes, self.pool = host, a, isz, offsets, sizes, pool
         self.n = math.prod(sizes) * isz
         self.piece = self.buf = None
+        self.banded = banded
 
     def __len__(self) -> int:
         return self.n
@@ -80,6 +83,43 @@ class _Tile:
         buf, self.buf, self.piece = self.buf, None, None
         if buf is not None:
             self.pool.put(buf)
+
+
+class _BandCopies:
+    """The band copies (:mod:`ckptstore.tier.bands`) of one tiled tensor being saved: as its tiles'
+    references arrive (in grid order), each band whose tiles are all known is kept in the tier,
+    its rows taken straight from the tensor."""
+
+    __slots__ = ("mv", "isz", "shape", "tile", "per_band", "row_bytes", "next")
+
+    def __init__(self, host: torch.Tensor, tile):
+        self.mv = tensor_bytes(host)
+        self.isz = host.element_size()
+        self.shape, self.tile = tuple(host.shape), tuple(tile)
+        self.per_band = math.prod(_tiles.grid(self.shape, tile)[1:])
+        self.row_bytes = math.prod(self.shape[1:]) * self.isz
+        self.next = 0  # the first band not yet kept
+
+    @staticmethod
+    def wanted(host: torch.Tensor, tile) -> bool:
+        """Whether a tensor's decoded copy is kept by bands: 2-D and up, more than one tile across."""
+        return host.dim() >= 2 and host.numel() > 0 and math.prod(_tiles.grid(tuple(host.shape), tile)[1:]) > 1
+
+    def arrived(self, refs: list, writer: "ChunkWriter") -> None:
+        while len(refs) >= (self.next + 1) * self.per_band:
+            b = self.next
+            self.next += 1
+            r0 = b * self.tile[0]
+            r1 = min(r0 + self.tile[0], self.shape[0])
+            hashes = [r.hash for r in refs[b * self.per_band : (b + 1) * self.per_band]]
+            name = _bands.band_name(self.isz, r1 - r0, self.shape[1:], self.tile, hashes)
+            writer.keep_band(name, self.mv[r0 * self.row_bytes : r1 * self.row_bytes])
+
+
+class _BandedRefs(list):
+    """The chunk references of a tiled tensor whose decoded copy the tier keeps by bands."""
+
+    __slots__ = ("bands",)
 
 
 def _in_buffer(piece, buf: bytearray) -> bool:
@@ -145,12 +185,17 @@ class ChunkWriter:
         With ``tile`` (format 4.0), the chunks are the tensor's tiles of that shape, in C order of
         the grid (:mod:`ckptstore.format.tiles`), each copied out of the tensor as it is queued
         (a tile ``known`` unchanged is not copied); ``known[j]`` is then tile ``j``'s reference."""
+        refs: list = []
         if tile is not None:
             host = host_tensor(t)
             shape = tuple(host.shape)
             lengths = _tiles.tile_lengths(shape, tile, host.element_size()).tolist()
             extents = (_tiles.tile_extent(shape, tile, pos) for pos in _tiles.positions(shape, tile))
-            pieces = self._tile_pieces(host, tile, extents)
+            banded = self.raw_tier is not None and _BandCopies.wanted(host, tile)
+            if banded:
+                refs = _BandedRefs()
+                refs.bands = _BandCopies(host, tile)
+            pieces = self._tile_pieces(host, tile, extents, banded)
         else:
             mv = tensor_bytes(t)
             cs = self.o.chunk_size
@@ -158,7 +203,6 @@ class ChunkWriter:
             pieces = (lambda off=off: mv[off : off + cs] for off in range(0, len(mv), cs))
         dtype = str(t.dtype).removeprefix("torch.")
         judged: list = [None] * _codec.JUDGED_SLOTS  # the tensor's byte-plane judgements, shared by its chunks
-        refs: list = []
         # Chunks under half a chunk (tiles) go to the CPU pool by groups of about a chunk: one task
         # and one future per group, not per tile (a hand-off between threads each).
         group: list = []
@@ -206,14 +250,15 @@ class ChunkWriter:
         """:meth:`_prepare` for each of a group of small chunks, in one task."""
         return [self._prepare(piece, dtype, judged) for piece in pieces]
 
-    def _tile_pieces(self, host: torch.Tensor, tile, extents):
+    def _tile_pieces(self, host: torch.Tensor, tile, extents, banded: bool = False):
         """``make()`` per tile: a :class:`_Tile` whose bytes a CPU worker copies out of the tensor
         (with NumPy, into a reused buffer of the tile's size where it can: :meth:`_drain_one` gives
-        it back once the pack writer has its bytes)."""
+        it back once the pack writer has its bytes). ``banded``: the tier keeps band copies of the
+        tensor (:class:`_BandCopies`), none of its tiles."""
         a = int_view(host)
         isz = host.element_size()
         pool = None
-        if a is not None and self.raw_tier is None:  # a decoded copy in the tier would hold the buffer
+        if a is not None and (self.raw_tier is None or banded):  # a tile's decoded copy would hold the buffer
             size = math.prod(min(t, n) for t, n in zip(tile, host.shape)) * isz
             if size:
                 # One pool per power of two: tensors of a few tile sizes take turns without
@@ -222,7 +267,7 @@ class ChunkWriter:
                 pool = self.cat.runtime.buffers(f"tile-copies-{size}", size,
                                                 self.lookahead // size + self.o.workers + 1, zeroed=False)
         for offs, sizes in extents:
-            yield lambda o=offs, z=sizes: _Tile(host, a, isz, o, z, pool)
+            yield lambda o=offs, z=sizes: _Tile(host, a, isz, o, z, pool, banded)
 
     def _prepare(self, piece, dtype, judged=None):
         """Hash and encode one chunk (on a CPU worker; a tile is copied out of its tensor first).
@@ -230,12 +275,14 @@ class ChunkWriter:
         Returns ``(hash, codec, pieces, scratch)``; ``scratch`` (or None)
         backs ``pieces`` and goes back to the pool once they are copied out.
         """
+        banded = False
         if isinstance(piece, _Tile):
+            banded = piece.banded
             piece = piece.fill()
         h = _codec.hash_bytes(piece)
         if h in self.base or h in self.written:
             return h, None, None, None
-        if self.raw_tier is not None and self.raw_tier.keep_decoded(len(piece)):
+        if self.raw_tier is not None and not banded and self.raw_tier.keep_decoded(len(piece)):
             # cache_decoded: loads on this node read it in place. Written on the I/O pool, not by this
             # hashing thread (a page-cache write can stall on write-back); finish() waits for them.
             fut = self.cat.runtime.io.submit(self.raw_tier.put_raw, h, piece)
@@ -280,6 +327,17 @@ class ChunkWriter:
             if scratch is not None:
                 self.scratch.put(scratch)
         refs.append(ref)
+        if type(refs) is _BandedRefs:
+            refs.bands.arrived(refs, self)
+
+    def keep_band(self, name: str, rows) -> None:
+        """Keep a band copy in the tier (written on the I/O pool, which hashes it; :meth:`finish`
+        waits): touched if the tier holds it already, nothing where the budget has no room."""
+        if _bands.has_band(self.raw_tier, name) or not self.raw_tier.keep_decoded(len(rows)):
+            return
+        fut = self.cat.runtime.io.submit(_bands.put_band, self.raw_tier, name, rows)
+        with self._raw_lock:
+            self.raw_writes.append(fut)
 
     def drain(self) -> None:
         """Append every pending chunk and start sealing the open pack (returns before it is sealed).

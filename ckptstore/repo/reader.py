@@ -29,6 +29,7 @@ from ..pipeline.staging import TensorReader, make_staging
 from ..pipeline.tensors import byte_view, castable, writable_in_place
 from ..format.tree import decode_value, flatten, tensor_paths, tree_keys, unflatten
 from ..format.unpickle import load_safe
+from ..tier import bands as _bands
 from .tile_read import TileRead
 from .tile_read import box_refs as tile_box_refs
 
@@ -322,10 +323,12 @@ class Checkpoint:
             pool = self.repo.runtime.buffers("tiles", o.chunk_size, keep=o.workers + 2, zeroed=False)
             bands = self.repo.runtime.buffers("tile bands", 2 * o.chunk_size, keep=o.workers + 2, zeroed=False)
         plans = [TileRead(*job, pool, bands) if job[0].tile is not None else _ShardRead(self, *job) for job in jobs]
+        filled = self._from_tier_bands(plans, on_bytes)
         refs, owner = [], []
         for j, plan in enumerate(plans):
-            refs += plan.refs
-            owner += [(j, k) for k in range(len(plan.refs))]
+            ks = [k for k in range(len(plan.refs)) if (j, k) not in filled]
+            refs += [plan.refs[k] for k in ks]
+            owner += [(j, k) for k in ks]
 
         def into(i: int):
             j, k = owner[i]
@@ -353,6 +356,34 @@ class Checkpoint:
                 plan.release()
         for plan in plans:
             plan.finish()
+
+
+    def _from_tier_bands(self, plans, on_bytes) -> set:
+        """The tiles of ``plans`` filled from band copies in the node-local tier (``(plan, tile)``
+        pairs): each band read straight into its destination rows and checked there, on the I/O pool.
+        A band not there or damaged is left to the fetch (its tiles, from the tier's other copies or
+        the store)."""
+        fetcher = self.repo.fetcher
+        tier = fetcher.tier
+        if tier is None or not any(isinstance(p, TileRead) for p in plans) or not _bands.keeps_bands(tier):
+            return set()
+        jobs = [(j, name, dest, ks) for j, p in enumerate(plans) if isinstance(p, TileRead)
+                for name, dest, ks in p.tier_bands()]
+        if not jobs:
+            return set()
+        futures = [self.repo.runtime.io.submit(_bands.read_band_into, tier, name, dest) for _, name, dest, _ in jobs]
+        filled: set = set()
+        stored = raw = 0
+        for (j, _, _, ks), fut in zip(jobs, futures):
+            if fut.result():
+                filled.update((j, k) for k in ks)
+                stored += sum(plans[j].refs[k].stored_len for k in ks)
+                raw += sum(plans[j].refs[k].raw_len for k in ks)
+        if stored:
+            fetcher.count("tier", stored)
+        if raw and on_bytes is not None:
+            on_bytes(raw)
+        return filled
 
 
 class _ShardRead:

@@ -25,6 +25,7 @@ from ..format import manifest as _m
 from ..format import tiles as _tiles
 from ..format.manifest import Shard, TensorEntry
 from ..pipeline.tensors import byte_view, frombuffer_as, int_view
+from ..tier import bands as _bands
 
 
 def _part(box, toff, tsz):
@@ -74,8 +75,34 @@ class TileRead:
         self.bands: dict[int, _Band] = {}  # tile k -> its band, for the tiles that land by bands
         self.slot: dict[int, int] = {}  # tile k -> its byte offset in its band's buffer
         self.band_pool = band_pool
+        self.positions = tiles
         if self.dest_np is not None and self.dest.is_contiguous():
             self._plan_bands(tiles)
+
+    def tier_bands(self) -> list:
+        """``(name, destination bytes, tiles k)`` of each band of this read a band copy in the tier
+        (:mod:`ckptstore.tier.bands`) could fill: the box spans every trailing dimension and the
+        band's rows, and the destination is contiguous."""
+        e, sizes, box = self.e, self.shard.sizes, self.local
+        nd = len(sizes)
+        if (nd < 2 or box[0][2] != 1 or not self.dest.is_contiguous()
+                or any(box[d] != (0, sizes[d], 1) for d in range(1, nd))):
+            return []
+        per_band = math.prod(_tiles.grid(sizes, e.tile)[1:])
+        if per_band < 2:
+            return []
+        by_row: dict[int, list[int]] = {}
+        for k, pos in enumerate(self.positions):
+            by_row.setdefault(pos[0], []).append(k)
+        isz = self.stored_dtype.itemsize
+        out = []
+        for ks in by_row.values():
+            tsz, tile_sl, out_sl = self.parts[ks[0]]
+            if len(ks) != per_band or tile_sl[0] != slice(0, tsz[0], 1):
+                continue  # the box cuts this band's rows
+            name = _bands.band_name(isz, tsz[0], sizes[1:], e.tile, [self.refs[k].hash for k in ks])
+            out.append((name, byte_view(self.dest[out_sl[0]]), ks))
+        return out
 
     def _plan_bands(self, tiles) -> None:
         """Group the tiles that land by bands: those of a grid index along the first dimension whose

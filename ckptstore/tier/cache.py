@@ -13,6 +13,8 @@ shares one tier, concurrently and across restarts (``docs/tier.md``)::
         raw/<h[:2]>/<h>            chunks decoded (their raw bytes), kept by saves (cache_decoded: by default
                                    while the budget has room, see Tier.keep_decoded): loads read them
                                    straight into their destinations, then hash them there
+        bands/<n[:2]>/<n>          a tiled tensor's decoded copies: a band of its rows each, in the
+                                   tensor's layout, with its own digest (ckptstore.tier.bands)
         segments/<id[:2]>/<id>.seg chunk tables a save wrote (through, or committed from wb/)
         wb/packs/..., wb/segments/...  the packs and chunk tables of pending write-back steps:
                                    out of eviction's and prune's reach; moved to packs/ and
@@ -276,11 +278,19 @@ class Tier:
             if not os.path.isfile(path):
                 self._publish(path, data)
         finally:
-            with self._lock:
-                self._admitted = max(0, self._admitted - memoryview(data).nbytes)
+            self.admitted_done(memoryview(data).nbytes)
+
+    def admitted_done(self, nbytes: int) -> None:
+        """A decoded copy :meth:`keep_decoded` admitted is written (or given up): its room is no longer held."""
+        with self._lock:
+            self._admitted = max(0, self._admitted - nbytes)
 
     def discard_raw(self, h: str) -> None:
         self._unlink(self.raw_path(h))
+
+    def discard_file(self, path: str) -> None:
+        """Remove a damaged file of this tier (counted as discarded)."""
+        self._unlink(path)
 
     # ------------------------------------------------------------ reads
     def read_chunk(self, h: str, stored_len: int) -> bytes | None:
@@ -360,6 +370,10 @@ class Tier:
 
     def _publish(self, path: str, data) -> bool:
         """Write a whole file under ``.tmp/`` and publish it by an exclusive link; never raises."""
+        return self.publish_parts(path, [data])
+
+    def publish_parts(self, path: str, parts) -> bool:
+        """:meth:`_publish` of the file whose bytes are ``parts`` (buffers) one after another."""
         if not self._writable:
             return False
         try:
@@ -367,7 +381,8 @@ class Tier:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             tmp = os.path.join(self.store.tmp_dir(), f"{os.path.basename(path)[:16]}.{uuid.uuid4().hex[:8]}")
             with open(tmp, "wb") as f:
-                f.write(data)
+                for data in parts:
+                    f.write(data)
             try:
                 os.link(tmp, path)
             except FileExistsError:
@@ -377,7 +392,7 @@ class Tier:
         except OSError as e:
             self.copy_failed(e)
             return False
-        self.added(memoryview(data).nbytes)
+        self.added(sum(memoryview(data).nbytes for data in parts))
         return True
 
     def pack_store(self) -> LocalStore:
@@ -641,7 +656,7 @@ def tier_files(cache_dir: str):
     except FileNotFoundError:
         return
     for key in keys:
-        for kind, sub in (("pack", "packs"), ("segment", "segments"), ("chunk", "chunks"), ("chunk", "raw"),
+        for kind, sub in (("pack", "packs"), ("segment", "segments"), ("chunk", "chunks"), ("chunk", "raw"), ("chunk", "bands"),
                           ("pack", os.path.join("wb", "packs")), ("segment", os.path.join("wb", "segments"))):
             top = os.path.join(repos, key, sub)
             try:
