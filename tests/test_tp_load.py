@@ -17,6 +17,7 @@ from ckptstore.storage.wrappers import CountingStore
 
 transformers = pytest.importorskip("transformers")
 
+
 CFG = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
            num_key_value_heads=8, tie_word_embeddings=False)
 #: The split dimension of each tensor under Hugging Face's Llama plan (colwise: dim 0, rowwise: dim 1).
@@ -201,3 +202,54 @@ def test_tp_slices_onto_cuda_through_pinned_staging(saved, monkeypatch):
         want = full if dim is None else torch.chunk(full, 8, dim)[1]
         t = model.state_dict()[name]
         assert t.device.type == "cuda" and torch.equal(t.cpu(), want), name
+
+
+@pytest.mark.parametrize("tp_size", [2, 8])
+def test_a_tile_plan_at_the_default_chunk_size_gives_small_matrices_the_tp_bound(tmp_path, tp_size):
+    """Matrices far under a 4 MiB chunk keep one run by default, so every TP rank reads them whole;
+    saved with ``tile_plan=`` the model's own plan, each is 8 blocks along its split dimension."""
+    cfg = dict(CFG, hidden_size=512, intermediate_size=1024, vocab_size=2048)
+    torch.manual_seed(1)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()
+    ref = {k: v.clone() for k, v in model.state_dict().items()}
+    plan = dict(model.tp_plan)
+    read = {}
+    for tiled in (False, True):
+        path = str(tmp_path / f"repo{tiled}")
+        with ckptstore.Repository(open_store(path), tile_plan=plan if tiled else None) as repo:
+            assert repo.options.chunk_size == 4 << 20
+            repo.save(model.state_dict(), step=1)
+        store, repo = _open(path)
+        with repo:
+            ckpt = repo.checkpoint(1)
+            if tiled:
+                assert ckpt.entry("model.layers.0.mlp.down_proj.weight").tile == (512, 128)
+                assert ckpt.entry("model.layers.0.self_attn.q_proj.weight").tile == (64, 512)
+            replicated = [k for k in ref if _expected_dim(k, HF_DIMS) is None]
+            repl_bytes = sum(ckpt.tensor_meta(k).stored_bytes for k in replicated)
+            split_bytes = sum(ckpt.tensor_meta(k).stored_bytes for k in ref) - repl_bytes
+            rank = tp_size - 1
+            store.reset()
+            with torch.device("meta"):
+                meta = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).to(torch.bfloat16)
+            ckptstore.load_module(meta, repo, tp_plan=plan, tp_rank=rank, tp_size=tp_size)
+            read[tiled] = (_pack_bytes(store) - repl_bytes) / split_bytes
+            got = meta.state_dict()
+            for name, full in ref.items():
+                dim = _expected_dim(name, HF_DIMS)
+                want = full if dim is None else torch.chunk(full, tp_size, dim)[rank]
+                assert torch.equal(got[name].view(torch.int16), want.view(torch.int16)), name
+            full_load = repo.load(1)
+            assert all(torch.equal(full_load[k].view(torch.int16), ref[k].view(torch.int16)) for k in ref)
+    assert read[True] <= 1.1 / tp_size, read
+    assert read[False] > 0.5, read  # without the plan: the rowwise matrices read whole
+
+
+def test_a_tile_plan_is_checked_when_the_handle_opens(tmp_path):
+    with pytest.raises(TPPlanError, match="'bogus'"):
+        ckptstore.Repository(open_store(str(tmp_path / "r")), tile_plan={"model.*": "bogus"})
+    with pytest.raises(ValueError, match="tile_plan needs tiles=True"):
+        ckptstore.Repository(open_store(str(tmp_path / "r")), tile_plan={"model.*": 0}, tiles=False)

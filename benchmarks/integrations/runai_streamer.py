@@ -43,7 +43,7 @@ runai-model-streamer-s3==0.17.0`` (the ``bench`` extra); with ``--runai-path
 DIR`` its packages are taken from a ``pip install --target DIR`` overlay.
 
     nice -n 10 python -m benchmarks.integrations.runai_streamer [--mib 400] [--runs 3]
-        [--chunk-kib N] [--tp 2 8] [--runai-path .runai] [--json docs/data/runai_streamer.json]
+        [--chunk-kib N] [--tile-plan] [--tp 2 8] [--runai-path .runai] [--json docs/data/runai_streamer.json]
 """
 
 from __future__ import annotations
@@ -218,6 +218,8 @@ def _upload(args, srv, sd: dict) -> dict:
 
     t0 = time.perf_counter()
     chunk = {"chunk_size": args.chunk_kib << 10} if args.chunk_kib else {}
+    if args.tile_plan:  # tiles aligned to the model's own TP plan (the plan the TP loads below use)
+        chunk["tile_plan"] = dict(meta_model(args.mib).tp_plan)
     with ckptstore.open(f"s3://{BUCKET}/{CKPT_PREFIX}", storage_options=srv.storage_options(), **chunk) as repo:
         info = repo.save(sd, step=1)
     with tempfile.TemporaryDirectory() as d:
@@ -301,6 +303,8 @@ def main(argv=None) -> None:
     ap.add_argument("--runs", type=int, default=3, help="rounds of full loads (0: only the TP bytes)")
     ap.add_argument("--chunk-kib", type=int, help="the repository's chunk size (default: ckptstore's, 4 MiB)")
     ap.add_argument("--tp", type=int, nargs="*", default=[2, 8])
+    ap.add_argument("--tile-plan", action="store_true",
+                    help="save with tile_plan=model.tp_plan (tiles aligned to the TP plan the TP loads use)")
     ap.add_argument("--runai-path", default=".runai" if os.path.isdir(".runai") else None)
     ap.add_argument("--json")
     ap.add_argument("--phase")

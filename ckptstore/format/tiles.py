@@ -87,12 +87,32 @@ def choose_tile(shape: Sequence[int], itemsize: int, chunk_size: int) -> tuple[i
         cap = -(-n // SLICE_PARTS)
         if cap < tile[d] and math.prod(tile[:d] + [cap] + tile[d + 1 :]) * itemsize >= floor:
             tile[d] = cap
+    return _within_chunk(tile, itemsize, chunk_size)
+
+
+def _within_chunk(tile: list, itemsize: int, chunk_size: int) -> tuple[int, ...]:
+    """``tile`` with its largest dimension halved (the first of equals) while it holds more than a chunk."""
     while math.prod(tile) * itemsize > chunk_size:
         d = max(range(len(tile)), key=lambda i: (tile[i], -i))
         if tile[d] == 1:
             break
         tile[d] = -(-tile[d] // 2)
     return tuple(tile)
+
+
+def split_tile(shape: Sequence[int], itemsize: int, chunk_size: int, dim: int) -> tuple[int, ...] | None:
+    """The tile shape of a tensor a tensor-parallel plan splits along ``dim``: :data:`SLICE_PARTS`
+    blocks along it (``ceil(n / 8)``: a TP rank of up to 8 reads its block's tiles, none of its
+    neighbours'), whole along the others, then halved as :func:`choose_tile` does while a tile holds
+    more than a chunk. None (runs) for tensors of fewer than two dimensions or under
+    :data:`MIN_TILE_BYTES`, and where the grid would be one tile."""
+    shape = tuple(int(n) for n in shape)
+    if len(shape) < 2 or not 0 <= dim < len(shape) or math.prod(shape) * itemsize < MIN_TILE_BYTES:
+        return None
+    tile = list(shape)
+    tile[dim] = max(1, -(-shape[dim] // SLICE_PARTS))
+    out = _within_chunk(tile, itemsize, chunk_size)
+    return None if out == shape else out
 
 
 def grid(sizes: Sequence[int], tile: Sequence[int]) -> tuple[int, ...]:
@@ -148,5 +168,5 @@ def meeting(sizes: Sequence[int], tile: Sequence[int], box) -> list[tuple[int, t
     return out
 
 
-__all__ = ["MIN_TILE_BYTES", "MIN_TILED_CHUNKS", "TILED_FROM", "choose_tile", "min_tiled_bytes", "count", "grid", "meeting", "positions", "tile_extent",
+__all__ = ["MIN_TILE_BYTES", "MIN_TILED_CHUNKS", "TILED_FROM", "choose_tile", "split_tile", "min_tiled_bytes", "count", "grid", "meeting", "positions", "tile_extent",
            "tile_lengths", "worst_fraction"]

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, fields
+from typing import Mapping
 
 from ..format import codec as _codec
 from ..format import manifest as _m
 from ..format.layout import DEFAULT_GRACE
 from ..storage.base import MAX_PARTS, MIN_PART_SIZE
+from .tp_plan import TPPlan
 
 MiB = 1 << 20
 
@@ -52,6 +54,14 @@ class RepoOptions:
         runs only (3.0 steps, readable by ckptstore before tiles). A tensor whose
         dedup base holds it with the same shape and dtype keeps the base's
         layout either way (its unchanged chunks are then referenced again).
+    tile_plan: a tensor-parallel plan (as :func:`ckptstore.load_module` takes it:
+        name pattern -> split dimension, None, or a Hugging Face style name,
+        :mod:`ckptstore.pipeline.tp_plan`) that saves align tiles to: a tensor
+        of two or more dimensions it splits is tiled into 8 blocks along that
+        dimension, whole along the others (a tile at most a chunk), so that a
+        TP rank of up to 8 reads only its block, also for tensors too small
+        for the default grid; the others are tiled as without it. Needs
+        ``tiles``; the dedup base's layout still wins for a tensor it holds.
     async_wait: seconds ``save(blocking=False)`` waits for the handle's
         previous async save, still writing, before it refuses
         (:class:`~ckptstore.repo.async_save.SaveBacklogError`).
@@ -76,6 +86,7 @@ class RepoOptions:
     manifest_cache_bytes: int = 256 * MiB
     async_wait: float = 600.0
     tiles: bool = True
+    tile_plan: Mapping | None = None
     explicit: frozenset = field(default=frozenset(), repr=False, compare=False)
 
     @classmethod
@@ -129,3 +140,7 @@ class RepoOptions:
             raise ValueError(f"async_wait must be a number of seconds >= 0, got {self.async_wait!r}")
         if self.manifest_cache_bytes < 0:
             raise ValueError("manifest_cache_bytes must not be negative")
+        if self.tile_plan is not None:
+            TPPlan(self.tile_plan, 0, 1)  # every entry checked now (TPPlanError names the bad one)
+            if not self.tiles:
+                raise ValueError("tile_plan needs tiles=True: a plan aligns tiles, and tiles=False writes runs")

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
 import json
 import logging
 import time
@@ -73,6 +74,7 @@ from ..format.manifest import (
     TensorEntry,
     merge_ranges,
 )
+from ..pipeline.tp_plan import TPPlan
 from ..progress import Counter
 from ..progress import callback as progress_callback
 from ..storage.upload import ParallelUploader
@@ -155,13 +157,20 @@ def dedup_share(cat: Catalog, base_step: int | None, boxes) -> dict[str, ChunkRe
     return refs
 
 
+@functools.lru_cache(maxsize=8)
+def _tile_plan(entries: tuple) -> TPPlan:
+    """The parsed ``tile_plan`` (once per plan, not once per tensor)."""
+    return TPPlan(dict(entries), 0, 1)
+
+
 def tile_for(options, key: str, shape, dtype: torch.dtype, base: Manifest | None) -> tuple[int, ...] | None:
     """The tile shape tensor ``key`` is saved with (None: row-major runs).
 
     A tensor the dedup base holds with the same shape and dtype keeps the base's layout, tiles or
     runs, so that its unchanged chunks are the base's (an unchanged tensor stores no new bytes,
-    also in a repository written before tiles); any other is tiled by
-    :func:`~ckptstore.format.tiles.choose_tile` when ``options.tiles`` allows.
+    also in a repository written before tiles); any other is tiled when ``options.tiles`` allows:
+    by :func:`~ckptstore.format.tiles.split_tile` along the dimension ``options.tile_plan`` splits
+    it on, if it does, else by :func:`~ckptstore.format.tiles.choose_tile`.
     """
     shape = tuple(int(n) for n in shape)
     name = _m.dtype_name(dtype)
@@ -171,6 +180,12 @@ def tile_for(options, key: str, shape, dtype: torch.dtype, base: Manifest | None
             return b.tile
     if not options.tiles:
         return None
+    if options.tile_plan is not None:
+        split = _tile_plan(tuple(options.tile_plan.items())).split(key, shape)
+        if split.dim is not None:
+            tile = _tiles.split_tile(shape, dtype.itemsize, options.chunk_size, split.dim)
+            if tile is not None:
+                return tile
     return _tiles.choose_tile(shape, dtype.itemsize, options.chunk_size)
 
 
