@@ -411,3 +411,25 @@ def test_write_back_uploads_reuse_one_pooled_read_buffer(tmp_path):
         assert parts.allocated == 1, (parts.allocated, uploads)
     finally:
         repo.close()
+
+
+def test_the_uploader_gives_the_heaps_free_memory_back_once_it_has_drained(tmp_path, monkeypatch):
+    from ckptstore.pipeline import runtime
+    from ckptstore.repo import writeback
+
+    calls = []
+    monkeypatch.setattr(writeback, "release_free_memory", lambda: calls.append(1) or True)
+    repo, gate = _gated(tmp_path)
+    repo.save(_state(1), step=1)
+    assert gate.reached.wait(30)
+    uploader = repo.write_back._thread
+    repo.save(_state(2), step=2)  # queued behind step 1
+    assert calls == []  # nothing while steps wait
+    gate.open.set()
+    repo.flush()
+    uploader.join(30)  # it trims after its last commit, as it exits
+    assert not uploader.is_alive()
+    assert calls == [1]  # once for the two steps: at the end of the queue, not per step
+    repo.close()
+    if sys.platform.startswith("linux") and os.path.exists("/lib/x86_64-linux-gnu/libc.so.6"):
+        assert runtime.release_free_memory() is True

@@ -195,14 +195,18 @@ def handle_counts(repo) -> dict:
 
 
 def store_counts(url: str) -> dict:
-    """Committed steps (manifests) and the packs and segments a local-directory repository holds."""
+    """Committed steps (manifests) and the packs and segments a local-directory repository holds
+    (a file the concurrent GC deletes between the listing and its size is not counted)."""
     def count(sub: str, suffix: str) -> tuple[int, int]:
         n = size = 0
         for root, _, files in os.walk(os.path.join(url, sub)):
             for f in files:
                 if f.endswith(suffix):
+                    try:
+                        size += os.path.getsize(os.path.join(root, f))
+                    except FileNotFoundError:
+                        continue
                     n += 1
-                    size += os.path.getsize(os.path.join(root, f))
         return n, size
 
     manifests, _ = count("manifests", ".json")

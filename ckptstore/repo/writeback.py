@@ -49,6 +49,7 @@ from .catalog import Catalog
 from ..errors import CkptStoreError, ObjectNotFoundError, PackVanishedError, StorageError
 from ..format.layout import UPLOAD_FORMAT, manifest_key, pack_key, segment_key, upload_key, upload_of_key, upload_prefix
 from ..format.manifest import Manifest, SegmentRef
+from ..pipeline.runtime import release_free_memory
 from .save import StepCommit
 from ..storage.upload import ParallelUploader
 from ..tier.cache import PendingSteps, is_pending_file, tier_files
@@ -301,7 +302,8 @@ class WriteBack:
                     self._busy = False
                     self._thread = None  # under the lock: a step queued from now on starts a new thread
                     self._cv.notify_all()
-                    return
+                    drained = self._error is None
+                    break
                 job = self._queue[0]
                 self._busy = True
             try:
@@ -323,6 +325,8 @@ class WriteBack:
             with self._cv:
                 self._queue.popleft()
                 self._cv.notify_all()
+        if drained:  # every queued step committed: the heap's free memory back to the system
+            release_free_memory()
 
     def _commit(self, job: _Pending) -> None:
         if job.kind == "rank":
