@@ -370,8 +370,7 @@ def test_a_whole_tensor_lands_by_bands_and_a_cut_box_tile_by_tile(tmp_path, shap
 
 def _counted_band_pool(repo) -> dict:
     """Count the gets and puts of the pool of band buffers the repository's reads use."""
-    o = repo.options
-    pool = repo.runtime.buffers("tile bands", 2 * o.chunk_size, keep=o.workers + 2, zeroed=False)
+    pool = repo.runtime.tile_buffers()[1]
     out = {"get": 0, "put": 0}
     get, put = pool.get, pool.put
 

@@ -239,6 +239,13 @@ class Runtime:
     #: Pools of reads only, dropped (their idle buffers) once no read is under way.
     READ_POOLS = ("reads", "tiles", "tile bands")
 
+    def tile_buffers(self) -> tuple[BufferPool, BufferPool]:
+        """Reusable buffers of tiled reads: a chunk each for tiles landing one by one (``"tiles"``),
+        two chunks each for the bands of tiles landing together (``"tile bands"``)."""
+        o = self.options
+        return (self.buffers("tiles", o.chunk_size, keep=o.workers + 2, zeroed=False),
+                self.buffers("tile bands", 2 * o.chunk_size, keep=o.workers + 2, zeroed=False))
+
     def drop_read_buffers(self) -> None:
         """Give the idle buffers of the read pools (:data:`READ_POOLS`) back to the system."""
         with self._lock:

@@ -319,9 +319,7 @@ class Checkpoint:
         as in :meth:`read_many_into`, ``n`` raw bytes of chunks were read (from several threads)."""
         pool = bands = None
         if any(job[0].tile is not None for job in jobs):
-            o = self.repo.options
-            pool = self.repo.runtime.buffers("tiles", o.chunk_size, keep=o.workers + 2, zeroed=False)
-            bands = self.repo.runtime.buffers("tile bands", 2 * o.chunk_size, keep=o.workers + 2, zeroed=False)
+            pool, bands = self.repo.runtime.tile_buffers()
         plans = [TileRead(*job, pool, bands) if job[0].tile is not None else _ShardRead(self, *job) for job in jobs]
         filled = self._from_tier_bands(plans, on_bytes)
         refs, owner = [], []
