@@ -9,7 +9,8 @@ FaultStore print phase markers to stdout (flushed) so the parent knows
 where the save is:
 
 ``PHASE pack``       the first multipart part upload starts
-``PHASE multipart``  the third part of some pack starts (parts 1-2 are in flight or done)
+``PHASE multipart``  the third part of some pack starts (parts 1-2 are in flight or done); with
+                     CKPTSTORE_CRASH_HOLD=multipart the hook then sleeps, that part unwritten
 ``PHASE commit``     the manifest's exclusive create is about to run; the hook
                      then sleeps so the parent kills the saver before the
                      manifest is written
@@ -113,8 +114,12 @@ def main(argv: list[str]) -> int:
             parts[key] = parts.get(key, 0) + 1
             n = parts[key]
         mark("pack")
-        if n >= 3:
+        if n >= 3 and "multipart" not in printed:
             mark("multipart")
+            if os.environ.get("CKPTSTORE_CRASH_HOLD") == "multipart":
+                # the parent kills us here: this part not yet written, so the upload cannot complete
+                # first, however fast the other parts go (a killed-mid-multipart test must see it open)
+                time.sleep(COMMIT_SLEEP)
         return None
 
     def on_commit(op, key):

@@ -68,3 +68,29 @@ def test_each_threaded_reports_the_first_failure_in_item_order(limit):
     i, e = each_threaded(fn, list(range(10)), limit)
     assert i == 3 and isinstance(e, KeyError) and e.args == (3,)
     assert each_threaded(fn, [], limit) is None
+
+
+class _CutBody:
+    """A response body that gives ``n`` bytes, then nothing (its connection cut), and no headers."""
+
+    headers: dict = {}
+
+    def __init__(self, n: int):
+        self.left = n
+
+    def read(self, k: int) -> bytes:
+        k = min(k, self.left)
+        self.left -= k
+        return b"x" * k
+
+
+@pytest.mark.parametrize("sent", [0, 100])
+def test_a_body_cut_short_without_a_content_range_is_a_transient_error(sent):
+    from ckptstore.errors import TransientStorageError
+    from ckptstore.storage._blocking import stream_range
+
+    out = memoryview(bytearray(1000))
+    # No Content-Length and no Content-Range (a reply whose headers were cut): retried, never
+    # taken for a short object
+    with pytest.raises(TransientStorageError, match=f"short read of range \\[16, 1016\\): {sent} bytes"):
+        stream_range("s3://b/k", 16, out, None, None, _CutBody(sent), None)

@@ -56,7 +56,8 @@ def _referenced(repo) -> set[str]:
 
 def _kill_at(url, so, step, seed, phase, delay, log, mode="") -> None:
     """Run the child until it prints ``PHASE <phase>``, then SIGKILL it after ``delay`` s."""
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               CKPTSTORE_CRASH_HOLD=phase)  # the child holds still at this phase until killed
     with tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(
             [sys.executable, CHILD, url, str(step), str(seed), json.dumps(so) if so else "", mode],

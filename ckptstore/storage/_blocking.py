@@ -21,6 +21,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 from typing import Callable, Sequence
 
+from ..errors import TransientStorageError
 from .base import READ_PIECE, RangeReplyError, check_range_reply, check_ranges
 
 
@@ -161,5 +162,6 @@ def stream_range(where: str, start: int, mv: memoryview, length: int | None, tot
         return True
     if got == n:
         raise RangeReplyError(f"{where}: range [{start}, {end}) returned more than {n} bytes")
-    check_range_reply(where, start, end, got, total)  # a body cut short: raises
-    return False
+    # The headers, checked above, did not say the object ends sooner (with no Content-Range either, as
+    # after a connection cut inside them): a body cut short is a cut transfer, retried like one.
+    raise TransientStorageError(f"{where}: short read of range [{start}, {end}): {got} bytes")
