@@ -77,7 +77,16 @@ class TileRead:
         self.band_pool = band_pool
         self.positions = tiles
         if self.dest_np is not None and self.dest.is_contiguous():
-            self._plan_bands(tiles)
+            self._plan_bands()
+
+    def _whole_bands(self, per_band: int) -> list[list[int]]:
+        """The tiles (indices k) of each band of the grid whose ``per_band`` tiles this read meets
+        all, with every row of the band in the box."""
+        by_row: dict[int, list[int]] = {}
+        for k, pos in enumerate(self.positions):
+            by_row.setdefault(pos[0], []).append(k)
+        return [ks for ks in by_row.values()
+                if len(ks) == per_band and self.parts[ks[0]][1][0] == slice(0, self.parts[ks[0]][0][0], 1)]
 
     def tier_bands(self) -> list:
         """``(name, destination bytes, tiles k)`` of each band of this read a band copy in the tier
@@ -91,20 +100,15 @@ class TileRead:
         per_band = math.prod(_tiles.grid(sizes, e.tile)[1:])
         if per_band < 2:
             return []
-        by_row: dict[int, list[int]] = {}
-        for k, pos in enumerate(self.positions):
-            by_row.setdefault(pos[0], []).append(k)
         isz = self.stored_dtype.itemsize
         out = []
-        for ks in by_row.values():
+        for ks in self._whole_bands(per_band):
             tsz, tile_sl, out_sl = self.parts[ks[0]]
-            if len(ks) != per_band or tile_sl[0] != slice(0, tsz[0], 1):
-                continue  # the box cuts this band's rows
             name = _bands.band_name(isz, tsz[0], sizes[1:], e.tile, [self.refs[k].hash for k in ks])
             out.append((name, byte_view(self.dest[out_sl[0]]), ks))
         return out
 
-    def _plan_bands(self, tiles) -> None:
+    def _plan_bands(self) -> None:
         """Group the tiles that land by bands: those of a grid index along the first dimension whose
         box spans every trailing dimension of the shard (a whole number of tiles each), all whole
         in the box and not already contiguous in the destination (one tile across)."""
@@ -117,13 +121,8 @@ class TileRead:
         if per_band < 2:
             return
         isz = self.stored_dtype.itemsize
-        by_row: dict[int, list[int]] = {}
-        for k, pos in enumerate(tiles):
-            by_row.setdefault(pos[0], []).append(k)
-        for ks in by_row.values():
+        for ks in self._whole_bands(per_band):  # a band whose rows the box cuts lands tile by tile
             tsz, tile_sl, out_sl = self.parts[ks[0]]
-            if len(ks) != per_band or tile_sl[0] != slice(0, tsz[0], 1):
-                continue  # the box cuts this band's rows: its tiles land one by one
             rows = tsz[0]
             view = self.dest_np[out_sl[0]]
             shape = (rows,) + tuple(x for g, t in zip(across, e.tile[1:]) for x in (g, t))
